@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The test command of README.md: installs packages, builds, and runs every test stage,
+# printing each stage's wall time. Usage: scripts/test.sh [--quick]  (--quick: unit label only)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+QUICK=0
+[[ "${1:-}" == "--quick" ]] && QUICK=1
+declare -a SUMMARY=()
+stage() {
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== stage $name: $*"
+  "$@"
+  local dt=$((SECONDS - t0))
+  SUMMARY+=("$name ${dt}s")
+  echo "=== stage $name done in ${dt}s"
+}
+ctest_label() {  # ctest_label BUILD_DIR LABEL
+  ctest --test-dir "$1" -L "$2" -j"$JOBS" --output-on-failure --timeout 900
+}
+stage deps scripts/install-deps.sh
+stage build bash -c "cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build -j$JOBS"
+stage unit ctest_label build unit
+if ((QUICK == 0)); then
+  stage sanitizer bash -c "cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVBRIDGE_SANITIZE=ON -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DKVBRIDGE_WITH_CUDA=OFF >/dev/null && cmake --build build-asan -j$JOBS && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build-asan -L unit -j$JOBS --output-on-failure --timeout 900"
+  stage integration ctest_label build integration
+  stage sim ctest_label build sim
+  if [[ -x scripts/fuzz.sh ]]; then stage fuzz scripts/fuzz.sh; fi
+fi
+echo "=== stage times: ${SUMMARY[*]}"
