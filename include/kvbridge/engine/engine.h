@@ -24,6 +24,7 @@
 #include "kvbridge/common/clock.h"
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
+#include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/model/kv_cache_view.h"
 
 namespace kvbridge {
@@ -96,6 +97,7 @@ struct EngineConfig {
   int max_waiting_requests = 1024;        ///< AddRequest beyond this: ResourceExhausted (HTTP 503)
   uint64_t seed = 0;                      ///< default seed for requests without one
   bool debug_poison_kv_nan = false;       ///< fill the pool with NaN at start (tests)
+  KvConnectorFactory connector_factory;   ///< empty: no P/D connector (colocated engine)
 };
 
 struct EngineStats {

@@ -1,0 +1,118 @@
+// kvbridge/engine/kv_connector.h — the hooks through which the engine's scheduler talks to a
+// P/D KV connector (after the shape of vLLM's KVConnectorBase_V1 scheduler/worker API).
+//
+// The engine thread calls every method; none may block, read a clock (time comes in as `now`)
+// or assume a thread. Transfer progress happens elsewhere (the transfer agent's threads); the
+// connector calls `EngineHooks::wake` when something finished so the engine calls Poll() soon.
+//
+// Request lifecycle with a connector (DESIGN.md "READ mode"):
+//   decode side (do_remote_prefill):
+//     AddRequest → local prefix match → GetNumNewMatchedTokens → (num_external > 0, async)
+//     → blocks allocated for the parent → UpdateStateAfterAlloc → WAITING_FOR_REMOTE_KVS
+//     → Poll().finished_recving has it → the engine marks the prompt computed except its last
+//       token, forks the n siblings, and decodes.
+//     → Poll().failed_recving has it → recompute locally or fail, per `recompute`.
+//   prefill side (do_remote_decode): the request runs normally; when a sibling finishes,
+//     RequestFinished says whether to hold its blocks; held blocks stay until Poll() lists the
+//     request in finished_sending, and then the engine frees them exactly once.
+//
+// Thread-safety: engine thread only (see above).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvbridge/common/clock.h"
+#include "kvbridge/common/metrics.h"
+#include "kvbridge/common/status.h"
+#include "kvbridge/model/kv_cache_view.h"
+
+namespace kvbridge {
+
+/// What the connector may know about a request (engine-owned; valid for the call only).
+struct ConnectorRequestInfo {
+  std::string request_id;     ///< the scheduled id: "{i}_{parent}" for a sibling, else the parent id
+  std::string parent_id;      ///< the client request id
+  int sibling_index = 0;      ///< i, or 0 when n == 1
+  int n = 1;
+  int num_prompt_tokens = 0;
+  const std::vector<int32_t>* prompt_token_ids = nullptr;
+  const nlohmann::json* kv_transfer_params = nullptr;  ///< validated, may be null json
+};
+
+class KvConnector {
+ public:
+  virtual ~KvConnector() = default;
+
+  struct Match {
+    int num_external_tokens = 0;  ///< prompt tokens (after the local prefix hit) that will arrive remotely
+    bool load_async = false;      ///< true: the request waits in WAITING_FOR_REMOTE_KVS
+  };
+  /// Called once per parent request before its first allocation. `num_local_computed_tokens` is
+  /// its local prefix-cache hit (a multiple of block_size). Errors fail the request (HTTP 400/503).
+  virtual Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req,
+                                               int num_local_computed_tokens, TimePoint now) = 0;
+
+  /// After the engine allocated blocks for a request that got num_external_tokens > 0:
+  /// `block_ids` is its whole block table (the first num_local_computed_tokens / block_size
+  /// blocks are local prefix hits; the rest are the destination of the remote load).
+  virtual void UpdateStateAfterAlloc(const ConnectorRequestInfo& req,
+                                     std::span<const int32_t> block_ids,
+                                     int num_local_computed_tokens, int num_external_tokens,
+                                     TimePoint now) = 0;
+
+  struct FinishDecision {
+    bool hold_blocks = false;          ///< true: keep the blocks until finished_sending lists it
+    nlohmann::json kv_transfer_params; ///< returned to the client in the final output
+  };
+  /// Called once per scheduled request (each sibling) when it finishes for any reason other than
+  /// abort ("length", "stop"). `block_ids` covers the prompt (and any generated tokens).
+  virtual FinishDecision RequestFinished(const ConnectorRequestInfo& req,
+                                         std::span<const int32_t> block_ids,
+                                         std::string_view finish_reason, TimePoint now) = 0;
+
+  /// Called when a request is aborted (any state). Returns true when the engine must keep the
+  /// request's blocks until a later Poll() lists it in `finished_recving`, `failed_recving` or
+  /// `finished_sending` (a load or send may still touch them); false frees them now.
+  virtual bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) = 0;
+
+  struct LoadFailure {
+    std::string request_id;
+    bool recompute = true;  ///< true: compute the prompt locally; false: fail the request
+    Status status;
+  };
+  struct StepReport {
+    std::vector<std::string> finished_sending;  ///< held/aborted requests whose blocks may be freed now
+    std::vector<std::string> finished_recving;  ///< remote KV landed and validated: proceed
+    std::vector<LoadFailure> failed_recving;
+  };
+  /// Called at every engine step and whenever `wake` fired. Each id is reported exactly once.
+  virtual StepReport Poll(TimePoint now) = 0;
+
+  /// WRITE mode: called after the forward pass wrote layer `layer`'s K/V for `request_ids`.
+  virtual void OnLayerKvWritten(int layer, std::span<const std::string> request_ids, TimePoint now) {}
+
+  /// The next time Poll() must run even with no traffic (lease expiry, reply timeout), if any.
+  virtual std::optional<TimePoint> NextDeadline() const = 0;
+  /// True when no transfer, hold, parked message or pending notification remains.
+  virtual bool Idle() const = 0;
+};
+
+/// What the engine gives its connector at creation.
+struct EngineHooks {
+  PagedKvView kv_view;                  ///< the pool's memory (to register with a transfer agent)
+  std::string model_fingerprint;        ///< hex digest of config + weights
+  MetricsRegistry* metrics = nullptr;   ///< register kvbridge_kv_* metrics here
+  std::function<void()> wake;           ///< thread-safe: asks the engine thread to Poll() soon
+};
+
+using KvConnectorFactory = std::function<Result<std::unique_ptr<KvConnector>>(const EngineHooks&)>;
+
+}  // namespace kvbridge
