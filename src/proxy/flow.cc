@@ -1,0 +1,463 @@
+#include "kvbridge/proxy/flow.h"
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <random>
+
+namespace kvbridge::proxy {
+namespace {
+
+using nlohmann::json;
+
+bool Is2xx(int status) { return status >= 200 && status < 300; }
+
+std::string ErrorBody(int status, std::string_view type, std::string_view message) {
+  json j = {{"error", {{"message", message}, {"type", type}, {"code", status}}}};
+  return j.dump();
+}
+
+constexpr const char* kJson = "application/json";
+
+}  // namespace
+
+std::string_view KvModeName(KvMode mode) { return mode == KvMode::kRead ? "read" : "write"; }
+
+Result<KvMode> ParseKvMode(std::string_view text) {
+  if (text == "read") return KvMode::kRead;
+  if (text == "write") return KvMode::kWrite;
+  return InvalidArgumentError("unknown KV mode '" + std::string(text) + "' (read|write)");
+}
+
+std::string_view RoleName(Role role) { return role == Role::kPrefill ? "prefill" : "decode"; }
+
+Result<Role> ParseRole(std::string_view text) {
+  if (text == "prefill") return Role::kPrefill;
+  if (text == "decode") return Role::kDecode;
+  return InvalidArgumentError("unknown role '" + std::string(text) + "' (prefill|decode)");
+}
+
+std::string_view OutcomeName(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kPending:
+      return "pending";
+    case Outcome::kOk:
+      return "ok";
+    case Outcome::kBadRequest:
+      return "bad_request";
+    case Outcome::kNoInstance:
+      return "no_instance";
+    case Outcome::kPrefillError:
+      return "prefill_error";
+    case Outcome::kDecodeError:
+      return "decode_error";
+    case Outcome::kUnreachable:
+      return "unreachable";
+    case Outcome::kClientDisconnected:
+      return "client_disconnected";
+    case Outcome::kTimeout:
+      return "timeout";
+  }
+  return "unknown";
+}
+
+Result<std::string> ShapePrefillBody(std::string_view client_body, bool forward_n,
+                                     std::string_view kv_transfer_params_json) {
+  json j = json::parse(client_body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return InvalidArgumentError("request body must be a JSON object");
+  }
+  json params = json::parse(kv_transfer_params_json, nullptr, false);
+  if (params.is_discarded() || !params.is_object()) {
+    return InvalidArgumentError("kv_transfer_params must be a JSON object");
+  }
+  for (const char* key : {"stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
+                          "best_of", "max_completion_tokens"}) {
+    j.erase(key);
+  }
+  j["max_tokens"] = 1;
+  j["stream"] = false;
+  if (!forward_n) j["n"] = 1;
+  j["kv_transfer_params"] = std::move(params);
+  return j.dump();
+}
+
+std::string MintTransferId() {
+  static thread_local std::random_device rd;
+  char buf[33];
+  for (int i = 0; i < 4; ++i) std::snprintf(buf + 8 * i, 9, "%08x", static_cast<unsigned>(rd()));
+  return std::string(buf, 32);
+}
+
+PdFlow::PdFlow(FlowOptions options, std::string transfer_id, InstancePicker picker)
+    : options_(options), transfer_id_(std::move(transfer_id)), picker_(std::move(picker)) {
+  if (options_.max_attempts < 1) options_.max_attempts = 1;
+}
+
+std::vector<LegRecord> PdFlow::legs() const {
+  std::vector<LegRecord> out;
+  out.reserve(legs_.size());
+  for (const Leg& leg : legs_) out.push_back(leg.record);
+  return out;
+}
+
+bool PdFlow::done() const {
+  if (!client_done_) return false;
+  for (const Leg& leg : legs_) {
+    if (leg.open) return false;
+  }
+  return true;
+}
+
+std::optional<TimePoint> PdFlow::deadline() const {
+  if (deadline_ < 0 || client_done_) return std::nullopt;
+  return deadline_;
+}
+
+PdFlow::Leg* PdFlow::FindLeg(int leg_id) {
+  for (Leg& leg : legs_) {
+    if (leg.record.leg_id == leg_id) return &leg;
+  }
+  return nullptr;
+}
+
+PdFlow::Leg* PdFlow::FindOpenLeg(int leg_id) {
+  Leg* leg = FindLeg(leg_id);
+  return leg != nullptr && leg->open ? leg : nullptr;
+}
+
+int PdFlow::StartLeg(Role role, const Endpoint& instance, std::string body, bool stream,
+                     TimePoint now, std::vector<Action>& out) {
+  Leg leg;
+  leg.record.leg_id = next_leg_id_++;
+  leg.record.role = role;
+  leg.record.instance_id = instance.id;
+  leg.record.sent_at = now;
+  leg.instance = instance;
+  legs_.push_back(std::move(leg));
+  SendLeg send;
+  send.leg_id = legs_.back().record.leg_id;
+  send.role = role;
+  send.instance = instance;
+  send.path = path_;
+  send.body = std::move(body);
+  send.stream = stream;
+  out.emplace_back(std::move(send));
+  return legs_.back().record.leg_id;
+}
+
+bool PdFlow::SendPrefill(TimePoint now, std::vector<Action>& out) {
+  if (static_cast<int>(tried_prefill_.size()) >= options_.max_attempts) return false;
+  std::optional<Endpoint> ep = picker_(Role::kPrefill, tried_prefill_);
+  if (!ep) return false;
+  tried_prefill_.push_back(ep->id);
+  hold_prefill_ = *ep;
+  prefill_leg_ = StartLeg(Role::kPrefill, *ep, prefill_body_, /*stream=*/false, now, out);
+  return true;
+}
+
+bool PdFlow::SendDecode(TimePoint now, std::vector<Action>& out) {
+  if (static_cast<int>(tried_decode_.size()) >= options_.max_attempts) return false;
+  std::optional<Endpoint> ep = picker_(Role::kDecode, tried_decode_);
+  if (!ep) return false;
+  tried_decode_.push_back(ep->id);
+  json body = json::parse(client_body_);
+  json params;
+  if (options_.mode == KvMode::kRead) {
+    params = json::parse(prefill_kv_params_);
+    params.erase("do_remote_decode");
+    params["do_remote_prefill"] = true;
+  } else {
+    params = {{"do_remote_prefill", true},
+              {"transfer_id", transfer_id_},
+              {"mode", "write"},
+              {"remote_engine_id", hold_prefill_->engine_id},
+              {"remote_host", hold_prefill_->transfer_host},
+              {"remote_port", hold_prefill_->transfer_port}};
+  }
+  body["kv_transfer_params"] = std::move(params);
+  decode_leg_ = StartLeg(Role::kDecode, *ep, body.dump(), client_stream_, now, out);
+  return true;
+}
+
+void PdFlow::Fail(Outcome outcome, int status, std::string content_type, std::string body,
+                  std::vector<Action>& out) {
+  if (client_done_) return;
+  client_done_ = true;
+  outcome_ = outcome;
+  if (stream_started_) {
+    // The status line is gone; tell an SSE client in its own format, then end the stream.
+    out.emplace_back(StreamChunk{"data: " + body + "\n\n"});
+    out.emplace_back(EndStream{});
+    return;
+  }
+  if (content_type.empty()) content_type = kJson;
+  out.emplace_back(Respond{status, std::move(content_type), std::move(body)});
+}
+
+void PdFlow::FailWithError(Outcome outcome, int status, std::string_view type,
+                           std::string_view message, std::vector<Action>& out) {
+  Fail(outcome, status, kJson, ErrorBody(status, type, message), out);
+}
+
+void PdFlow::Release(std::vector<Action>& out) {
+  if (released_ || decode_succeeded_ || !hold_prefill_) return;
+  released_ = true;
+  out.emplace_back(ReleaseHold{*hold_prefill_, transfer_id_});
+}
+
+void PdFlow::CancelAll(std::vector<Action>& out) {
+  for (Leg& leg : legs_) {
+    if (!leg.open) continue;
+    leg.open = false;
+    leg.record.cancelled = true;
+    out.emplace_back(CancelLeg{leg.record.leg_id});
+  }
+}
+
+std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePoint now) {
+  std::vector<Action> out;
+  if (started_) return out;
+  started_ = true;
+  path_ = request.path;
+  if (options_.timeout > 0) deadline_ = now + options_.timeout;
+  json j = json::parse(request.body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    FailWithError(Outcome::kBadRequest, 400, "invalid_request_error",
+                  "request body must be a JSON object", out);
+    return out;
+  }
+  if (j.contains("stream") && !j["stream"].is_boolean() && !j["stream"].is_null()) {
+    FailWithError(Outcome::kBadRequest, 400, "invalid_request_error", "'stream' must be a boolean",
+                  out);
+    return out;
+  }
+  // Clients never steer the KV protocol: their kv_transfer_params are dropped.
+  j.erase("kv_transfer_params");
+  client_stream_ = j.value("stream", json(false)).is_boolean() && j.value("stream", false);
+  client_body_ = j.dump();
+
+  json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};
+  if (options_.mode == KvMode::kWrite) prefill_params["mode"] = "write";
+  Result<std::string> shaped =
+      ShapePrefillBody(client_body_, options_.prefill_forward_n, prefill_params.dump());
+  if (!shaped.ok()) {
+    FailWithError(Outcome::kBadRequest, 400, "invalid_request_error", shaped.status().message(),
+                  out);
+    return out;
+  }
+  prefill_body_ = std::move(shaped).value();
+
+  if (options_.mode == KvMode::kRead) {
+    if (!SendPrefill(now, out)) {
+      FailWithError(Outcome::kNoInstance, 503, "service_unavailable",
+                    "no prefill instance available", out);
+    }
+    return out;
+  }
+  // WRITE: the decode leg names the prefill, so pick the prefill first, then send both legs.
+  std::optional<Endpoint> prefill = picker_(Role::kPrefill, tried_prefill_);
+  if (!prefill) {
+    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no prefill instance available",
+                  out);
+    return out;
+  }
+  tried_prefill_.push_back(prefill->id);
+  hold_prefill_ = *prefill;
+  if (!SendDecode(now, out)) {
+    hold_prefill_.reset();  // nothing was sent to it
+    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no decode instance available",
+                  out);
+    return out;
+  }
+  prefill_leg_ = StartLeg(Role::kPrefill, *prefill, prefill_body_, /*stream=*/false, now, out);
+  return out;
+}
+
+std::vector<Action> PdFlow::OnLegStatus(int leg_id, int status, std::string_view content_type,
+                                        TimePoint now) {
+  std::vector<Action> out;
+  Leg* leg = FindOpenLeg(leg_id);
+  if (leg == nullptr || leg->record.first_byte_at >= 0) return out;
+  leg->record.first_byte_at = now;
+  leg->record.status = status;
+  leg->content_type = std::string(content_type);
+  if (leg->record.role != Role::kDecode || client_done_) return out;
+  if (!Is2xx(status)) {
+    // The decode refused: the prefill's hold is released now, not when the body arrives.
+    Release(out);
+    return out;
+  }
+  if (client_stream_) {
+    leg->passthrough = true;
+    stream_started_ = true;
+    out.emplace_back(StartStream{
+        status, leg->content_type.empty() ? std::string("text/event-stream") : leg->content_type});
+  }
+  return out;
+}
+
+std::vector<Action> PdFlow::OnLegData(int leg_id, std::string_view data, TimePoint now) {
+  std::vector<Action> out;
+  Leg* leg = FindOpenLeg(leg_id);
+  if (leg == nullptr || data.empty()) return out;
+  if (leg->passthrough) {
+    if (!client_done_) out.emplace_back(StreamChunk{std::string(data)});
+  } else {
+    leg->body.append(data);
+  }
+  return out;
+}
+
+std::vector<Action> PdFlow::OnLegDone(int leg_id, TimePoint now) {
+  std::vector<Action> out;
+  Leg* leg = FindOpenLeg(leg_id);
+  if (leg == nullptr) return out;
+  leg->open = false;
+  leg->record.ended_at = now;
+  if (leg->record.first_byte_at < 0) {
+    // A response without a status line is a broken leg.
+    leg->open = true;
+    leg->record.ended_at = -1;
+    return OnLegError(leg_id, LegFailure::kBroken, InternalError("response without status"), now);
+  }
+  if (leg->record.role == Role::kPrefill) {
+    OnPrefillDone(*leg, now, out);
+  } else {
+    OnDecodeDone(*leg, now, out);
+  }
+  return out;
+}
+
+void PdFlow::OnPrefillDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
+  if (client_done_) return;
+  int status = leg.record.status;
+  if (options_.mode == KvMode::kWrite) {
+    if (Is2xx(status)) return;  // the decode leg carries the answer
+    CancelAll(out);
+    Fail(Outcome::kPrefillError, status, leg.content_type, std::move(leg.body), out);
+    return;
+  }
+  if (!Is2xx(status)) {
+    // The prefill refused: it holds nothing; its status and body go to the client as they are.
+    hold_prefill_.reset();
+    Fail(Outcome::kPrefillError, status, leg.content_type, std::move(leg.body), out);
+    return;
+  }
+  json j = json::parse(leg.body, nullptr, false);
+  const json* params = nullptr;
+  if (!j.is_discarded() && j.is_object()) {
+    auto it = j.find("kv_transfer_params");
+    if (it != j.end() && it->is_object()) params = &*it;
+  }
+  if (params == nullptr) {
+    Release(out);
+    FailWithError(Outcome::kPrefillError, 502, "bad_gateway",
+                  "prefill response lacks kv_transfer_params", out);
+    return;
+  }
+  auto tid = params->find("transfer_id");
+  if (tid != params->end() && (!tid->is_string() || tid->get<std::string>() != transfer_id_)) {
+    Release(out);
+    FailWithError(Outcome::kPrefillError, 502, "bad_gateway",
+                  "prefill answered for another transfer_id", out);
+    return;
+  }
+  json p = *params;
+  p["transfer_id"] = transfer_id_;
+  prefill_kv_params_ = p.dump();
+  if (!SendDecode(now, out)) {
+    Release(out);
+    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no decode instance available",
+                  out);
+  }
+}
+
+void PdFlow::OnDecodeDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
+  if (client_done_) return;
+  int status = leg.record.status;
+  if (leg.passthrough) {
+    decode_succeeded_ = true;
+    client_done_ = true;
+    outcome_ = Outcome::kOk;
+    out.emplace_back(EndStream{});
+    return;
+  }
+  if (!Is2xx(status)) {
+    Release(out);  // normally already done at the status line
+    Fail(Outcome::kDecodeError, status, leg.content_type, std::move(leg.body), out);
+    return;
+  }
+  if (leg.body.empty()) {
+    Release(out);
+    FailWithError(Outcome::kDecodeError, 502, "bad_gateway", "decode returned an empty response",
+                  out);
+    return;
+  }
+  decode_succeeded_ = true;
+  client_done_ = true;
+  outcome_ = Outcome::kOk;
+  out.emplace_back(Respond{status, leg.content_type.empty() ? std::string(kJson) : leg.content_type,
+                           std::move(leg.body)});
+}
+
+std::vector<Action> PdFlow::OnLegError(int leg_id, LegFailure failure, const Status& error,
+                                       TimePoint now) {
+  std::vector<Action> out;
+  Leg* leg = FindOpenLeg(leg_id);
+  if (leg == nullptr) return out;
+  leg->open = false;
+  leg->record.failed = true;
+  leg->record.ended_at = now;
+  if (client_done_) return out;
+  std::string what =
+      std::string(RoleName(leg->record.role)) + " " + leg->instance.url + ": " + error.ToString();
+  if (leg->record.role == Role::kPrefill) {
+    if (options_.mode == KvMode::kRead && failure == LegFailure::kUnreachable) {
+      hold_prefill_.reset();  // the request never reached it
+      if (SendPrefill(now, out)) return out;
+      FailWithError(Outcome::kUnreachable, 502, "bad_gateway", "no prefill reachable: " + what,
+                    out);
+      return out;
+    }
+    if (failure == LegFailure::kUnreachable) hold_prefill_.reset();
+    CancelAll(out);
+    Release(out);
+    FailWithError(
+        failure == LegFailure::kUnreachable ? Outcome::kUnreachable : Outcome::kPrefillError, 502,
+        "bad_gateway", "prefill leg failed: " + what, out);
+    return out;
+  }
+  // Decode leg.
+  if (failure == LegFailure::kUnreachable && !stream_started_) {
+    if (SendDecode(now, out)) return out;
+    CancelAll(out);
+    Release(out);
+    FailWithError(Outcome::kUnreachable, 502, "bad_gateway", "no decode reachable: " + what, out);
+    return out;
+  }
+  CancelAll(out);
+  Release(out);
+  FailWithError(Outcome::kDecodeError, 502, "bad_gateway", "decode leg failed: " + what, out);
+  return out;
+}
+
+std::vector<Action> PdFlow::OnClientDisconnect(TimePoint now) {
+  std::vector<Action> out;
+  if (client_done_ || !started_) return out;
+  client_done_ = true;
+  outcome_ = Outcome::kClientDisconnected;
+  CancelAll(out);
+  Release(out);
+  return out;
+}
+
+std::vector<Action> PdFlow::OnTick(TimePoint now) {
+  std::vector<Action> out;
+  if (client_done_ || deadline_ < 0 || now < deadline_) return out;
+  CancelAll(out);
+  Release(out);
+  FailWithError(Outcome::kTimeout, 504, "timeout", "request timed out in the proxy", out);
+  return out;
+}
+
+}  // namespace kvbridge::proxy

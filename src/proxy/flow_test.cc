@@ -1,0 +1,510 @@
+#include "kvbridge/proxy/flow.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace kvbridge::proxy {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kTid = "0123456789abcdef0123456789abcdef";
+
+Endpoint Ep(const std::string& id) {
+  Endpoint e;
+  e.id = id;
+  e.url = "http://" + id;
+  e.engine_id = "engine-" + id;
+  e.transfer_host = "10.0.0.1";
+  e.transfer_port = 7000;
+  return e;
+}
+
+// Picks the first instance of the role that is not excluded, in list order.
+InstancePicker ListPicker(std::vector<Endpoint> prefills, std::vector<Endpoint> decodes) {
+  return [prefills, decodes](Role role,
+                             const std::vector<std::string>& exclude) -> std::optional<Endpoint> {
+    for (const Endpoint& e : role == Role::kPrefill ? prefills : decodes) {
+      if (std::find(exclude.begin(), exclude.end(), e.id) == exclude.end()) return e;
+    }
+    return std::nullopt;
+  };
+}
+
+template <typename T>
+const T& As(const Action& a) {
+  EXPECT_TRUE(std::holds_alternative<T>(a)) << "action index " << a.index();
+  return std::get<T>(a);
+}
+
+std::string PrefillAnswer(const std::string& tid = kTid) {
+  json j = {{"id", "cmpl-p"},
+            {"choices", {{{"text", "x"}}}},
+            {"kv_transfer_params",
+             {{"do_remote_decode", false},
+              {"transfer_id", tid},
+              {"remote_engine_id", "eng-p"},
+              {"remote_host", "127.0.0.1"},
+              {"remote_port", 7100},
+              {"remote_block_ids", {1, 2, 3}},
+              {"remote_num_tokens", 40},
+              {"tp_size", 1}}}};
+  return j.dump();
+}
+
+const std::string kClientBody =
+    R"({"model":"m","prompt":"hello","max_tokens":20,"n":8,"stream":false,"min_tokens":5,)"
+    R"("logprobs":2,"stream_options":{"include_usage":true},)"
+    R"("kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[666]}})";
+
+struct Harness {
+  explicit Harness(FlowOptions opts = {}, std::vector<Endpoint> p = {Ep("p1"), Ep("p2")},
+                   std::vector<Endpoint> d = {Ep("d1"), Ep("d2")})
+      : flow(opts, kTid, ListPicker(std::move(p), std::move(d))) {}
+  // Feeds a whole leg response (status, body, done).
+  std::vector<Action> Answer(int leg, int status, const std::string& body,
+                             const std::string& ct = "application/json") {
+    std::vector<Action> all = flow.OnLegStatus(leg, status, ct, now++);
+    auto d = flow.OnLegData(leg, body, now++);
+    all.insert(all.end(), d.begin(), d.end());
+    auto e = flow.OnLegDone(leg, now++);
+    all.insert(all.end(), e.begin(), e.end());
+    return all;
+  }
+  PdFlow flow;
+  TimePoint now = 1000;
+};
+
+TEST(PdFlowRead, PrefillLegShapeStripsClientParamsAndOutputFields) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  const SendLeg& leg = As<SendLeg>(a[0]);
+  EXPECT_EQ(leg.role, Role::kPrefill);
+  EXPECT_EQ(leg.instance.id, "p1");
+  EXPECT_EQ(leg.path, "/v1/completions");
+  EXPECT_FALSE(leg.stream);
+  json b = json::parse(leg.body);
+  EXPECT_EQ(b["max_tokens"], 1);
+  EXPECT_EQ(b["stream"], false);
+  EXPECT_EQ(b["n"], 1);
+  EXPECT_EQ(b["prompt"], "hello");
+  EXPECT_EQ(b["model"], "m");
+  EXPECT_FALSE(b.contains("min_tokens"));
+  EXPECT_FALSE(b.contains("logprobs"));
+  EXPECT_FALSE(b.contains("stream_options"));
+  EXPECT_EQ(b["kv_transfer_params"], json({{"do_remote_decode", true}, {"transfer_id", kTid}}));
+}
+
+TEST(PdFlowRead, PrefillForwardNSendsClientN) {
+  FlowOptions o;
+  o.prefill_forward_n = true;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  EXPECT_EQ(json::parse(As<SendLeg>(a[0]).body)["n"], 8);
+}
+
+TEST(PdFlowRead, DecodeLegCarriesClientBodyAndPrefillParams) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int pleg = As<SendLeg>(a[0]).leg_id;
+  a = h.Answer(pleg, 200, PrefillAnswer());
+  ASSERT_EQ(a.size(), 1u);
+  const SendLeg& d = As<SendLeg>(a[0]);
+  EXPECT_EQ(d.role, Role::kDecode);
+  EXPECT_EQ(d.instance.id, "d1");
+  EXPECT_FALSE(d.stream);
+  json b = json::parse(d.body);
+  EXPECT_EQ(b["n"], 8);
+  EXPECT_EQ(b["max_tokens"], 20);
+  EXPECT_EQ(b["min_tokens"], 5);
+  EXPECT_EQ(b["logprobs"], 2);
+  json expected = {{"do_remote_prefill", true},   {"transfer_id", kTid},
+                   {"remote_engine_id", "eng-p"}, {"remote_host", "127.0.0.1"},
+                   {"remote_port", 7100},         {"remote_block_ids", {1, 2, 3}},
+                   {"remote_num_tokens", 40},     {"tp_size", 1}};
+  EXPECT_EQ(b["kv_transfer_params"], expected);  // the client's 666 block id is gone
+
+  a = h.Answer(d.leg_id, 200, R"({"choices":[]})");
+  ASSERT_EQ(a.size(), 1u);
+  const Respond& r = As<Respond>(a[0]);
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, R"({"choices":[]})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+  EXPECT_TRUE(h.flow.done());
+  auto legs = h.flow.legs();
+  ASSERT_EQ(legs.size(), 2u);
+  EXPECT_EQ(legs[0].status, 200);
+  EXPECT_EQ(legs[1].instance_id, "d1");
+}
+
+TEST(PdFlowRead, StreamingPassesDecodeBytesThrough) {
+  Harness h;
+  auto a = h.flow.OnClientRequest(
+      {"/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],"stream":true})"},
+      0);
+  json pb = json::parse(As<SendLeg>(a[0]).body);
+  EXPECT_EQ(pb["stream"], false);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  const SendLeg d = As<SendLeg>(a[0]);
+  EXPECT_TRUE(d.stream);
+  EXPECT_EQ(d.path, "/v1/chat/completions");
+  a = h.flow.OnLegStatus(d.leg_id, 200, "text/event-stream", 5);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<StartStream>(a[0]).content_type, "text/event-stream");
+  a = h.flow.OnLegData(d.leg_id, "data: {\"a\":1}\n\n", 6);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<StreamChunk>(a[0]).data, "data: {\"a\":1}\n\n");
+  a = h.flow.OnLegData(d.leg_id, "data: [DONE]\n\n", 7);
+  EXPECT_EQ(As<StreamChunk>(a[0]).data, "data: [DONE]\n\n");
+  a = h.flow.OnLegDone(d.leg_id, 8);
+  ASSERT_EQ(a.size(), 1u);
+  As<EndStream>(a[0]);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowRead, Decode4xxForwardedAsIsAndPrefillReleasedAtOnce) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  int dleg = As<SendLeg>(a[0]).leg_id;
+  a = h.flow.OnLegStatus(dleg, 400, "application/json", 10);
+  ASSERT_EQ(a.size(), 1u);  // release before the body arrives
+  const ReleaseHold& rel = As<ReleaseHold>(a[0]);
+  EXPECT_EQ(rel.prefill.id, "p1");
+  EXPECT_EQ(rel.transfer_id, kTid);
+  EXPECT_TRUE(h.flow.OnLegData(dleg, R"({"error":"max_tokens too big"})", 11).empty());
+  a = h.flow.OnLegDone(dleg, 12);
+  ASSERT_EQ(a.size(), 1u);
+  const Respond& r = As<Respond>(a[0]);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(r.body, R"({"error":"max_tokens too big"})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kDecodeError);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowRead, Decode4xxOnStreamingRequestIsWholeResponseNotStream) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":true})"}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 422, "bad", "text/plain");
+  ASSERT_EQ(a.size(), 2u);
+  As<ReleaseHold>(a[0]);
+  EXPECT_EQ(As<Respond>(a[1]).status, 422);
+  EXPECT_EQ(As<Respond>(a[1]).content_type, "text/plain");
+  EXPECT_EQ(As<Respond>(a[1]).body, "bad");
+}
+
+TEST(PdFlowRead, PrefillErrorForwardedWithoutRelease) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 400, R"({"error":{"message":"prompt too long"}})");
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 400);
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"error":{"message":"prompt too long"}})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kPrefillError);
+}
+
+TEST(PdFlowRead, PrefillUnreachableRetriedOnAnother) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int first = As<SendLeg>(a[0]).leg_id;
+  a = h.flow.OnLegError(first, LegFailure::kUnreachable, UnavailableError("refused"), 1);
+  ASSERT_EQ(a.size(), 1u);
+  const SendLeg& retry = As<SendLeg>(a[0]);
+  EXPECT_EQ(retry.role, Role::kPrefill);
+  EXPECT_EQ(retry.instance.id, "p2");
+  EXPECT_NE(retry.leg_id, first);
+  // The second one is unreachable too: no third prefill; 502 and nothing to release.
+  a = h.flow.OnLegError(retry.leg_id, LegFailure::kUnreachable, UnavailableError("refused"), 2);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 502);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kUnreachable);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowRead, PrefillBrokenAfterSendReleasesAnd502) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.flow.OnLegError(As<SendLeg>(a[0]).leg_id, LegFailure::kBroken, InternalError("reset"), 1);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).prefill.id, "p1");
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kPrefillError);
+}
+
+TEST(PdFlowRead, DecodeUnreachableRetriedThenReleased) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  a = h.flow.OnLegError(As<SendLeg>(a[0]).leg_id, LegFailure::kUnreachable, UnavailableError("x"),
+                        5);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<SendLeg>(a[0]).instance.id, "d2");
+  a = h.flow.OnLegError(As<SendLeg>(a[0]).leg_id, LegFailure::kUnreachable, UnavailableError("x"),
+                        6);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).transfer_id, kTid);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+}
+
+TEST(PdFlowRead, NoDecodeAfterPrefillReleasesAnd503) {
+  Harness h(FlowOptions{}, {Ep("p1")}, {});
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).prefill.id, "p1");
+  EXPECT_EQ(As<Respond>(a[1]).status, 503);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kNoInstance);
+}
+
+TEST(PdFlowRead, NoPrefillIs503) {
+  Harness h(FlowOptions{}, {}, {Ep("d1")});
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 503);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowRead, PrefillAnswerWithoutParamsIs502AndReleased) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, R"({"choices":[]})");
+  ASSERT_EQ(a.size(), 2u);
+  As<ReleaseHold>(a[0]);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+}
+
+TEST(PdFlowRead, PrefillAnswerForOtherTransferIs502) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer("ffff"));
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).transfer_id, kTid);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+}
+
+TEST(PdFlowRead, EmptyDecode200IsNeverPassedOn) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, "");
+  ASSERT_EQ(a.size(), 2u);
+  As<ReleaseHold>(a[0]);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kDecodeError);
+}
+
+TEST(PdFlowRead, ClientDisconnectDuringPrefillCancelsAndReleases) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int pleg = As<SendLeg>(a[0]).leg_id;
+  a = h.flow.OnClientDisconnect(3);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, pleg);
+  EXPECT_EQ(As<ReleaseHold>(a[1]).transfer_id, kTid);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kClientDisconnected);
+  EXPECT_TRUE(h.flow.done());
+  // A late answer from the cancelled leg changes nothing.
+  EXPECT_TRUE(h.Answer(pleg, 200, PrefillAnswer()).empty());
+}
+
+TEST(PdFlowRead, ClientDisconnectMidStreamCancelsDecodeAndReleases) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":true})"}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  int dleg = As<SendLeg>(a[0]).leg_id;
+  h.flow.OnLegStatus(dleg, 200, "text/event-stream", 4);
+  h.flow.OnLegData(dleg, "data: 1\n\n", 5);
+  a = h.flow.OnClientDisconnect(6);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  EXPECT_EQ(As<ReleaseHold>(a[1]).prefill.id, "p1");
+  EXPECT_TRUE(h.flow.OnLegData(dleg, "data: 2\n\n", 7).empty());
+  EXPECT_TRUE(h.flow.OnClientDisconnect(8).empty());  // once
+}
+
+TEST(PdFlowRead, DecodeBreaksMidStreamEndsWithErrorEventAndReleases) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":true})"}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  int dleg = As<SendLeg>(a[0]).leg_id;
+  h.flow.OnLegStatus(dleg, 200, "text/event-stream", 4);
+  a = h.flow.OnLegError(dleg, LegFailure::kBroken, InternalError("eof"), 5);
+  ASSERT_EQ(a.size(), 3u);
+  As<ReleaseHold>(a[0]);
+  EXPECT_EQ(As<StreamChunk>(a[1]).data.rfind("data: {\"error\"", 0), 0u);
+  As<EndStream>(a[2]);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kDecodeError);
+}
+
+TEST(PdFlowRead, NoReleaseAfterSuccessEvenOnDisconnect) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, "{}");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+  EXPECT_TRUE(h.flow.OnClientDisconnect(20).empty());
+}
+
+TEST(PdFlowRead, TimeoutCancelsReleasesAnd504) {
+  FlowOptions o;
+  o.timeout = 100;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int pleg = As<SendLeg>(a[0]).leg_id;
+  EXPECT_EQ(h.flow.deadline(), std::optional<TimePoint>(100));
+  EXPECT_TRUE(h.flow.OnTick(99).empty());
+  a = h.flow.OnTick(100);
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, pleg);
+  As<ReleaseHold>(a[1]);
+  EXPECT_EQ(As<Respond>(a[2]).status, 504);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kTimeout);
+  EXPECT_FALSE(h.flow.deadline().has_value());
+}
+
+TEST(PdFlowRead, BadBodiesAre400) {
+  for (const char* body : {"not json", "[1,2]", R"({"stream":"yes"})"}) {
+    Harness h;
+    auto a = h.flow.OnClientRequest({"/v1/completions", body}, 0);
+    ASSERT_EQ(a.size(), 1u) << body;
+    EXPECT_EQ(As<Respond>(a[0]).status, 400) << body;
+    EXPECT_EQ(h.flow.outcome(), Outcome::kBadRequest);
+  }
+}
+
+TEST(PdFlowRead, UnknownLegEventsAreIgnored) {
+  Harness h;
+  h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  EXPECT_TRUE(h.flow.OnLegStatus(42, 200, "", 1).empty());
+  EXPECT_TRUE(h.flow.OnLegData(42, "x", 1).empty());
+  EXPECT_TRUE(h.flow.OnLegDone(42, 1).empty());
+  EXPECT_TRUE(h.flow.OnLegError(42, LegFailure::kBroken, InternalError("x"), 1).empty());
+  EXPECT_FALSE(h.flow.done());
+}
+
+TEST(PdFlowRead, DoneWithoutStatusIsBrokenLeg) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.flow.OnLegDone(As<SendLeg>(a[0]).leg_id, 1);
+  ASSERT_EQ(a.size(), 2u);
+  As<ReleaseHold>(a[0]);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+}
+
+TEST(PdFlowWrite, BothLegsTogetherDecodeNamesPrefill) {
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 2u);
+  const SendLeg d = As<SendLeg>(a[0]);
+  const SendLeg p = As<SendLeg>(a[1]);
+  EXPECT_EQ(d.role, Role::kDecode);
+  EXPECT_EQ(p.role, Role::kPrefill);
+  json db = json::parse(d.body);
+  json expected = {{"do_remote_prefill", true}, {"transfer_id", kTid},
+                   {"mode", "write"},           {"remote_engine_id", "engine-p1"},
+                   {"remote_host", "10.0.0.1"}, {"remote_port", 7000}};
+  EXPECT_EQ(db["kv_transfer_params"], expected);
+  EXPECT_EQ(db["n"], 8);
+  json pb = json::parse(p.body);
+  EXPECT_EQ(pb["kv_transfer_params"],
+            json({{"do_remote_decode", true}, {"transfer_id", kTid}, {"mode", "write"}}));
+  EXPECT_EQ(pb["max_tokens"], 1);
+  // Prefill answers first, then the decode: the decode's answer goes to the client.
+  EXPECT_TRUE(h.Answer(p.leg_id, 200, "{}").empty());
+  a = h.Answer(d.leg_id, 200, R"({"ok":1})");
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"ok":1})");
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, DecodeSucceedsBeforePrefillLegEnds) {
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
+  a = h.Answer(dleg, 200, "{}");
+  EXPECT_EQ(As<Respond>(a[0]).status, 200);
+  EXPECT_TRUE(h.flow.client_done());
+  EXPECT_FALSE(h.flow.done());  // the prefill leg is still open
+  EXPECT_TRUE(h.Answer(pleg, 200, "{}").empty());
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, PrefillErrorCancelsDecodeAndIsForwarded) {
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
+  a = h.Answer(pleg, 400, "too long");
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  EXPECT_EQ(As<Respond>(a[1]).status, 400);
+  EXPECT_EQ(As<Respond>(a[1]).body, "too long");
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, DecodeErrorReleasesPrefill) {
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id;
+  a = h.Answer(dleg, 503, "busy");
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).prefill.id, "p1");
+  EXPECT_EQ(As<Respond>(a[1]).status, 503);
+}
+
+TEST(PdFlowWrite, PrefillUnreachableIsNotRetried) {
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
+  a = h.flow.OnLegError(pleg, LegFailure::kUnreachable, UnavailableError("refused"), 1);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kUnreachable);
+}
+
+TEST(PdFlowWrite, ClientDisconnectCancelsBothAndReleases) {
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.flow.OnClientDisconnect(1);
+  ASSERT_EQ(a.size(), 3u);
+  As<CancelLeg>(a[0]);
+  As<CancelLeg>(a[1]);
+  EXPECT_EQ(As<ReleaseHold>(a[2]).transfer_id, kTid);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(ShapePrefillBody, RejectsNonObjects) {
+  EXPECT_FALSE(ShapePrefillBody("[]", false, "{}").ok());
+  EXPECT_FALSE(ShapePrefillBody("{}", false, "[]").ok());
+  auto r = ShapePrefillBody(R"({"max_completion_tokens":9,"best_of":3,"echo":true})", false,
+                            R"({"a":1})");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(json::parse(*r), json::parse(R"({"max_tokens":1,"stream":false,"n":1,)"
+                                         R"("kv_transfer_params":{"a":1}})"));
+}
+
+TEST(MintTransferId, Is32HexAndUnique) {
+  std::string a = MintTransferId(), b = MintTransferId();
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+  EXPECT_NE(a, b);
+}
+
+}  // namespace
+}  // namespace kvbridge::proxy

@@ -1,0 +1,267 @@
+#include "kvbridge/proxy/registry.h"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <tuple>
+
+namespace kvbridge::proxy {
+namespace {
+
+using nlohmann::json;
+
+int RoleIndex(Role role) { return role == Role::kPrefill ? 0 : 1; }
+
+bool ValidUrl(const std::string& url) {
+  if (url.rfind("http://", 0) != 0) return false;
+  std::string rest = url.substr(7);
+  auto colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= rest.size()) return false;
+  for (size_t i = colon + 1; i < rest.size(); ++i) {
+    if (rest[i] < '0' || rest[i] > '9') return false;
+  }
+  return true;
+}
+
+std::string TrimSlash(std::string url) {
+  while (!url.empty() && url.back() == '/') url.pop_back();
+  return url;
+}
+
+}  // namespace
+
+Result<RoutingPolicy> ParseRoutingPolicy(std::string_view text) {
+  if (text == "least-loaded") return RoutingPolicy::kLeastLoaded;
+  if (text == "round-robin") return RoutingPolicy::kRoundRobin;
+  return InvalidArgumentError("unknown routing policy '" + std::string(text) +
+                              "' (least-loaded|round-robin)");
+}
+
+Endpoint ToEndpoint(const InstanceInfo& info) {
+  Endpoint ep;
+  ep.id = info.id;
+  ep.url = info.url;
+  ep.engine_id = info.engine_id;
+  if (!info.transfer_endpoints.empty()) {
+    std::string e = info.transfer_endpoints.front();
+    auto scheme = e.find("://");
+    if (scheme != std::string::npos) e = e.substr(scheme + 3);
+    auto colon = e.rfind(':');
+    if (colon != std::string::npos) {
+      ep.transfer_host = e.substr(0, colon);
+      ep.transfer_port = std::atoi(e.c_str() + colon + 1);
+    }
+  }
+  return ep;
+}
+
+Status InstanceRegistry::AddStatic(Role role, const std::string& raw_url) {
+  std::string url = TrimSlash(raw_url);
+  if (!ValidUrl(url)) {
+    return InvalidArgumentError("instance url must look like http://HOST:PORT, got '" + raw_url +
+                                "'");
+  }
+  if (instances_.count(url)) return AlreadyExistsError("instance " + url + " already listed");
+  InstanceState st;
+  st.info.id = url;
+  st.info.role = role;
+  st.info.url = url;
+  st.info.mode = options_.mode;
+  st.is_static = true;
+  instances_[url] = std::move(st);
+  return OkStatus();
+}
+
+Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& load,
+                                  TimePoint now) {
+  InstanceInfo info = raw;
+  info.url = TrimSlash(info.url);
+  if (!ValidUrl(info.url)) {
+    return InvalidArgumentError("registration url must look like http://HOST:PORT, got '" +
+                                raw.url + "'");
+  }
+  if (info.id.empty()) info.id = info.url;
+  if (info.mode != options_.mode) {
+    return FailedPreconditionError("instance " + info.id + " runs KV mode " +
+                                   std::string(KvModeName(info.mode)) + " but this proxy runs " +
+                                   std::string(KvModeName(options_.mode)) +
+                                   "; mixed READ/WRITE instances are refused");
+  }
+  auto it = instances_.find(info.id);
+  if (it != instances_.end() && it->second.is_static) {
+    return AlreadyExistsError("instance " + info.id + " is listed statically");
+  }
+  InstanceState st;
+  st.info = std::move(info);
+  st.load = load;
+  st.last_heartbeat = now;
+  if (it != instances_.end()) st.in_flight = it->second.in_flight;
+  instances_[st.info.id] = std::move(st);
+  return OkStatus();
+}
+
+Status InstanceRegistry::Heartbeat(const std::string& id, const InstanceLoad& load, TimePoint now) {
+  auto it = instances_.find(id);
+  if (it == instances_.end() || it->second.is_static) {
+    return NotFoundError("instance " + id + " is not registered (expired?); register again");
+  }
+  it->second.load = load;
+  it->second.last_heartbeat = now;
+  it->second.healthy = true;
+  return OkStatus();
+}
+
+std::vector<std::string> InstanceRegistry::Expire(TimePoint now) {
+  std::vector<std::string> dropped;
+  for (auto it = instances_.begin(); it != instances_.end();) {
+    if (!it->second.is_static && now - it->second.last_heartbeat > options_.heartbeat_timeout) {
+      dropped.push_back(it->first);
+      it = instances_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return dropped;
+}
+
+Status InstanceRegistry::Remove(const std::string& id) {
+  if (instances_.erase(id) == 0) return NotFoundError("instance " + id + " is not known");
+  return OkStatus();
+}
+
+void InstanceRegistry::SetHealthy(const std::string& id, bool healthy) {
+  auto it = instances_.find(id);
+  if (it != instances_.end()) it->second.healthy = healthy;
+}
+
+std::optional<Endpoint> InstanceRegistry::Pick(Role role, const std::vector<std::string>& exclude) {
+  std::vector<const InstanceState*> candidates;
+  for (const auto& [id, st] : instances_) {
+    if (st.info.role != role || !st.healthy) continue;
+    if (std::find(exclude.begin(), exclude.end(), id) != exclude.end()) continue;
+    candidates.push_back(&st);
+  }
+  if (candidates.empty()) return std::nullopt;
+  uint64_t& rr = rr_counter_[RoleIndex(role)];
+  size_t start = rr++ % candidates.size();
+  if (options_.policy == RoutingPolicy::kRoundRobin) return ToEndpoint(candidates[start]->info);
+  // Least loaded; scanning from the round-robin start breaks ties fairly.
+  const InstanceState* best = nullptr;
+  std::tuple<int, double> best_key;
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    const InstanceState* st = candidates[(start + k) % candidates.size()];
+    std::tuple<int, double> key{st->load.running + st->load.waiting + st->in_flight,
+                                st->load.kv_usage};
+    if (best == nullptr || key < best_key) {
+      best = st;
+      best_key = key;
+    }
+  }
+  return ToEndpoint(best->info);
+}
+
+void InstanceRegistry::LegStarted(const std::string& id) {
+  auto it = instances_.find(id);
+  if (it != instances_.end()) ++it->second.in_flight;
+}
+
+void InstanceRegistry::LegFinished(const std::string& id) {
+  auto it = instances_.find(id);
+  if (it != instances_.end() && it->second.in_flight > 0) --it->second.in_flight;
+}
+
+std::vector<InstanceState> InstanceRegistry::List() const {
+  std::vector<InstanceState> out;
+  for (const auto& [id, st] : instances_) out.push_back(st);
+  return out;
+}
+
+std::optional<InstanceState> InstanceRegistry::Get(const std::string& id) const {
+  auto it = instances_.find(id);
+  if (it == instances_.end()) return std::nullopt;
+  return it->second;
+}
+
+namespace {
+
+Result<InstanceLoad> LoadFromJson(const json& j) {
+  InstanceLoad load;
+  if (j.is_null()) return load;
+  if (!j.is_object()) return InvalidArgumentError("'load' must be an object");
+  auto num = [&](const char* key, double& out) -> Status {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return OkStatus();
+    if (!it->is_number())
+      return InvalidArgumentError(std::string("load.") + key + " must be a number");
+    out = it->get<double>();
+    if (out < 0) return InvalidArgumentError(std::string("load.") + key + " must be >= 0");
+    return OkStatus();
+  };
+  double running = 0, waiting = 0;
+  RETURN_IF_ERROR(num("running", running));
+  RETURN_IF_ERROR(num("waiting", waiting));
+  RETURN_IF_ERROR(num("kv_usage", load.kv_usage));
+  load.running = static_cast<int>(std::min(running, 1e9));
+  load.waiting = static_cast<int>(std::min(waiting, 1e9));
+  return load;
+}
+
+}  // namespace
+
+Result<InstanceLoad> ParseLoad(std::string_view json_text) {
+  json j = json::parse(json_text, nullptr, false);
+  if (j.is_discarded()) return InvalidArgumentError("load is not valid JSON");
+  return LoadFromJson(j);
+}
+
+Result<std::pair<InstanceInfo, InstanceLoad>> ParseRegistration(std::string_view json_text) {
+  json j = json::parse(json_text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return InvalidArgumentError("registration must be a JSON object");
+  }
+  auto str = [&](const char* key, bool required, std::string& out) -> Status {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) {
+      return required ? InvalidArgumentError(std::string("registration lacks '") + key + "'")
+                      : OkStatus();
+    }
+    if (!it->is_string())
+      return InvalidArgumentError(std::string("'") + key + "' must be a string");
+    out = it->get<std::string>();
+    return OkStatus();
+  };
+  InstanceInfo info;
+  std::string role, mode = "read";
+  RETURN_IF_ERROR(str("instance_id", false, info.id));
+  RETURN_IF_ERROR(str("role", true, role));
+  RETURN_IF_ERROR(str("url", true, info.url));
+  RETURN_IF_ERROR(str("mode", false, mode));
+  RETURN_IF_ERROR(str("engine_id", false, info.engine_id));
+  ASSIGN_OR_RETURN(info.role, ParseRole(role));
+  ASSIGN_OR_RETURN(info.mode, ParseKvMode(mode));
+  if (auto it = j.find("transfer_endpoints"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return InvalidArgumentError("'transfer_endpoints' must be an array");
+    for (const json& e : *it) {
+      if (!e.is_string()) return InvalidArgumentError("'transfer_endpoints' must hold strings");
+      info.transfer_endpoints.push_back(e.get<std::string>());
+    }
+  }
+  InstanceLoad load;
+  if (auto it = j.find("load"); it != j.end()) {
+    ASSIGN_OR_RETURN(load, LoadFromJson(*it));
+  }
+  return std::make_pair(std::move(info), load);
+}
+
+std::string RegistrationJson(const InstanceInfo& info, const InstanceLoad& load) {
+  json j = {{"instance_id", info.id},
+            {"role", RoleName(info.role)},
+            {"url", info.url},
+            {"mode", KvModeName(info.mode)},
+            {"engine_id", info.engine_id},
+            {"transfer_endpoints", info.transfer_endpoints},
+            {"load",
+             {{"running", load.running}, {"waiting", load.waiting}, {"kv_usage", load.kv_usage}}}};
+  return j.dump();
+}
+
+}  // namespace kvbridge::proxy

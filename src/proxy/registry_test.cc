@@ -1,0 +1,114 @@
+#include "kvbridge/proxy/registry.h"
+
+#include <gtest/gtest.h>
+
+namespace kvbridge::proxy {
+namespace {
+
+InstanceInfo Info(const std::string& id, Role role, KvMode mode = KvMode::kRead) {
+  InstanceInfo i;
+  i.id = id;
+  i.role = role;
+  i.url = "http://127.0.0.1:" + std::to_string(9000 + id.size() * 7 + id.back());
+  i.mode = mode;
+  i.engine_id = "e-" + id;
+  i.transfer_endpoints = {"tcp://127.0.0.2:7777"};
+  return i;
+}
+
+TEST(InstanceRegistry, StaticInstancesValidated) {
+  InstanceRegistry reg({});
+  EXPECT_TRUE(reg.AddStatic(Role::kPrefill, "http://127.0.0.1:8000/").ok());
+  EXPECT_EQ(reg.AddStatic(Role::kPrefill, "http://127.0.0.1:8000").code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_EQ(reg.AddStatic(Role::kDecode, "127.0.0.1:8000").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.AddStatic(Role::kDecode, "http://h:x").code(), StatusCode::kInvalidArgument);
+  auto ep = reg.Pick(Role::kPrefill, {});
+  ASSERT_TRUE(ep.has_value());
+  EXPECT_EQ(ep->url, "http://127.0.0.1:8000");
+  EXPECT_FALSE(reg.Pick(Role::kDecode, {}).has_value());
+}
+
+TEST(InstanceRegistry, MixedModeRefusedWithReason) {
+  InstanceRegistry reg({.mode = KvMode::kRead});
+  Status s = reg.Register(Info("w", Role::kDecode, KvMode::kWrite), {}, 0);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("mixed READ/WRITE"), std::string::npos);
+  EXPECT_TRUE(reg.List().empty());
+}
+
+TEST(InstanceRegistry, HeartbeatKeepsAliveAndExpiryDrops) {
+  InstanceRegistry reg({.heartbeat_timeout = 3 * kSecond});
+  ASSERT_TRUE(reg.Register(Info("d1", Role::kDecode), {}, 0).ok());
+  ASSERT_TRUE(reg.AddStatic(Role::kDecode, "http://127.0.0.1:1").ok());
+  EXPECT_TRUE(reg.Expire(3 * kSecond).empty());
+  ASSERT_TRUE(reg.Heartbeat("d1", {1, 2, 0.5}, 2 * kSecond).ok());
+  EXPECT_TRUE(reg.Expire(5 * kSecond).empty());
+  EXPECT_EQ(reg.Get("d1")->load.waiting, 2);
+  auto dropped = reg.Expire(5 * kSecond + 1);
+  ASSERT_EQ(dropped, std::vector<std::string>{"d1"});
+  EXPECT_EQ(reg.Heartbeat("d1", {}, 6 * kSecond).code(), StatusCode::kNotFound);
+  EXPECT_EQ(reg.List().size(), 1u);  // the static one stays
+}
+
+TEST(InstanceRegistry, LeastLoadedUsesHeartbeatAndInFlight) {
+  InstanceRegistry reg({});
+  ASSERT_TRUE(reg.Register(Info("a", Role::kDecode), {5, 0, 0.1}, 0).ok());
+  ASSERT_TRUE(reg.Register(Info("b", Role::kDecode), {1, 1, 0.9}, 0).ok());
+  ASSERT_TRUE(reg.Register(Info("c", Role::kDecode), {0, 3, 0.0}, 0).ok());
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->id, "b");  // 2 < 3 < 5
+  reg.LegStarted("b");
+  reg.LegStarted("b");
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->id, "c");  // b now 4
+  EXPECT_EQ(reg.Pick(Role::kDecode, {"c"})->id, "b");
+  reg.LegFinished("b");
+  reg.LegFinished("b");
+  EXPECT_EQ(reg.Get("b")->in_flight, 0);
+  reg.SetHealthy("b", false);
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->id, "c");
+  EXPECT_FALSE(reg.Pick(Role::kDecode, {"a", "c"}).has_value());
+}
+
+TEST(InstanceRegistry, RoundRobinCycles) {
+  InstanceRegistry reg({.policy = RoutingPolicy::kRoundRobin});
+  ASSERT_TRUE(reg.Register(Info("a", Role::kDecode), {9, 9, 1}, 0).ok());
+  ASSERT_TRUE(reg.Register(Info("b", Role::kDecode), {}, 0).ok());
+  std::vector<std::string> got;
+  for (int i = 0; i < 4; ++i) got.push_back(reg.Pick(Role::kDecode, {})->id);
+  EXPECT_EQ(got, (std::vector<std::string>{"a", "b", "a", "b"}));
+}
+
+TEST(InstanceRegistry, EndpointCarriesTransferAddress) {
+  InstanceRegistry reg({});
+  ASSERT_TRUE(reg.Register(Info("p", Role::kPrefill), {}, 0).ok());
+  Endpoint ep = *reg.Pick(Role::kPrefill, {});
+  EXPECT_EQ(ep.engine_id, "e-p");
+  EXPECT_EQ(ep.transfer_host, "127.0.0.2");
+  EXPECT_EQ(ep.transfer_port, 7777);
+}
+
+TEST(Registration, JsonRoundTripAndErrors) {
+  InstanceInfo i = Info("x", Role::kPrefill, KvMode::kWrite);
+  auto r = ParseRegistration(RegistrationJson(i, {3, 4, 0.25}));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->first.id, "x");
+  EXPECT_EQ(r->first.role, Role::kPrefill);
+  EXPECT_EQ(r->first.mode, KvMode::kWrite);
+  EXPECT_EQ(r->first.url, i.url);
+  EXPECT_EQ(r->first.transfer_endpoints, i.transfer_endpoints);
+  EXPECT_EQ(r->second.running, 3);
+  EXPECT_EQ(r->second.waiting, 4);
+  EXPECT_DOUBLE_EQ(r->second.kv_usage, 0.25);
+  EXPECT_EQ(ParseRegistration("nope").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(ParseRegistration(R"({"url":"http://a:1"})").status().message().find("role"),
+            std::string::npos);
+  EXPECT_FALSE(ParseRegistration(R"({"url":"http://a:1","role":"both"})").ok());
+  EXPECT_FALSE(ParseRegistration(R"({"url":1,"role":"decode"})").ok());
+  EXPECT_FALSE(
+      ParseRegistration(R"({"url":"http://a:1","role":"decode","load":{"running":-1}})").ok());
+  EXPECT_FALSE(ParseLoad(R"({"kv_usage":"x"})").ok());
+  EXPECT_EQ(ParseLoad("{}")->running, 0);
+}
+
+}  // namespace
+}  // namespace kvbridge::proxy
