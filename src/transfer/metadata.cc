@@ -1,0 +1,173 @@
+#include "kvbridge/transfer/metadata.h"
+
+#include <xxhash.h>
+
+#include <nlohmann/json.hpp>
+
+namespace kvbridge::transfer {
+
+namespace {
+const char* DtypeStr(KvDtype d) {
+  switch (d) {
+    case KvDtype::kFp32: return "fp32";
+    case KvDtype::kBf16: return "bf16";
+    case KvDtype::kFp8E4M3: return "fp8";
+  }
+  return "?";
+}
+}  // namespace
+
+uint64_t ComputeCompatHash(const AgentMetadata& m) {
+  std::string s = "v" + std::to_string(m.version) + "|fp=" + m.model_fingerprint +
+                  "|dt=" + DtypeStr(m.layout.dtype) + "|hd=" + std::to_string(m.layout.head_dim) +
+                  "|bs=" + std::to_string(m.layout.block_size) +
+                  "|nl=" + std::to_string(m.layout.num_layers) +
+                  "|mk=" + std::string(MemoryKindName(m.memory_kind));
+  return XXH64(s.data(), s.size(), 0x6b76627269646765ULL);
+}
+
+std::string EncodeMetadata(const AgentMetadata& m) {
+  nlohmann::json j;
+  j["version"] = m.version;
+  j["agent_name"] = m.agent_name;
+  j["incarnation"] = m.incarnation;
+  j["host_id"] = m.host_id;
+  j["endpoints"] = m.endpoints;
+  j["tp_size"] = m.tp_size;
+  j["tp_rank"] = m.tp_rank;
+  j["head_begin"] = m.head_begin;
+  j["head_count"] = m.head_count;
+  j["layout"] = {{"num_layers", m.layout.num_layers},   {"num_kv_heads", m.layout.num_kv_heads},
+                 {"head_dim", m.layout.head_dim},       {"block_size", m.layout.block_size},
+                 {"num_blocks", m.layout.num_blocks},   {"dtype", DtypeStr(m.layout.dtype)}};
+  j["block_bytes"] = m.layout.BlockBytes();
+  j["layer_base"] = m.layer_base;
+  j["layer_bytes"] = m.layer_bytes;
+  j["memory_kind"] = std::string(MemoryKindName(m.memory_kind));
+  j["k_scale"] = m.k_scale;
+  j["v_scale"] = m.v_scale;
+  j["model_fingerprint"] = m.model_fingerprint;
+  j["compat_hash"] = m.compat_hash;
+  j["backend_blobs"] = m.backend_blobs;
+  return j.dump();
+}
+
+Result<AgentMetadata> DecodeMetadata(std::string_view text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return InvalidArgumentError("metadata is not a JSON object");
+  AgentMetadata m;
+  uint64_t block_bytes = 0;
+  try {
+    m.version = j.at("version").get<uint32_t>();
+    m.agent_name = j.at("agent_name").get<std::string>();
+    m.incarnation = j.at("incarnation").get<uint64_t>();
+    m.host_id = j.at("host_id").get<std::string>();
+    m.endpoints = j.at("endpoints").get<std::map<std::string, std::string>>();
+    m.tp_size = j.at("tp_size").get<int>();
+    m.tp_rank = j.at("tp_rank").get<int>();
+    m.head_begin = j.at("head_begin").get<int>();
+    m.head_count = j.at("head_count").get<int>();
+    const auto& l = j.at("layout");
+    m.layout.num_layers = l.at("num_layers").get<int>();
+    m.layout.num_kv_heads = l.at("num_kv_heads").get<int>();
+    m.layout.head_dim = l.at("head_dim").get<int>();
+    m.layout.block_size = l.at("block_size").get<int>();
+    m.layout.num_blocks = l.at("num_blocks").get<int>();
+    std::string dt = l.at("dtype").get<std::string>();
+    if (dt == "fp32") {
+      m.layout.dtype = KvDtype::kFp32;
+    } else if (dt == "bf16") {
+      m.layout.dtype = KvDtype::kBf16;
+    } else if (dt == "fp8") {
+      m.layout.dtype = KvDtype::kFp8E4M3;
+    } else {
+      return InvalidArgumentError("metadata: unknown dtype '" + dt + "'");
+    }
+    m.layer_base = j.at("layer_base").get<std::vector<uint64_t>>();
+    m.layer_bytes = j.at("layer_bytes").get<std::vector<uint64_t>>();
+    std::string mk = j.at("memory_kind").get<std::string>();
+    if (mk == "host") {
+      m.memory_kind = MemoryKind::kHost;
+    } else if (mk == "cuda") {
+      m.memory_kind = MemoryKind::kCuda;
+    } else {
+      return InvalidArgumentError("metadata: unknown memory_kind '" + mk + "'");
+    }
+    m.k_scale = j.at("k_scale").get<std::vector<float>>();
+    m.v_scale = j.at("v_scale").get<std::vector<float>>();
+    m.model_fingerprint = j.at("model_fingerprint").get<std::string>();
+    m.compat_hash = j.at("compat_hash").get<uint64_t>();
+    m.backend_blobs = j.at("backend_blobs").get<std::map<std::string, std::string>>();
+    block_bytes = j.at("block_bytes").get<uint64_t>();
+  } catch (const std::exception& e) {
+    return InvalidArgumentError(std::string("metadata: ") + e.what());
+  }
+  const PagedKvLayout& l = m.layout;
+  if (m.agent_name.empty()) return InvalidArgumentError("metadata: empty agent_name");
+  if (l.num_layers <= 0 || l.num_layers > 100000 || l.num_kv_heads <= 0 ||
+      l.num_kv_heads > 65536 || l.head_dim <= 0 || l.head_dim > 65536 || l.block_size <= 0 ||
+      l.block_size > 65536 || l.num_blocks <= 0) {
+    return InvalidArgumentError("metadata: layout has an out-of-range dimension");
+  }
+  if (l.BlockBytes() > (uint64_t{1} << 32)) return InvalidArgumentError("metadata: blocks too large");
+  if (block_bytes != l.BlockBytes()) {
+    return InvalidArgumentError("metadata: block_bytes does not match the layout");
+  }
+  if (m.layer_base.size() != static_cast<size_t>(l.num_layers) ||
+      m.layer_bytes.size() != static_cast<size_t>(l.num_layers)) {
+    return InvalidArgumentError("metadata: layer_base/layer_bytes need one entry per layer");
+  }
+  if (m.compat_hash != ComputeCompatHash(m)) {
+    return InvalidArgumentError("metadata: compat_hash does not match its fields (corrupt)");
+  }
+  return m;
+}
+
+Status CheckCompatible(const AgentMetadata& local, const AgentMetadata& peer) {
+  auto mismatch = [](const std::string& field, const std::string& a, const std::string& b) {
+    return FailedPreconditionError("peer metadata mismatch: " + field + " (local " + a +
+                                   ", peer " + b + ")");
+  };
+  if (local.version != peer.version) {
+    return mismatch("version", std::to_string(local.version), std::to_string(peer.version));
+  }
+  if (local.model_fingerprint != peer.model_fingerprint) {
+    return mismatch("model_fingerprint", local.model_fingerprint, peer.model_fingerprint);
+  }
+  if (local.layout.dtype != peer.layout.dtype) {
+    return mismatch("dtype", DtypeStr(local.layout.dtype), DtypeStr(peer.layout.dtype));
+  }
+  if (local.layout.head_dim != peer.layout.head_dim) {
+    return mismatch("head_dim", std::to_string(local.layout.head_dim),
+                    std::to_string(peer.layout.head_dim));
+  }
+  if (local.layout.block_size != peer.layout.block_size) {
+    return mismatch("block_size", std::to_string(local.layout.block_size),
+                    std::to_string(peer.layout.block_size));
+  }
+  if (local.layout.num_layers != peer.layout.num_layers) {
+    return mismatch("num_layers", std::to_string(local.layout.num_layers),
+                    std::to_string(peer.layout.num_layers));
+  }
+  if (local.memory_kind != peer.memory_kind) {
+    return mismatch("memory_kind", std::string(MemoryKindName(local.memory_kind)),
+                    std::string(MemoryKindName(peer.memory_kind)));
+  }
+  if (peer.compat_hash != ComputeCompatHash(peer)) {
+    return FailedPreconditionError("peer metadata mismatch: compat_hash does not match its fields");
+  }
+  for (size_t i = 0; i < peer.layer_bytes.size(); ++i) {
+    if (peer.layer_bytes[i] < peer.layout.LayerBytes()) {
+      return mismatch("layer_bytes[" + std::to_string(i) + "]",
+                      ">= " + std::to_string(peer.layout.LayerBytes()),
+                      std::to_string(peer.layer_bytes[i]));
+    }
+  }
+  if (peer.agent_name == local.agent_name) {
+    return FailedPreconditionError("peer metadata mismatch: agent_name equals ours ('" +
+                                   local.agent_name + "')");
+  }
+  return OkStatus();
+}
+
+}  // namespace kvbridge::transfer
