@@ -1,0 +1,355 @@
+#include "kvbridge/connector/decode_core.h"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+namespace kvbridge {
+
+DecodeCore::DecodeCore(Options options) : options_(std::move(options)) {
+  if (options_.heartbeat_interval <= 0) options_.heartbeat_interval = 15 * kSecond;
+  if (options_.tp_size < 1) options_.tp_size = 1;
+  if (options_.block_size < 1) options_.block_size = 16;
+}
+
+PeerEndpoint DecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const {
+  return PeerEndpoint{.engine_id = p.remote_engine_id,
+                      .host = p.remote_host,
+                      .port = p.remote_port,
+                      .rank = prefill_rank};
+}
+
+void DecodeCore::SendReadDone(const std::string& request_id, const Request& r, const Pair& pair,
+                              ReadOutcome outcome, bool want_reply) {
+  // The shared transfer_id, never request_id (DESIGN.md pitfall 2).
+  ReadDoneMsg m{.transfer_id = r.params.transfer_id,
+                .prefill_engine_id = r.params.remote_engine_id,
+                .prefill_rank = pair.prefill_rank,
+                .decode_engine_id = options_.engine_id,
+                .decode_rank = pair.decode_rank,
+                .decode_tp_size = options_.tp_size,
+                .outcome = outcome,
+                .want_reply = want_reply};
+  actions_.push_back(SendMessageAction{.to = Peer(r.params, pair.prefill_rank), .msg = m});
+}
+
+Result<DecodeCore::Match> DecodeCore::OnRequestAdded(const std::string& request_id,
+                                                     const KvTransferParams& params,
+                                                     int num_prompt_tokens,
+                                                     int num_local_computed_tokens, TimePoint now) {
+  if (!params.do_remote_prefill) {
+    return InvalidArgumentError("kv_transfer_params: do_remote_prefill is not set");
+  }
+  if (params.mode == KvTransferMode::kWrite) {
+    return UnimplementedError("kv_transfer_params: write mode is not supported by this engine");
+  }
+  if (params.remote_num_tokens != num_prompt_tokens) {
+    return InvalidArgumentError(
+        "kv_transfer_params.remote_num_tokens " + std::to_string(params.remote_num_tokens) +
+        " != the request's prompt tokens " + std::to_string(num_prompt_tokens));
+  }
+  const int bs = options_.block_size;
+  if (static_cast<int64_t>(params.remote_block_ids.size()) !=
+      (static_cast<int64_t>(num_prompt_tokens) + bs - 1) / bs) {
+    return InvalidArgumentError(
+        "kv_transfer_params.remote_block_ids: " + std::to_string(params.remote_block_ids.size()) +
+        " ids do not cover " + std::to_string(num_prompt_tokens) + " tokens at block_size " +
+        std::to_string(bs));
+  }
+  if (num_local_computed_tokens < 0 || num_local_computed_tokens % bs != 0) {
+    return InvalidArgumentError("local prefix hit must be a non-negative multiple of block_size");
+  }
+  if (requests_.count(request_id))
+    return AlreadyExistsError("request " + request_id + " is loading");
+  const auto key = std::make_pair(params.remote_engine_id, params.transfer_id);
+  if (by_transfer_.count(key)) {
+    return AlreadyExistsError("transfer " + params.transfer_id + " is already being loaded");
+  }
+  Request r;
+  r.params = params;
+  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
+    r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
+  }
+  // The last prompt token is always computed here (its logits give the first decode token).
+  const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  if (external == 0) {
+    ++counters_.skipped;
+    for (const Pair& pair : r.pairs)
+      SendReadDone(request_id, r, pair, ReadOutcome::kSkipped, false);
+    return Match{0, false};
+  }
+  r.next_heartbeat = now + options_.heartbeat_interval;
+  requests_.emplace(request_id, std::move(r));
+  by_transfer_[key] = request_id;
+  return Match{external, true};
+}
+
+void DecodeCore::OnBlocksAllocated(const std::string& request_id,
+                                   std::span<const int32_t> block_ids,
+                                   int num_local_computed_tokens, int num_external_tokens,
+                                   TimePoint now) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end() || it->second.allocated || it->second.reported) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  Request& r = it->second;
+  r.allocated = true;
+  const int bs = options_.block_size;
+  const int b0 = num_local_computed_tokens / bs;
+  const int b1 = (num_local_computed_tokens + num_external_tokens + bs - 1) / bs;
+  if (num_external_tokens <= 0 || num_local_computed_tokens < 0 ||
+      static_cast<int64_t>(block_ids.size()) < b1 ||
+      static_cast<int64_t>(r.params.remote_block_ids.size()) < b1) {
+    Fail(request_id, r,
+         InternalError("block table of " + std::to_string(block_ids.size()) +
+                       " blocks does not cover the remote load"));
+    Advance(request_id);
+    return;
+  }
+  std::vector<int32_t> local(block_ids.begin() + b0, block_ids.begin() + b1);
+  std::vector<int32_t> remote(r.params.remote_block_ids.begin() + b0,
+                              r.params.remote_block_ids.begin() + b1);
+  for (Pair& pair : r.pairs) {
+    pair.read_id = next_read_id_++;
+    pair.state = PairState::kReading;
+    pair.deadline = now + options_.read_timeout;
+    by_read_[pair.read_id] = request_id;
+    ++counters_.reads_posted;
+    actions_.push_back(PostReadAction{.read_id = pair.read_id,
+                                      .request_id = request_id,
+                                      .transfer_id = r.params.transfer_id,
+                                      .prefill = Peer(r.params, pair.prefill_rank),
+                                      .decode_rank = pair.decode_rank,
+                                      .local_block_ids = local,
+                                      .remote_block_ids = remote});
+  }
+}
+
+void DecodeCore::Fail(const std::string& request_id, Request& r, Status status) {
+  if (r.failure.ok()) r.failure = std::move(status);
+  // No other READ of this request may land in blocks we are about to recompute into: cancel.
+  for (Pair& pair : r.pairs) {
+    if (pair.state == PairState::kReading) {
+      pair.state = PairState::kCancelling;
+      actions_.push_back(CancelReadAction{pair.read_id});
+    } else if (pair.state == PairState::kIdle) {
+      pair.state = PairState::kFailed;  // never read: the prefill may release now
+      SendReadDone(request_id, r, pair, ReadOutcome::kFailed, false);
+    }
+  }
+}
+
+bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return false;
+  Request& r = it->second;
+  if (r.reported) return false;  // loaded (or failed): the engine owns its blocks again
+  r.aborted = true;
+  bool in_flight = false;
+  for (Pair& pair : r.pairs) {
+    if (pair.state == PairState::kIdle) {
+      // Never read: tell the prefill now so it releases without waiting for the lease.
+      SendReadDone(request_id, r, pair, ReadOutcome::kAborted, false);
+      pair.state = PairState::kFailed;
+    } else if (pair.state == PairState::kReading) {
+      pair.state = PairState::kCancelling;
+      actions_.push_back(CancelReadAction{pair.read_id});
+      in_flight = true;
+    } else if (pair.state == PairState::kCancelling) {
+      in_flight = true;
+    }
+  }
+  if (!in_flight) r.reported = true;  // the engine frees now; nothing more to report
+  Advance(request_id);
+  return in_flight;
+}
+
+void DecodeCore::OnReadCompleted(uint64_t read_id, const Status& status, TimePoint now) {
+  auto rd = by_read_.find(read_id);
+  if (rd == by_read_.end()) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  const std::string request_id = rd->second;
+  by_read_.erase(rd);
+  Request& r = requests_.at(request_id);
+  auto pit = std::find_if(r.pairs.begin(), r.pairs.end(),
+                          [&](const Pair& p) { return p.read_id == read_id; });
+  Pair& pair = *pit;
+  if (pair.state != PairState::kReading && pair.state != PairState::kCancelling) {
+    ++counters_.notifications_ignored;
+    Advance(request_id);
+    return;
+  }
+  if (status.ok())
+    ++counters_.reads_ok;
+  else
+    ++counters_.reads_failed;
+  if (r.aborted || r.reported) {
+    pair.state = PairState::kFailed;
+    SendReadDone(request_id, r, pair, ReadOutcome::kAborted, false);
+  } else if (!status.ok() || pair.state == PairState::kCancelling || !r.failure.ok()) {
+    pair.state = PairState::kFailed;
+    SendReadDone(request_id, r, pair, ReadOutcome::kFailed, false);
+    Fail(request_id, r,
+         status.ok() ? CancelledError("READ cancelled") : status.WithPrefix("READ failed"));
+  } else {
+    pair.state = PairState::kAwaitingReply;
+    pair.deadline = now + options_.reply_timeout;
+    SendReadDone(request_id, r, pair, ReadOutcome::kOk, true);
+  }
+  Advance(request_id);
+}
+
+void DecodeCore::OnHoldReply(const HoldReplyMsg& msg, TimePoint now) {
+  auto bt = by_transfer_.find({msg.prefill_engine_id, msg.transfer_id});
+  if (bt == by_transfer_.end() || msg.decode_engine_id != options_.engine_id) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  const std::string request_id = bt->second;
+  Request& r = requests_.at(request_id);
+  auto pit = std::find_if(r.pairs.begin(), r.pairs.end(), [&](const Pair& p) {
+    return p.prefill_rank == msg.prefill_rank && p.decode_rank == msg.decode_rank;
+  });
+  if (pit == r.pairs.end() || pit->state != PairState::kAwaitingReply) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  if (msg.hold_valid) {
+    pit->state = PairState::kValid;
+  } else {
+    pit->state = PairState::kFailed;
+    if (!r.reported && !r.aborted) {
+      ++counters_.hold_gone;
+      Fail(request_id, r,
+           UnavailableError("prefill " + msg.prefill_engine_id + " rank " +
+                            std::to_string(msg.prefill_rank) + " hold gone: " + msg.reason));
+    }
+  }
+  Advance(request_id);
+}
+
+void DecodeCore::Advance(const std::string& request_id) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  Request& r = it->second;
+  bool in_flight = false, awaiting = false, all_valid = r.allocated;
+  for (const Pair& p : r.pairs) {
+    in_flight |= p.state == PairState::kReading || p.state == PairState::kCancelling;
+    awaiting |= p.state == PairState::kAwaitingReply;
+    all_valid &= p.state == PairState::kValid;
+  }
+  if (!r.reported && !in_flight) {
+    if (r.aborted) {
+      r.reported = true;
+      actions_.push_back(ReportBlocksFreeAction{request_id});
+    } else if (!r.failure.ok()) {
+      r.reported = true;
+      ++counters_.load_failures;
+      actions_.push_back(ReportLoadFailedAction{
+          .request_id = request_id,
+          .recompute = options_.load_failure_policy == LoadFailurePolicy::kRecompute,
+          .status = r.failure});
+    } else if (all_valid) {
+      r.reported = true;
+      ++counters_.loads_done;
+      actions_.push_back(ReportLoadDoneAction{request_id});
+    }
+  }
+  if (r.reported && !in_flight && !awaiting) {
+    for (const Pair& p : r.pairs) by_read_.erase(p.read_id);
+    by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
+    requests_.erase(it);
+  }
+}
+
+void DecodeCore::OnTick(TimePoint now) {
+  std::vector<std::string> touched;
+  for (auto& [id, r] : requests_) {
+    bool changed = false;
+    for (Pair& p : r.pairs) {
+      if (p.state == PairState::kReading && p.deadline <= now) {
+        ++counters_.read_timeouts;
+        Fail(id, r,
+             DeadlineExceededError("READ of transfer " + r.params.transfer_id + " timed out"));
+        changed = true;
+      } else if (p.state == PairState::kAwaitingReply && p.deadline <= now) {
+        p.state = PairState::kFailed;
+        if (!r.reported && !r.aborted) {
+          ++counters_.reply_timeouts;
+          Fail(id, r,
+               DeadlineExceededError("no hold reply from prefill " + r.params.remote_engine_id +
+                                     " rank " + std::to_string(p.prefill_rank)));
+        }
+        changed = true;
+      }
+    }
+    const bool waiting = !r.reported && !r.aborted && r.failure.ok();
+    if (waiting && r.next_heartbeat <= now) {
+      std::set<int> ranks;
+      for (const Pair& p : r.pairs) {
+        if (p.state == PairState::kIdle || p.state == PairState::kReading)
+          ranks.insert(p.prefill_rank);
+      }
+      for (int pr : ranks) {
+        int d = 0;
+        for (const Pair& p : r.pairs) {
+          if (p.prefill_rank == pr) {
+            d = p.decode_rank;
+            break;
+          }
+        }
+        actions_.push_back(
+            SendMessageAction{.to = Peer(r.params, pr),
+                              .msg = HeartbeatMsg{.transfer_id = r.params.transfer_id,
+                                                  .prefill_engine_id = r.params.remote_engine_id,
+                                                  .prefill_rank = pr,
+                                                  .decode_engine_id = options_.engine_id,
+                                                  .decode_rank = d}});
+      }
+      r.next_heartbeat = now + options_.heartbeat_interval;
+    }
+    if (changed) touched.push_back(id);
+  }
+  for (const auto& id : touched) Advance(id);
+}
+
+std::vector<ConnectorAction> DecodeCore::TakeActions() {
+  std::vector<ConnectorAction> out;
+  out.swap(actions_);
+  return out;
+}
+
+std::optional<TimePoint> DecodeCore::NextDeadline() const {
+  std::optional<TimePoint> best;
+  auto consider = [&](TimePoint t) { best = best ? std::min(*best, t) : t; };
+  for (const auto& [id, r] : requests_) {
+    for (const Pair& p : r.pairs) {
+      if (p.state == PairState::kReading || p.state == PairState::kAwaitingReply) {
+        consider(p.deadline);
+      }
+    }
+    if (!r.reported && !r.aborted && r.failure.ok()) consider(r.next_heartbeat);
+  }
+  return best;
+}
+
+int64_t DecodeCore::NumWaiting() const {
+  int64_t n = 0;
+  for (const auto& [id, r] : requests_) n += r.reported ? 0 : 1;
+  return n;
+}
+
+int64_t DecodeCore::NumReadsInFlight() const {
+  int64_t n = 0;
+  for (const auto& [id, r] : requests_) {
+    for (const Pair& p : r.pairs) {
+      n += p.state == PairState::kReading || p.state == PairState::kCancelling;
+    }
+  }
+  return n;
+}
+
+}  // namespace kvbridge

@@ -1,0 +1,393 @@
+#include "kvbridge/connector/prefill_core.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "kvbridge/connector/kv_transfer_config.h"
+
+namespace kvbridge {
+
+PrefillCore::PrefillCore(Options options) : options_(std::move(options)) {}
+
+std::string_view PrefillCore::ReasonName(DoneReason r) {
+  switch (r) {
+    case DoneReason::kCompleted:
+      return "completed";
+    case DoneReason::kReleased:
+      return "released";
+    case DoneReason::kExpired:
+      return "expired";
+    case DoneReason::kAborted:
+      return "aborted";
+  }
+  return "unknown";
+}
+
+PrefillCore::Transfer& PrefillCore::Register(const std::string& transfer_id, TimePoint now) {
+  auto it = transfers_.find(transfer_id);
+  if (it != transfers_.end()) return it->second;
+  // A fresh registration of an id seen before (ids are minted unique; this is a new transfer).
+  tombstones_.erase(transfer_id);
+  Transfer& t = transfers_[transfer_id];
+  // Apply what arrived before the transfer was registered, in arrival order.
+  auto [lo, hi] = parked_.equal_range(transfer_id);
+  std::vector<Parked> early;
+  for (auto p = lo; p != hi; ++p) early.push_back(std::move(p->second));
+  parked_.erase(lo, hi);
+  for (Parked& p : early) {
+    if (auto* rd = std::get_if<ReadDoneMsg>(&p.msg)) {
+      // Its reply ("not held") went out when it was parked; only the notification counts now.
+      // Completion is checked by the caller once the siblings are mapped.
+      ApplyReadDone(t, transfer_id, *rd, p.reply_token, /*already_replied=*/true,
+                    /*complete=*/false, now);
+    } else if (std::get_if<HeartbeatMsg>(&p.msg)) {
+      t.lease_floor = std::max(t.lease_floor, p.received + options_.lease);
+    } else if (std::get_if<ReleaseMsg>(&p.msg)) {
+      if (t.open) {
+        t.open = false;
+        t.reason = DoneReason::kReleased;
+        ++counters_.transfers_released;
+      }
+    }
+  }
+  return t;
+}
+
+Status PrefillCore::OnRequestAdded(const std::string& parent_id, int n,
+                                   const std::string& transfer_id, TimePoint now) {
+  if (n < 1) return InvalidArgumentError("n must be >= 1");
+  if (parent_id.empty()) return InvalidArgumentError("empty request id");
+  if (!IsValidTransferId(transfer_id)) return InvalidArgumentError("bad transfer_id");
+  std::vector<std::string> ids;
+  if (n == 1) {
+    ids.push_back(parent_id);
+  } else {
+    for (int i = 0; i < n; ++i) ids.push_back(std::to_string(i) + "_" + parent_id);
+  }
+  for (const auto& id : ids) {
+    if (sibling_to_transfer_.count(id))
+      return AlreadyExistsError("request " + id + " already mapped");
+  }
+  Transfer& t = Register(transfer_id, now);
+  for (const auto& id : ids) {
+    t.siblings.emplace(id, Sibling{});
+    sibling_to_transfer_[id] = transfer_id;
+  }
+  if (n > 1) parent_to_siblings_[parent_id] = ids;
+  MaybeComplete(t, transfer_id, now);  // parked messages may have completed it already
+  return OkStatus();
+}
+
+bool PrefillCore::OnRequestFinished(const std::string& request_id, const std::string& transfer_id,
+                                    std::span<const int32_t> block_ids, TimePoint now) {
+  auto m = sibling_to_transfer_.find(request_id);
+  std::string tid = m != sibling_to_transfer_.end() ? m->second : transfer_id;
+  if (m == sibling_to_transfer_.end()) {
+    // Never announced (the engine skipped OnRequestAdded): register it now.
+    if (!IsValidTransferId(tid)) return false;
+    Register(tid, now).siblings.emplace(request_id, Sibling{});
+    sibling_to_transfer_[request_id] = tid;
+  }
+  Transfer& t = transfers_.at(tid);
+  t.siblings.try_emplace(request_id);
+  // Parked or early notifications may already have completed the transfer (the sibling is
+  // mapped, so the entry survives this check).
+  MaybeComplete(t, tid, now);
+  if (!t.open) {
+    // Done before this sibling finished: nothing reads it any more; the engine frees it now.
+    t.siblings.erase(request_id);
+    sibling_to_transfer_.erase(request_id);
+    EraseIfEmpty(tid, now);
+    return false;
+  }
+  Sibling& s = t.siblings.at(request_id);
+  s.held = true;
+  s.blocks.assign(block_ids.begin(), block_ids.end());
+  ++counters_.holds;
+  if (!t.lease_deadline) t.lease_deadline = std::max(now + options_.lease, t.lease_floor);
+  return true;
+}
+
+bool PrefillCore::OnRequestAborted(const std::string& request_id, TimePoint now) {
+  std::vector<std::string> ids;
+  auto p = parent_to_siblings_.find(request_id);
+  if (sibling_to_transfer_.count(request_id)) {
+    ids.push_back(request_id);
+  } else if (p != parent_to_siblings_.end()) {
+    ids = p->second;
+  }
+  bool keep = false;
+  for (const auto& id : ids) {
+    auto m = sibling_to_transfer_.find(id);
+    if (m == sibling_to_transfer_.end()) continue;
+    const std::string tid = m->second;
+    Transfer& t = transfers_.at(tid);
+    Sibling& s = t.siblings.at(id);
+    if (s.held) {
+      keep = true;  // a READ may be running on its blocks: they go with the transfer
+      continue;
+    }
+    t.siblings.erase(id);
+    sibling_to_transfer_.erase(m);
+    if (t.siblings.empty() && t.open) {
+      t.open = false;
+      t.reason = DoneReason::kAborted;
+    }
+    EraseIfEmpty(tid, now);
+  }
+  return keep;
+}
+
+void PrefillCore::Reply(const ReadDoneMsg& msg, uint64_t reply_token, bool valid,
+                        std::string reason) {
+  if (!msg.want_reply) return;
+  HoldReplyMsg r{.transfer_id = msg.transfer_id,
+                 .prefill_engine_id = options_.engine_id,
+                 .prefill_rank = options_.rank,
+                 .decode_engine_id = msg.decode_engine_id,
+                 .decode_rank = msg.decode_rank,
+                 .hold_valid = valid,
+                 .reason = std::move(reason)};
+  actions_.push_back(SendMessageAction{.to = {}, .msg = r, .reply_token = reply_token});
+}
+
+void PrefillCore::ApplyReadDone(Transfer& t, const std::string& transfer_id, const ReadDoneMsg& msg,
+                                uint64_t reply_token, bool already_replied, bool complete,
+                                TimePoint now) {
+  auto prev = t.notified.find(msg.decode_rank);
+  if (prev != t.notified.end()) {
+    ++counters_.notifications_ignored;  // duplicate: answer as the first time
+    if (!already_replied) Reply(msg, reply_token, prev->second, prev->second ? "" : "duplicate");
+    return;
+  }
+  if (t.decode_tp && *t.decode_tp != msg.decode_tp_size) {
+    ++counters_.notifications_ignored;  // a second decode on one transfer id: not ours to count
+    if (!already_replied) Reply(msg, reply_token, false, "decode_tp_mismatch");
+    return;
+  }
+  bool any_held = false;
+  for (const auto& [id, s] : t.siblings) any_held |= s.held;
+  const bool valid = !already_replied && t.open && any_held;
+  t.decode_tp = msg.decode_tp_size;
+  t.notified[msg.decode_rank] = valid;
+  if (!already_replied) {
+    Reply(msg, reply_token, valid,
+          valid ? "" : (t.open ? "not_held" : std::string(ReasonName(t.reason))));
+  }
+  if (complete) MaybeComplete(t, transfer_id, now);
+}
+
+void PrefillCore::MaybeComplete(Transfer& t, const std::string& transfer_id, TimePoint now) {
+  if (t.open && t.decode_tp) {
+    bool all = true;
+    for (int d : DecodeRanksReadingFrom(options_.rank, options_.tp_size, *t.decode_tp)) {
+      all &= t.notified.count(d) > 0;
+    }
+    if (all) {
+      ++counters_.transfers_completed;
+      Finish(transfer_id, DoneReason::kCompleted, now);
+      return;
+    }
+  }
+  if (!t.open) Finish(transfer_id, t.reason, now);
+}
+
+void PrefillCore::Finish(const std::string& transfer_id, DoneReason reason, TimePoint now) {
+  Transfer& t = transfers_.at(transfer_id);
+  if (t.open) {
+    t.open = false;
+    t.reason = reason;
+  }
+  // Free every finished (held) sibling; unfinished ones stay mapped until they finish or abort.
+  for (auto it = t.siblings.begin(); it != t.siblings.end();) {
+    if (it->second.held) {
+      actions_.push_back(ReportBlocksFreeAction{it->first});
+      ++counters_.holds_freed;
+      sibling_to_transfer_.erase(it->first);
+      it = t.siblings.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  EraseIfEmpty(transfer_id, now);
+}
+
+void PrefillCore::EraseIfEmpty(const std::string& transfer_id, TimePoint now) {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end() || !it->second.siblings.empty()) return;
+  Tombstone tomb{.reason = it->second.open ? DoneReason::kAborted : it->second.reason,
+                 .notified = it->second.notified,
+                 .expires = now + options_.lease};
+  transfers_.erase(it);
+  for (auto p = parent_to_siblings_.begin(); p != parent_to_siblings_.end();) {
+    bool live = false;
+    for (const auto& id : p->second) live |= sibling_to_transfer_.count(id) > 0;
+    p = live ? std::next(p) : parent_to_siblings_.erase(p);
+  }
+  tombstones_[transfer_id] = std::move(tomb);
+  tombstone_order_.emplace_back(now + options_.lease, transfer_id);
+  while (static_cast<int64_t>(tombstone_order_.size()) > options_.max_tombstones) {
+    auto& [exp, id] = tombstone_order_.front();
+    auto tb = tombstones_.find(id);
+    if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
+    tombstone_order_.pop_front();
+  }
+}
+
+void PrefillCore::Park(ControlMessage msg, const std::string& transfer_id, uint64_t reply_token,
+                       TimePoint now) {
+  if (static_cast<int64_t>(parked_.size()) >= options_.max_parked_messages) {
+    ++counters_.notifications_ignored;
+    ++counters_.parked_dropped;
+    return;
+  }
+  ++counters_.notifications_parked;
+  parked_.emplace(transfer_id, Parked{std::move(msg), reply_token, now, now + options_.lease});
+}
+
+void PrefillCore::OnReadDone(const ReadDoneMsg& msg, uint64_t reply_token, TimePoint now) {
+  if (msg.prefill_engine_id != options_.engine_id || msg.prefill_rank != options_.rank) {
+    ++counters_.notifications_ignored;  // meant for another incarnation or rank
+    Reply(msg, reply_token, false, "incarnation");
+    return;
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    ApplyReadDone(it->second, msg.transfer_id, msg, reply_token, false, true, now);
+    return;
+  }
+  auto tb = tombstones_.find(msg.transfer_id);
+  if (tb != tombstones_.end()) {
+    ++counters_.notifications_ignored;  // late or duplicate: the transfer is gone
+    auto n = tb->second.notified.find(msg.decode_rank);
+    const bool valid = n != tb->second.notified.end() && n->second;
+    Reply(msg, reply_token, valid, valid ? "" : std::string(ReasonName(tb->second.reason)));
+    return;
+  }
+  // Unknown: nothing was held for it, so the bytes read are not the prompt's. Say so now, and
+  // park the notification so the transfer is released at once if it registers later.
+  Reply(msg, reply_token, false, "unknown");
+  ReadDoneMsg parked = msg;
+  parked.want_reply = false;
+  Park(parked, msg.transfer_id, 0, now);
+}
+
+void PrefillCore::OnHeartbeat(const HeartbeatMsg& msg, TimePoint now) {
+  if (msg.prefill_engine_id != options_.engine_id || msg.prefill_rank != options_.rank) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    Transfer& t = it->second;
+    if (!t.open) return;  // done: nothing to extend (not an error: it raced with completion)
+    if (t.lease_deadline) {
+      t.lease_deadline = std::max(*t.lease_deadline, now + options_.lease);
+    } else {
+      t.lease_floor = std::max(t.lease_floor, now + options_.lease);
+    }
+    return;
+  }
+  if (tombstones_.count(msg.transfer_id)) return;  // raced with completion: harmless
+  Park(msg, msg.transfer_id, 0, now);
+}
+
+Status PrefillCore::OnRelease(const ReleaseMsg& msg, TimePoint now) {
+  if (!IsValidTransferId(msg.transfer_id)) return InvalidArgumentError("bad transfer_id");
+  if (!msg.prefill_engine_id.empty() && msg.prefill_engine_id != options_.engine_id) {
+    return NotFoundError("engine " + msg.prefill_engine_id + " is not this incarnation (" +
+                         options_.engine_id + ")");
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    if (!it->second.open) {
+      ++counters_.notifications_ignored;  // duplicate
+      return OkStatus();
+    }
+    ++counters_.transfers_released;
+    Finish(msg.transfer_id, DoneReason::kReleased, now);
+    return OkStatus();
+  }
+  if (tombstones_.count(msg.transfer_id)) {
+    ++counters_.notifications_ignored;
+    return OkStatus();
+  }
+  Park(msg, msg.transfer_id, 0, now);
+  return OkStatus();
+}
+
+void PrefillCore::OnTick(TimePoint now) {
+  std::vector<std::string> expired;
+  for (const auto& [id, t] : transfers_) {
+    if (t.open && t.lease_deadline && *t.lease_deadline <= now) expired.push_back(id);
+  }
+  for (const auto& id : expired) {
+    ++counters_.lease_expired;
+    Finish(id, DoneReason::kExpired, now);
+  }
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (it->second.expires <= now) {
+      ++counters_.notifications_ignored;
+      ++counters_.parked_dropped;
+      it = parked_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  while (!tombstone_order_.empty() && tombstone_order_.front().first <= now) {
+    auto& [exp, id] = tombstone_order_.front();
+    auto tb = tombstones_.find(id);
+    if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
+    tombstone_order_.pop_front();
+  }
+}
+
+std::vector<ConnectorAction> PrefillCore::TakeActions() {
+  std::vector<ConnectorAction> out;
+  out.swap(actions_);
+  return out;
+}
+
+std::optional<TimePoint> PrefillCore::NextDeadline() const {
+  std::optional<TimePoint> best;
+  auto consider = [&](TimePoint t) { best = best ? std::min(*best, t) : t; };
+  for (const auto& [id, t] : transfers_) {
+    if (t.open && t.lease_deadline) consider(*t.lease_deadline);
+  }
+  for (const auto& [id, p] : parked_) consider(p.expires);
+  return best;
+}
+
+bool PrefillCore::Idle() const { return transfers_.empty() && parked_.empty(); }
+
+bool PrefillCore::IsHeld(const std::string& transfer_id, std::span<const int32_t> block_ids) const {
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end() || !it->second.open) return false;
+  std::set<int32_t> held;
+  for (const auto& [id, s] : it->second.siblings) {
+    if (s.held) held.insert(s.blocks.begin(), s.blocks.end());
+  }
+  if (held.empty()) return false;
+  return std::all_of(block_ids.begin(), block_ids.end(),
+                     [&](int32_t b) { return held.count(b) > 0; });
+}
+
+int64_t PrefillCore::NumHeldBlocks() const {
+  std::set<int32_t> held;
+  for (const auto& [tid, t] : transfers_) {
+    for (const auto& [id, s] : t.siblings) {
+      if (s.held) held.insert(s.blocks.begin(), s.blocks.end());
+    }
+  }
+  return static_cast<int64_t>(held.size());
+}
+
+std::vector<std::string> PrefillCore::Siblings(const std::string& transfer_id) const {
+  std::vector<std::string> out;
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return out;
+  for (const auto& [id, s] : it->second.siblings) out.push_back(id);
+  return out;
+}
+
+}  // namespace kvbridge
