@@ -224,7 +224,7 @@ int Scheduler::RunningSlots(const Seq& s) const {
   return s.group->forked ? 1 : s.group->req.sampling.n;
 }
 
-Status Scheduler::AddRequest(EngineRequest request, TimePoint now) {
+Status Scheduler::ValidateRequest(const EngineRequest& request) const {
   const std::string& id = request.request_id;
   if (id.empty()) return InvalidArgumentError("request_id must not be empty");
   if (request.prompt_token_ids.empty()) return InvalidArgumentError("prompt must not be empty");
@@ -257,6 +257,14 @@ Status Scheduler::AddRequest(EngineRequest request, TimePoint now) {
                                 std::to_string(CeilDiv(max_len, pool_->block_size())) +
                                 " KV blocks; the pool has " + std::to_string(pool_->num_blocks()));
   }
+  return OkStatus();
+}
+
+Status Scheduler::AddRequest(EngineRequest request, TimePoint now) {
+  RETURN_IF_ERROR(ValidateRequest(request));
+  const std::string& id = request.request_id;
+  const SamplingParams& sp = request.sampling;
+  const int64_t plen = static_cast<int64_t>(request.prompt_token_ids.size());
   if (groups_.count(id) || draining_.count(id) || held_.count(id)) {
     return AlreadyExistsError("request id '" + id + "' is already in use");
   }
@@ -885,6 +893,13 @@ void Scheduler::FlushOutputs() {
   }
   dirty_.clear();
   for (const std::string& id : done) groups_.erase(id);
+}
+
+std::vector<std::string> Scheduler::RequestIds() const {
+  std::vector<std::string> ids;
+  for (const auto& [id, g] : groups_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
 }
 
 std::vector<RequestOutput> Scheduler::TakeOutputs() {

@@ -129,6 +129,11 @@ class Scheduler {
   /// params, n > max_num_seqs, a request that cannot fit in the pool even alone),
   /// AlreadyExists (an unfinished request — or a sibling still held/draining — with this id).
   Status AddRequest(EngineRequest request, TimePoint now);
+  /// The checks of AddRequest that need no scheduler state (InvalidArgument); reads only the
+  /// immutable config and pool size, so any thread may call it.
+  Status ValidateRequest(const EngineRequest& request) const;
+  /// Ids of unfinished client requests, sorted.
+  std::vector<std::string> RequestIds() const;
   /// Aborts a client request in any state: every unfinished sequence ends FINISHED_ABORTED and
   /// frees exactly the blocks it holds — unless the connector's RequestAborted keeps them until
   /// Poll reports the sequence. One final output (finish_reason "abort"). Returns false for

@@ -1,0 +1,102 @@
+// kvbridge/engine/engine_core.h — one engine without its thread: model + KV cache + scheduler +
+// connector, advanced one step at a time by whoever owns it.
+//
+// Engine (engine.h) runs an EngineCore on its own thread; tests, benchmarks and the simulator
+// drive one directly with their own clock (DESIGN.md "Sans-IO cores": time comes in as `now`).
+//
+//   ASSIGN_OR_RETURN(auto core, EngineCore::Create(config, model, &metrics, /*wake=*/{}));
+//   RETURN_IF_ERROR(core->AddRequest(std::move(request), now));
+//   while (core->scheduler().HasUnfinished()) {
+//     RETURN_IF_ERROR(core->Step(now).status());
+//     for (RequestOutput& out : core->TakeOutputs()) Deliver(out);
+//   }
+//
+// A step: Poll the connector (apply finished/failed loads and sends) → Schedule → copy-on-write
+// block copies → Model::Forward → sample, stop checks, outputs.
+//
+// Thread-safety: not thread-safe; one thread owns it (the `wake` callback given to the
+// connector may be called from any thread and is the caller's business).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "kvbridge/common/clock.h"
+#include "kvbridge/common/metrics.h"
+#include "kvbridge/common/status.h"
+#include "kvbridge/engine/block_pool.h"
+#include "kvbridge/engine/engine.h"
+#include "kvbridge/engine/kv_cache_storage.h"
+#include "kvbridge/engine/kv_connector.h"
+#include "kvbridge/engine/scheduler.h"
+
+namespace kvbridge {
+
+class EngineCore {
+ public:
+  /// Sizes and allocates the KV cache (config.num_blocks, else kv_cache_memory_bytes), builds
+  /// the scheduler and — when config.connector_factory is set — the connector, passing it the
+  /// pool's memory, the model fingerprint, `metrics` and `wake`.
+  /// Errors: InvalidArgument (bad config: block_size, max_num_seqs, max_num_batched_tokens,
+  /// max_model_len beyond the model's), ResourceExhausted (KV budget below one block), or the
+  /// connector factory's error.
+  static Result<std::unique_ptr<EngineCore>> Create(const EngineConfig& config,
+                                                    std::shared_ptr<const Model> model,
+                                                    MetricsRegistry* metrics,
+                                                    std::function<void()> wake);
+  ~EngineCore();
+
+  /// See Scheduler::AddRequest (errors: InvalidArgument, AlreadyExists).
+  Status AddRequest(EngineRequest request, TimePoint now);
+  /// See Scheduler::Abort. False for unknown ids.
+  bool Abort(const std::string& request_id, TimePoint now);
+  /// Validation that needs no engine state (safe from any thread: reads immutable config).
+  /// Errors: InvalidArgument.
+  Status ValidateRequest(const EngineRequest& request) const;
+
+  struct StepResult {
+    int num_tokens = 0;          ///< tokens computed by the forward pass (0: no forward ran)
+    int num_sequences = 0;       ///< chunks in the batch
+    bool made_progress = false;  ///< a forward ran or outputs were produced
+  };
+  /// One engine step at time `now`. A forward error fails the batch's requests (their outputs
+  /// carry the error) and is returned too.
+  Result<StepResult> Step(TimePoint now);
+  /// Outputs produced so far (production order), each for one client request id.
+  std::vector<RequestOutput> TakeOutputs() { return scheduler_->TakeOutputs(); }
+  /// Ids of unfinished client requests.
+  std::vector<std::string> RequestIds() const;
+
+  EngineStats Stats() const;
+  /// When the connector needs Poll() even with no traffic.
+  std::optional<TimePoint> NextDeadline() const;
+  /// True when a step could do something without new input: running or admissible work.
+  bool HasRunnableWork() const;
+
+  Scheduler& scheduler() { return *scheduler_; }
+  const Scheduler& scheduler() const { return *scheduler_; }
+  BlockPool& pool() { return *pool_; }
+  const BlockPool& pool() const { return *pool_; }
+  KvCacheStorage& storage() { return *storage_; }
+  KvConnector* connector() { return connector_.get(); }
+  const Model& model() const { return *model_; }
+  const EngineConfig& config() const { return config_; }
+  int max_model_len() const { return max_model_len_; }
+
+ private:
+  EngineCore() = default;
+  EngineConfig config_;
+  std::shared_ptr<const Model> model_;
+  int max_model_len_ = 0;
+  int vocab_size_ = 0;
+  std::unique_ptr<KvCacheStorage> storage_;
+  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<KvConnector> connector_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::vector<float> logits_;
+};
+
+}  // namespace kvbridge

@@ -1,0 +1,256 @@
+// The threaded Engine: one thread owns an EngineCore; other threads post commands to it.
+#include "kvbridge/engine/engine.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <variant>
+
+#include "kvbridge/common/logging.h"
+#include "kvbridge/engine/engine_core.h"
+#include "kvbridge/model/model.h"
+
+namespace kvbridge {
+
+namespace {
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl() = default;
+  ~EngineImpl() override { Shutdown(); }
+
+  Status Init(const EngineConfig& config, std::shared_ptr<const Model> model) {
+    model_ = model;
+    config_ = config;
+    ASSIGN_OR_RETURN(core_,
+                     EngineCore::Create(config, std::move(model), &metrics_, [this] { Wake(); }));
+    g_running_ = &metrics_.AddGauge("kvbridge_requests_running", "Sequences running.");
+    g_waiting_ = &metrics_.AddGauge("kvbridge_requests_waiting", "Sequences waiting or preempted.");
+    g_waiting_remote_ =
+        &metrics_.AddGauge("kvbridge_requests_waiting_for_remote_kv",
+                           "Requests waiting for remote KV (WAITING_FOR_REMOTE_KVS).");
+    g_blocks_total_ = &metrics_.AddGauge("kvbridge_kv_blocks_total", "KV blocks in the pool.");
+    g_blocks_active_ = &metrics_.AddGauge(
+        "kvbridge_kv_blocks_active", "Distinct KV blocks referenced by a live request or held.");
+    g_blocks_held_ = &metrics_.AddGauge("kvbridge_kv_blocks_held_for_transfer",
+                                        "Distinct KV blocks with a transfer hold.");
+    g_blocks_cached_ = &metrics_.AddGauge("kvbridge_kv_blocks_cached_free",
+                                          "Unreferenced KV blocks kept as prefix-cache entries.");
+    PublishStats();
+    thread_ = std::thread([this] { Loop(); });
+    return OkStatus();
+  }
+
+  Status AddRequest(EngineRequest request, OutputCallback on_output) override {
+    RETURN_IF_ERROR(core_->ValidateRequest(request));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return UnavailableError("engine is shut down");
+    if (live_ids_.count(request.request_id)) {
+      return AlreadyExistsError("request id '" + request.request_id + "' is already in use");
+    }
+    if (num_queued_adds_ + waiting_snapshot_ >= config_.max_waiting_requests) {
+      return ResourceExhaustedError("engine: " + std::to_string(config_.max_waiting_requests) +
+                                    " requests already waiting");
+    }
+    if (request.arrival_time == 0) request.arrival_time = SteadyNow();
+    live_ids_.insert(request.request_id);
+    ++num_queued_adds_;
+    commands_.push_back(AddCmd{std::move(request), std::move(on_output)});
+    cv_.notify_one();
+    return OkStatus();
+  }
+
+  void Abort(const std::string& request_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!live_ids_.count(request_id)) return;
+    commands_.push_back(AbortCmd{request_id});
+    cv_.notify_one();
+  }
+
+  EngineStats Stats() const override {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+  }
+
+  MetricsRegistry& metrics() override { return metrics_; }
+  const Model& model() const override { return *model_; }
+
+  void Shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) {
+        if (!thread_.joinable()) return;
+      }
+      stopping_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct AddCmd {
+    EngineRequest request;
+    OutputCallback on_output;
+  };
+  struct AbortCmd {
+    std::string request_id;
+  };
+  using Command = std::variant<AddCmd, AbortCmd>;
+
+  void Wake() {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake_ = true;
+    cv_.notify_one();
+  }
+
+  void Deliver(std::vector<RequestOutput> outs) {
+    for (RequestOutput& out : outs) {
+      auto it = callbacks_.find(out.request_id);
+      if (it == callbacks_.end()) continue;
+      OutputCallback cb = it->second;
+      if (out.finished) callbacks_.erase(it);
+      if (cb) cb(out);
+      if (out.finished) {
+        std::lock_guard<std::mutex> lock(mu_);
+        live_ids_.erase(out.request_id);
+      }
+    }
+  }
+
+  void FailNow(const std::string& id, const OutputCallback& cb, Status st, const char* reason) {
+    RequestOutput out;
+    out.request_id = id;
+    out.finished = true;
+    out.error = std::move(st);
+    CompletionOutput co;
+    co.finished = true;
+    co.finish_reason = reason;
+    out.outputs.push_back(co);
+    if (cb) cb(out);
+    std::lock_guard<std::mutex> lock(mu_);
+    live_ids_.erase(id);
+  }
+
+  void Apply(Command& cmd, TimePoint now) {
+    if (auto* add = std::get_if<AddCmd>(&cmd)) {
+      std::string id = add->request.request_id;
+      Status st = core_->AddRequest(std::move(add->request), now);
+      if (!st.ok()) {
+        FailNow(id, add->on_output, st, "error");
+        return;
+      }
+      callbacks_[id] = std::move(add->on_output);
+    } else {
+      auto& ab = std::get<AbortCmd>(cmd);
+      core_->Abort(ab.request_id, now);
+    }
+  }
+
+  void PublishStats() {
+    EngineStats s = core_->Stats();
+    g_running_->Set(s.running);
+    g_waiting_->Set(s.waiting);
+    g_waiting_remote_->Set(s.waiting_for_remote_kv);
+    g_blocks_total_->Set(static_cast<double>(s.kv_blocks_total));
+    g_blocks_active_->Set(static_cast<double>(s.kv_blocks_active));
+    g_blocks_held_->Set(static_cast<double>(s.kv_blocks_held_for_transfer));
+    g_blocks_cached_->Set(static_cast<double>(s.kv_blocks_cached_free));
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_ = s;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_snapshot_ = s.waiting + s.waiting_for_remote_kv;
+  }
+
+  void Loop() {
+    bool idle = false;
+    while (true) {
+      std::deque<Command> cmds;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (idle && !stopping_ && commands_.empty() && !wake_) {
+          std::optional<TimePoint> deadline = core_->NextDeadline();
+          auto pred = [this] { return stopping_ || !commands_.empty() || wake_; };
+          if (deadline) {
+            DurationUs wait = std::max<DurationUs>(0, *deadline - SteadyNow());
+            cv_.wait_for(lock, std::chrono::microseconds(wait), pred);
+          } else {
+            cv_.wait(lock, pred);
+          }
+        }
+        if (stopping_) break;
+        cmds.swap(commands_);
+        wake_ = false;
+        for (const Command& c : cmds) {
+          if (std::holds_alternative<AddCmd>(c)) --num_queued_adds_;
+        }
+      }
+      TimePoint now = SteadyNow();
+      for (Command& c : cmds) Apply(c, now);
+      Deliver(core_->TakeOutputs());
+      Result<EngineCore::StepResult> r = core_->Step(now);
+      Deliver(core_->TakeOutputs());
+      PublishStats();
+      idle = !r.ok() ? false : !r->made_progress;
+    }
+    // Shutdown: every queued and unfinished request ends with "abort".
+    std::deque<Command> cmds;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cmds.swap(commands_);
+      num_queued_adds_ = 0;
+    }
+    for (Command& c : cmds) {
+      if (auto* add = std::get_if<AddCmd>(&c)) {
+        FailNow(add->request.request_id, add->on_output, OkStatus(), "abort");
+      }
+    }
+    TimePoint now = SteadyNow();
+    for (const std::string& id : core_->RequestIds()) core_->Abort(id, now);
+    Deliver(core_->TakeOutputs());
+    PublishStats();
+  }
+
+  EngineConfig config_;
+  std::shared_ptr<const Model> model_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<EngineCore> core_;                           // engine thread only (after Init)
+  std::unordered_map<std::string, OutputCallback> callbacks_;  // engine thread only
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Command> commands_;              // guarded by mu_
+  std::unordered_set<std::string> live_ids_;  // guarded by mu_
+  int num_queued_adds_ = 0;                   // guarded by mu_
+  int waiting_snapshot_ = 0;                  // guarded by mu_
+  bool wake_ = false;                         // guarded by mu_
+  bool stopping_ = false;                     // guarded by mu_
+
+  mutable std::mutex stats_mu_;
+  EngineStats stats_;  // guarded by stats_mu_
+
+  Gauge* g_running_ = nullptr;
+  Gauge* g_waiting_ = nullptr;
+  Gauge* g_waiting_remote_ = nullptr;
+  Gauge* g_blocks_total_ = nullptr;
+  Gauge* g_blocks_active_ = nullptr;
+  Gauge* g_blocks_held_ = nullptr;
+  Gauge* g_blocks_cached_ = nullptr;
+  std::thread thread_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config,
+                                               std::shared_ptr<const Model> model) {
+  auto impl = std::make_unique<EngineImpl>();
+  RETURN_IF_ERROR(impl->Init(config, std::move(model)));
+  return std::unique_ptr<Engine>(std::move(impl));
+}
+
+}  // namespace kvbridge

@@ -1,0 +1,165 @@
+#include "kvbridge/engine/engine_core.h"
+
+#include <algorithm>
+#include <string>
+
+#include "kvbridge/common/logging.h"
+#include "kvbridge/model/model.h"
+
+namespace kvbridge {
+
+Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& config,
+                                                       std::shared_ptr<const Model> model,
+                                                       MetricsRegistry* metrics,
+                                                       std::function<void()> wake) {
+  if (model == nullptr) return InvalidArgumentError("engine: no model");
+  if (config.block_size <= 0 || config.block_size > 1024) {
+    return InvalidArgumentError("engine: block_size must be in [1, 1024]");
+  }
+  if (config.max_num_seqs <= 0) return InvalidArgumentError("engine: max_num_seqs must be > 0");
+  if (config.max_num_batched_tokens <= 0) {
+    return InvalidArgumentError("engine: max_num_batched_tokens must be > 0");
+  }
+  if (config.num_blocks < 0) return InvalidArgumentError("engine: num_blocks must be >= 0");
+  const ModelConfig& mc = model->config();
+  int max_len = config.max_model_len == 0 ? mc.max_position_embeddings : config.max_model_len;
+  if (max_len <= 1 || max_len > mc.max_position_embeddings) {
+    return InvalidArgumentError("engine: max_model_len " + std::to_string(max_len) +
+                                " must be in [2, " + std::to_string(mc.max_position_embeddings) +
+                                "] (the model's max_position_embeddings)");
+  }
+
+  std::unique_ptr<EngineCore> core(new EngineCore());
+  core->config_ = config;
+  core->model_ = model;
+  core->max_model_len_ = max_len;
+  core->vocab_size_ = mc.vocab_size;
+
+  PagedKvLayout layout = model->KvLayout(1, config.block_size, config.kv_dtype);
+  int64_t num_blocks = config.num_blocks;
+  if (num_blocks == 0) {
+    ASSIGN_OR_RETURN(num_blocks,
+                     KvCacheStorage::BlocksForBudget(layout, config.kv_cache_memory_bytes));
+  }
+  if (num_blocks >= (int64_t{1} << 31)) return InvalidArgumentError("engine: too many blocks");
+  layout.num_blocks = static_cast<int>(num_blocks);
+  ASSIGN_OR_RETURN(core->storage_, KvCacheStorage::Create(layout));
+  model->KvScales(config.kv_dtype, &core->storage_->mutable_view().k_scale,
+                  &core->storage_->mutable_view().v_scale);
+  if (config.debug_poison_kv_nan) core->storage_->FillNaN();
+  ASSIGN_OR_RETURN(core->pool_,
+                   BlockPool::Create({.num_blocks = num_blocks,
+                                      .block_size = config.block_size,
+                                      .enable_prefix_caching = config.enable_prefix_caching}));
+
+  SchedulerConfig sc;
+  sc.max_num_seqs = config.max_num_seqs;
+  sc.max_num_batched_tokens = config.max_num_batched_tokens;
+  sc.max_model_len = max_len;
+  sc.vocab_size = mc.vocab_size;
+  for (int e : mc.eos_token_ids) sc.eos_token_ids.push_back(e);
+  const int tok_eos = model->tokenizer().eos_id();
+  if (tok_eos >= 0 && std::find(sc.eos_token_ids.begin(), sc.eos_token_ids.end(), tok_eos) ==
+                          sc.eos_token_ids.end()) {
+    sc.eos_token_ids.push_back(tok_eos);
+  }
+  sc.model_fingerprint = model->fingerprint();
+  sc.default_seed = config.seed;
+  const Model* raw = model.get();
+  sc.token_text = [raw](int32_t id) {
+    const int32_t one[] = {id};
+    return raw->tokenizer().Decode(one);
+  };
+  core->scheduler_ =
+      std::make_unique<Scheduler>(std::move(sc), core->pool_.get(), nullptr, metrics);
+
+  if (config.connector_factory) {
+    EngineHooks hooks;
+    hooks.kv_view = core->storage_->view();
+    hooks.model_fingerprint = model->fingerprint();
+    hooks.metrics = metrics;
+    hooks.wake = wake ? std::move(wake) : std::function<void()>([] {});
+    ASSIGN_OR_RETURN(core->connector_, config.connector_factory(hooks));
+    if (core->connector_ == nullptr)
+      return InvalidArgumentError("engine: connector factory returned null");
+    core->scheduler_->set_connector(core->connector_.get());
+  }
+  KVB_LOG_INFO("engine: {} KV blocks of {} tokens ({} MiB), max_model_len {}, prefix caching {}",
+               num_blocks, config.block_size, core->storage_->TotalBytes() >> 20, max_len,
+               config.enable_prefix_caching ? "on" : "off");
+  return core;
+}
+
+EngineCore::~EngineCore() {
+  // The connector may reference the pool's memory: drop it first.
+  if (scheduler_) scheduler_->set_connector(nullptr);
+  connector_.reset();
+}
+
+Status EngineCore::ValidateRequest(const EngineRequest& request) const {
+  return scheduler_->ValidateRequest(request);
+}
+
+Status EngineCore::AddRequest(EngineRequest request, TimePoint now) {
+  return scheduler_->AddRequest(std::move(request), now);
+}
+
+bool EngineCore::Abort(const std::string& request_id, TimePoint now) {
+  return scheduler_->Abort(request_id, now);
+}
+
+std::vector<std::string> EngineCore::RequestIds() const { return scheduler_->RequestIds(); }
+
+Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
+  StepResult r;
+  scheduler_->PollConnector(now);
+  ScheduledBatch batch = scheduler_->Schedule(now);
+  if (batch.empty()) {
+    r.made_progress = false;
+    return r;
+  }
+  for (auto [src, dst] : batch.block_copies) storage_->CopyBlock(src, dst);
+  ForwardBatch fb = batch.ToForwardBatch();
+  std::vector<std::string> ids;
+  if (connector_ != nullptr) {
+    for (const ScheduledChunk& c : batch.chunks) ids.push_back(c.request_id);
+    fb.on_layer_kv_written = [this, &ids, now](int layer) {
+      connector_->OnLayerKvWritten(layer, ids, now);
+    };
+  }
+  Status st = model_->Forward(fb, storage_->view(), &logits_);
+  if (!st.ok()) {
+    KVB_LOG_ERROR("engine: forward failed: {}", st.ToString());
+    scheduler_->FailBatch(batch, st, now);
+    return st;
+  }
+  RETURN_IF_ERROR(scheduler_->UpdateFromOutput(batch, logits_, now));
+  r.num_tokens = batch.num_tokens;
+  r.num_sequences = static_cast<int>(batch.chunks.size());
+  r.made_progress = true;
+  return r;
+}
+
+EngineStats EngineCore::Stats() const {
+  EngineStats s;
+  s.running = scheduler_->num_running();
+  s.waiting = scheduler_->num_waiting();
+  s.waiting_for_remote_kv = scheduler_->num_waiting_for_remote();
+  s.kv_blocks_total = pool_->num_blocks();
+  s.kv_blocks_active = pool_->NumActive();
+  s.kv_blocks_held_for_transfer = pool_->NumHeld();
+  s.kv_blocks_cached_free = pool_->NumCachedFree();
+  s.kv_blocks_free = pool_->NumFree();
+  return s;
+}
+
+std::optional<TimePoint> EngineCore::NextDeadline() const {
+  if (connector_ == nullptr) return std::nullopt;
+  return connector_->NextDeadline();
+}
+
+bool EngineCore::HasRunnableWork() const {
+  return scheduler_->num_running() > 0 || scheduler_->num_waiting() > 0;
+}
+
+}  // namespace kvbridge
