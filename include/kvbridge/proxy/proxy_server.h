@@ -1,0 +1,95 @@
+// kvbridge/proxy/proxy_server.h — the P/D proxy's HTTP runtime (`kvbridge proxy`).
+//
+// An OpenAI-compatible front door: each POST /v1/completions or /v1/chat/completions runs one
+// PdFlow (flow.h) whose legs go to the instances of an InstanceRegistry (registry.h); a decode's
+// SSE stream is passed through chunk by chunk. Async I/O (Boost.Asio/Beast, C++20 coroutines,
+// `threads` event-loop threads; a connection's work stays on one strand).
+//
+// Endpoints:
+//   POST /v1/completions, /v1/chat/completions   the P→D flow (streaming or not)
+//   GET  /v1/models                               a decode's (else a prefill's) /v1/models
+//   GET  /health                                  200 {"status":"ok",...} while serving
+//   GET  /metrics                                 Prometheus text: kvbridge_proxy_* families
+//   GET  /instances                               {"mode":..,"instances":[{id,role,url,mode,
+//                                                  healthy,static,load{running,waiting,kv_usage},
+//                                                  in_flight,engine_id,transfer_endpoints}]}
+//   POST /v1/instances/register                  registration JSON (registry.h); 200
+//                                                  {"instance_id","heartbeat_interval_ms",
+//                                                  "expiry_ms"}; 409 mixed mode; 400 bad JSON
+//   POST /v1/instances/heartbeat                 {"instance_id", "load"}; 404 when forgotten
+//   POST /v1/instances/deregister                {"instance_id"}
+// With a cluster token, the /v1/instances/* calls must carry it (header
+// X-KVBridge-Cluster-Token, else 401), and every leg and release sends it.
+//
+//   ProxyOptions o;
+//   o.port = 0;  // any free port
+//   o.prefill_urls = {"http://127.0.0.1:8100"};
+//   o.decode_urls = {"http://127.0.0.1:8200"};
+//   ASSIGN_OR_RETURN(auto proxy, ProxyServer::Create(o));
+//   proxy->Start();
+//   ... proxy->port() ...
+//   proxy->Stop();
+//
+// Thread-safety: Create/Start/Stop from one thread; the accessors are thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvbridge/common/clock.h"
+#include "kvbridge/common/status.h"
+#include "kvbridge/proxy/flow.h"
+#include "kvbridge/proxy/registry.h"
+
+namespace kvbridge::proxy {
+
+/// The header that carries the cluster token on legs, releases and registrations.
+inline constexpr const char* kClusterTokenHeader = "X-KVBridge-Cluster-Token";
+
+struct ProxyOptions {
+  std::string host = "127.0.0.1";
+  int port = 10001;                       // 0 = an ephemeral port (see port())
+  std::vector<std::string> prefill_urls;  // static instances, http://HOST:PORT
+  std::vector<std::string> decode_urls;
+  KvMode mode = KvMode::kRead;
+  RoutingPolicy routing = RoutingPolicy::kLeastLoaded;
+  bool prefill_forward_n = false;
+  std::string cluster_token;  // empty = none
+  DurationUs heartbeat_timeout = 3 * kSecond;
+  DurationUs heartbeat_interval = 1 * kSecond;  // told to registering engines
+  DurationUs request_timeout = 600 * kSecond;
+  DurationUs connect_timeout = 2 * kSecond;
+  DurationUs health_probe_interval = 1 * kSecond;  // static instances' GET /health
+  int max_attempts = 3;
+  int threads = 1;
+};
+
+class ProxyServer {
+ public:
+  /// Validates the options, adds the static instances and binds the listening socket.
+  /// InvalidArgument for bad options/urls; Unavailable when the address cannot be bound.
+  static Result<std::unique_ptr<ProxyServer>> Create(const ProxyOptions& options);
+  ~ProxyServer();
+  ProxyServer(const ProxyServer&) = delete;
+  ProxyServer& operator=(const ProxyServer&) = delete;
+
+  /// Starts the event-loop threads; returns at once.
+  void Start();
+  /// Stops serving and joins the threads (in-flight requests are dropped). Idempotent.
+  void Stop();
+  /// The bound port.
+  int port() const;
+  /// A snapshot of the instances (as GET /instances).
+  std::vector<InstanceState> Instances() const;
+  /// The /metrics text.
+  std::string MetricsText() const;
+
+  struct Impl;
+
+ private:
+  explicit ProxyServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbridge::proxy

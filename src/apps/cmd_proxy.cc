@@ -1,0 +1,81 @@
+// `kvbridge proxy`: the P/D proxy (OpenAI front door, registry, P→D flow). See docs/proxy.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <memory>
+
+#include "apps/command_registry.h"
+#include "kvbridge/common/logging.h"
+#include "kvbridge/proxy/proxy_server.h"
+
+namespace {
+
+using kvbridge::proxy::ProxyOptions;
+
+struct ProxyCliOptions {
+  ProxyOptions proxy;
+  std::string mode = "read";
+  std::string routing = "least-loaded";
+  int heartbeat_timeout_ms = 3000;
+  int request_timeout_s = 600;
+};
+
+int RunProxy(ProxyCliOptions& cli) {
+  auto mode = kvbridge::proxy::ParseKvMode(cli.mode);
+  auto routing = kvbridge::proxy::ParseRoutingPolicy(cli.routing);
+  if (!mode.ok() || !routing.ok()) {
+    std::fprintf(stderr, "error: %s\n",
+                 (!mode.ok() ? mode.status() : routing.status()).ToString().c_str());
+    return 2;
+  }
+  cli.proxy.mode = *mode;
+  cli.proxy.routing = *routing;
+  cli.proxy.heartbeat_timeout = cli.heartbeat_timeout_ms * kvbridge::kMillisecond;
+  cli.proxy.request_timeout = cli.request_timeout_s * kvbridge::kSecond;
+  // Signals are taken synchronously by this thread; block them before any thread starts.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  auto server = kvbridge::proxy::ProxyServer::Create(cli.proxy);
+  if (!server.ok()) {
+    std::fprintf(stderr, "error: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  (*server)->Start();
+  std::printf("kvbridge proxy listening on http://%s:%d (mode %s, routing %s)\n",
+              cli.proxy.host.c_str(), (*server)->port(), cli.mode.c_str(), cli.routing.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&set, &sig);
+  KVB_LOG_INFO("proxy: signal {}, stopping", sig);
+  (*server)->Stop();
+  return 0;
+}
+
+const bool kRegistered = kvbridge::apps::RegisterCommand(
+    "proxy", "Run the P/D proxy (OpenAI API front door for prefill + decode engines)",
+    [](CLI::App& sub) -> kvbridge::apps::CommandMain {
+      auto o = std::make_shared<ProxyCliOptions>();
+      sub.add_option("--host", o->proxy.host, "Address to listen on")->capture_default_str();
+      sub.add_option("--port", o->proxy.port, "Port (0 = any free port)")->capture_default_str();
+      sub.add_option("--prefill", o->proxy.prefill_urls, "Static prefill instances (http://H:P)");
+      sub.add_option("--decode", o->proxy.decode_urls, "Static decode instances (http://H:P)");
+      sub.add_option("--mode", o->mode, "KV mode of every instance: read|write")
+          ->capture_default_str();
+      sub.add_option("--routing", o->routing, "least-loaded|round-robin")->capture_default_str();
+      sub.add_flag("--prefill-forward-n", o->proxy.prefill_forward_n,
+                   "Send the client's n to the prefill leg (default n=1)");
+      sub.add_option("--cluster-token", o->proxy.cluster_token,
+                     "Token sent on legs/releases and required from registering engines");
+      sub.add_option("--heartbeat-timeout-ms", o->heartbeat_timeout_ms,
+                     "Drop a registered instance after this long without a heartbeat")
+          ->capture_default_str();
+      sub.add_option("--request-timeout-s", o->request_timeout_s, "Bound on one client request")
+          ->capture_default_str();
+      sub.add_option("--threads", o->proxy.threads, "Event-loop threads")->capture_default_str();
+      return [o] { return RunProxy(*o); };
+    });
+
+}  // namespace

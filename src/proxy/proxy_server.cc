@@ -1,0 +1,718 @@
+// The proxy runtime: wires PdFlow and InstanceRegistry to sockets with Boost.Beast coroutines.
+//
+// Per client request one FlowCtx owns the PdFlow; leg coroutines feed it events and queue the
+// actions it returns; the request's own coroutine executes the queued actions in order (so writes
+// to the client never interleave) and sleeps on a timer that leg coroutines cancel to wake it.
+// Everything of one connection runs on one strand, so the flow needs no lock.
+#include "kvbridge/proxy/proxy_server.h"
+
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <utility>  // before asio: its awaitable.hpp uses std::exchange without including it
+
+#include "kvbridge/common/logging.h"
+#include "kvbridge/common/metrics.h"
+
+namespace kvbridge::proxy {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using net::awaitable;
+using net::ip::tcp;
+using nlohmann::json;
+
+constexpr auto kAwait = net::use_awaitable;
+
+struct HostPort {
+  std::string host;
+  std::string port;
+};
+
+Result<HostPort> SplitUrl(const std::string& url) {
+  std::string rest = url;
+  if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
+  auto slash = rest.find('/');
+  if (slash != std::string::npos) rest = rest.substr(0, slash);
+  auto colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == rest.size()) {
+    return InvalidArgumentError("url must look like http://HOST:PORT, got '" + url + "'");
+  }
+  return HostPort{rest.substr(0, colon), rest.substr(colon + 1)};
+}
+
+std::string ErrorJson(int status, std::string_view type, std::string_view message) {
+  return json{{"error", {{"message", message}, {"type", type}, {"code", status}}}}.dump();
+}
+
+struct HttpReply {
+  int status = 0;
+  std::string content_type;
+  std::string body;
+};
+
+// One request on a fresh connection, whole response; Unavailable when the peer cannot be reached.
+awaitable<Result<HttpReply>> HttpCall(http::verb verb, std::string url, std::string target,
+                                      std::string body, std::string token, DurationUs timeout) {
+  auto ex = co_await net::this_coro::executor;
+  auto hp = SplitUrl(url);
+  if (!hp.ok()) co_return hp.status();
+  beast::error_code ec;
+  tcp::resolver resolver(ex);
+  auto results =
+      co_await resolver.async_resolve(hp->host, hp->port, net::redirect_error(kAwait, ec));
+  if (ec) co_return UnavailableError("resolve " + url + ": " + ec.message());
+  beast::tcp_stream stream(ex);
+  stream.expires_after(std::chrono::microseconds(timeout));
+  co_await stream.async_connect(results, net::redirect_error(kAwait, ec));
+  if (ec) co_return UnavailableError("connect " + url + ": " + ec.message());
+  http::request<http::string_body> req{verb, target, 11};
+  req.set(http::field::host, hp->host + ":" + hp->port);
+  if (!token.empty()) req.set(kClusterTokenHeader, token);
+  if (verb == http::verb::post) {
+    req.set(http::field::content_type, "application/json");
+    req.body() = std::move(body);
+    req.prepare_payload();
+  }
+  req.keep_alive(false);
+  co_await http::async_write(stream, req, net::redirect_error(kAwait, ec));
+  if (ec) co_return UnavailableError("write " + url + ": " + ec.message());
+  beast::flat_buffer buf;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(64u << 20);
+  co_await http::async_read(stream, buf, parser, net::redirect_error(kAwait, ec));
+  if (ec) co_return UnavailableError("read " + url + ": " + ec.message());
+  auto& res = parser.get();
+  HttpReply reply;
+  reply.status = static_cast<int>(res.result_int());
+  reply.content_type = std::string(res[http::field::content_type]);
+  reply.body = std::move(res.body());
+  beast::error_code ignore;
+  stream.socket().shutdown(tcp::socket::shutdown_both, ignore);
+  co_return reply;
+}
+
+}  // namespace
+
+struct ProxyServer::Impl {
+  explicit Impl(const ProxyOptions& o)
+      : options(o),
+        registry(RegistryOptions{o.mode, o.heartbeat_timeout, o.routing}),
+        request_seconds(metrics.AddHistogram("kvbridge_proxy_request_seconds",
+                                             "Client request latency through the proxy.",
+                                             Histogram::LatencyBucketsSeconds())),
+        in_flight(
+            metrics.AddGauge("kvbridge_proxy_requests_in_flight", "Client requests being served.")),
+        expired(metrics.AddCounter("kvbridge_proxy_instances_expired_total",
+                                   "Registered instances dropped for missed heartbeats.")),
+        acceptor(ioc) {
+    for (Outcome oc : {Outcome::kOk, Outcome::kBadRequest, Outcome::kNoInstance,
+                       Outcome::kPrefillError, Outcome::kDecodeError, Outcome::kUnreachable,
+                       Outcome::kClientDisconnected, Outcome::kTimeout}) {
+      outcome_counters[oc] =
+          &metrics.AddCounter("kvbridge_proxy_requests_total", "Client requests by outcome.",
+                              "outcome=\"" + std::string(OutcomeName(oc)) + "\"");
+    }
+    for (Role r : {Role::kPrefill, Role::kDecode}) {
+      std::string label = "role=\"" + std::string(RoleName(r)) + "\"";
+      int i = r == Role::kPrefill ? 0 : 1;
+      leg_seconds[i] =
+          &metrics.AddHistogram("kvbridge_proxy_leg_seconds", "Leg latency, sent to response end.",
+                                Histogram::LatencyBucketsSeconds(), label);
+      leg_first_byte_seconds[i] = &metrics.AddHistogram("kvbridge_proxy_leg_first_byte_seconds",
+                                                        "Leg latency, sent to status line.",
+                                                        Histogram::LatencyBucketsSeconds(), label);
+      metrics.AddCallbackGauge(
+          "kvbridge_proxy_instances_known", "Instances in the registry.",
+          [this, r] { return CountInstances(r, false); }, label);
+      metrics.AddCallbackGauge(
+          "kvbridge_proxy_instances_healthy", "Instances routable now.",
+          [this, r] { return CountInstances(r, true); }, label);
+    }
+    releases_ok =
+        &metrics.AddCounter("kvbridge_proxy_releases_total",
+                            "Holds released at a prefill by transfer_id.", "result=\"ok\"");
+    releases_failed =
+        &metrics.AddCounter("kvbridge_proxy_releases_total",
+                            "Holds released at a prefill by transfer_id.", "result=\"failed\"");
+    registrations_ok = &metrics.AddCounter("kvbridge_proxy_registrations_total",
+                                           "Instance registrations.", "result=\"ok\"");
+    registrations_refused = &metrics.AddCounter("kvbridge_proxy_registrations_total",
+                                                "Instance registrations.", "result=\"refused\"");
+  }
+
+  double CountInstances(Role r, bool healthy_only) {
+    std::lock_guard<std::mutex> lock(mu);
+    int n = 0;
+    for (const auto& st : registry.List()) {
+      if (st.info.role == r && (!healthy_only || st.healthy)) ++n;
+    }
+    return n;
+  }
+
+  std::string RenderMetrics() {
+    std::string text = metrics.Render();
+    text += "# HELP kvbridge_proxy_instance_in_flight Legs the proxy has open to each instance.\n";
+    text += "# TYPE kvbridge_proxy_instance_in_flight gauge\n";
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& st : registry.List()) {
+      text += "kvbridge_proxy_instance_in_flight{role=\"" + std::string(RoleName(st.info.role)) +
+              "\",instance=\"" + st.info.url + "\"} " + std::to_string(st.in_flight) + "\n";
+    }
+    return text;
+  }
+
+  json InstancesJson() {
+    json list = json::array();
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& st : registry.List()) {
+      list.push_back({{"id", st.info.id},
+                      {"role", RoleName(st.info.role)},
+                      {"url", st.info.url},
+                      {"mode", KvModeName(st.info.mode)},
+                      {"healthy", st.healthy},
+                      {"static", st.is_static},
+                      {"engine_id", st.info.engine_id},
+                      {"transfer_endpoints", st.info.transfer_endpoints},
+                      {"in_flight", st.in_flight},
+                      {"load",
+                       {{"running", st.load.running},
+                        {"waiting", st.load.waiting},
+                        {"kv_usage", st.load.kv_usage}}}});
+    }
+    return json{{"mode", KvModeName(options.mode)}, {"instances", list}};
+  }
+
+  bool TokenOk(const http::request<http::string_body>& req) {
+    if (options.cluster_token.empty()) return true;
+    auto it = req.find(kClusterTokenHeader);
+    return it != req.end() && it->value() == options.cluster_token;
+  }
+
+  awaitable<void> Accept();
+  awaitable<void> Session(tcp::socket sock);
+  awaitable<bool> Handle(tcp::socket& sock, http::request<http::string_body>& req);
+  awaitable<bool> RunFlow(tcp::socket& sock, http::request<http::string_body>& req);
+  awaitable<void> Housekeeping();
+  awaitable<void> Release(ReleaseHold rel);
+
+  ProxyOptions options;
+  std::mutex mu;  // guards registry
+  InstanceRegistry registry;
+  MetricsRegistry metrics;
+  Histogram& request_seconds;
+  Gauge& in_flight;
+  Counter& expired;
+  std::map<Outcome, Counter*> outcome_counters;
+  Histogram* leg_seconds[2] = {nullptr, nullptr};
+  Histogram* leg_first_byte_seconds[2] = {nullptr, nullptr};
+  Counter* releases_ok = nullptr;
+  Counter* releases_failed = nullptr;
+  Counter* registrations_ok = nullptr;
+  Counter* registrations_refused = nullptr;
+  // Declared last: destroyed first, with every coroutine frame still pointing at the above.
+  net::io_context ioc;
+  tcp::acceptor acceptor;
+  std::vector<std::thread> threads;
+  bool started = false;
+  int bound_port = 0;
+};
+
+namespace {
+
+using Request = http::request<http::string_body>;
+
+awaitable<bool> WriteWhole(tcp::socket& sock, const Request& req, int status,
+                           std::string content_type, std::string body) {
+  http::response<http::string_body> res;
+  res.version(req.version());
+  res.result(static_cast<unsigned>(status));
+  res.set(http::field::server, "kvbridge-proxy");
+  res.set(http::field::content_type, content_type.empty() ? "application/json" : content_type);
+  res.keep_alive(req.keep_alive());
+  res.body() = std::move(body);
+  res.prepare_payload();
+  beast::error_code ec;
+  co_await http::async_write(sock, res, net::redirect_error(kAwait, ec));
+  co_return !ec;
+}
+
+// What one client request's coroutines share.
+struct FlowCtx {
+  FlowCtx(const net::any_io_executor& ex, FlowOptions o, InstancePicker picker)
+      : flow(o, MintTransferId(), std::move(picker)), wake(ex) {}
+  void Push(std::vector<Action> actions) {
+    for (auto& a : actions) pending.push_back(std::move(a));
+    if (!actions.empty()) wake.cancel();
+  }
+  PdFlow flow;
+  std::deque<Action> pending;
+  net::steady_timer wake;
+  std::map<int, std::shared_ptr<beast::tcp_stream>> legs;
+  bool finished = false;
+};
+
+awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg) {
+  auto ex = co_await net::this_coro::executor;
+  const int role = leg.role == Role::kPrefill ? 0 : 1;
+  const TimePoint t0 = SteadyNow();
+  struct Finish {  // in-flight accounting, whatever way the leg ends
+    ProxyServer::Impl* impl;
+    std::string id;
+    ~Finish() {
+      std::lock_guard<std::mutex> lock(impl->mu);
+      impl->registry.LegFinished(id);
+    }
+  } finish{impl, leg.instance.id};
+  {
+    std::lock_guard<std::mutex> lock(impl->mu);
+    impl->registry.LegStarted(leg.instance.id);
+  }
+  auto stream = std::make_shared<beast::tcp_stream>(ex);
+  ctx->legs[leg.leg_id] = stream;
+  auto fail = [&](LegFailure f, std::string what) {
+    ctx->Push(ctx->flow.OnLegError(leg.leg_id, f, UnavailableError(std::move(what)), SteadyNow()));
+  };
+  auto hp = SplitUrl(leg.instance.url);
+  if (!hp.ok()) {
+    fail(LegFailure::kUnreachable, hp.status().message());
+    co_return;
+  }
+  beast::error_code ec;
+  tcp::resolver resolver(ex);
+  auto results =
+      co_await resolver.async_resolve(hp->host, hp->port, net::redirect_error(kAwait, ec));
+  if (ec) {
+    fail(LegFailure::kUnreachable, "resolve: " + ec.message());
+    co_return;
+  }
+  stream->expires_after(std::chrono::microseconds(impl->options.connect_timeout));
+  co_await stream->async_connect(results, net::redirect_error(kAwait, ec));
+  if (ec) {
+    fail(LegFailure::kUnreachable, "connect: " + ec.message());
+    co_return;
+  }
+  stream->socket().set_option(tcp::no_delay(true), ec);
+  stream->expires_after(std::chrono::microseconds(impl->options.request_timeout));
+  http::request<http::string_body> req{http::verb::post, leg.path, 11};
+  req.set(http::field::host, hp->host + ":" + hp->port);
+  req.set(http::field::content_type, "application/json");
+  if (leg.stream) req.set(http::field::accept, "text/event-stream");
+  if (!impl->options.cluster_token.empty()) {
+    req.set(kClusterTokenHeader, impl->options.cluster_token);
+  }
+  req.set("X-Request-Id", ctx->flow.transfer_id());
+  req.keep_alive(false);
+  req.body() = std::move(leg.body);
+  req.prepare_payload();
+  co_await http::async_write(*stream, req, net::redirect_error(kAwait, ec));
+  if (ec) {
+    fail(LegFailure::kBroken, "write: " + ec.message());
+    co_return;
+  }
+  beast::flat_buffer buf;
+  http::response_parser<http::buffer_body> parser;
+  parser.body_limit(1ull << 32);
+  co_await http::async_read_header(*stream, buf, parser, net::redirect_error(kAwait, ec));
+  if (ec) {
+    fail(LegFailure::kBroken, "read header: " + ec.message());
+    co_return;
+  }
+  const TimePoint t1 = SteadyNow();
+  impl->leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
+  ctx->Push(ctx->flow.OnLegStatus(leg.leg_id, static_cast<int>(parser.get().result_int()),
+                                  std::string(parser.get()[http::field::content_type]), t1));
+  char chunk[16384];
+  while (!parser.is_done()) {
+    parser.get().body().data = chunk;
+    parser.get().body().size = sizeof(chunk);
+    co_await http::async_read(*stream, buf, parser, net::redirect_error(kAwait, ec));
+    if (ec == http::error::need_buffer) ec = {};
+    size_t got = sizeof(chunk) - parser.get().body().size;
+    if (got > 0)
+      ctx->Push(ctx->flow.OnLegData(leg.leg_id, std::string_view(chunk, got), SteadyNow()));
+    if (ec) {
+      fail(LegFailure::kBroken, "read body: " + ec.message());
+      co_return;
+    }
+  }
+  const TimePoint t2 = SteadyNow();
+  impl->leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
+  ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
+  beast::error_code ignore;
+  stream->socket().shutdown(tcp::socket::shutdown_both, ignore);
+}
+
+// Watches the client socket while a flow runs: readable with EOF (or an error) = disconnect.
+awaitable<void> WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock) {
+  beast::error_code ec;
+  co_await sock->async_wait(tcp::socket::wait_read, net::redirect_error(kAwait, ec));
+  if (ec || ctx->finished) co_return;
+  char c;
+  beast::error_code peek_ec;
+  size_t n = sock->receive(net::buffer(&c, 1), tcp::socket::message_peek, peek_ec);
+  if (peek_ec == net::error::would_block) co_return;
+  if (n == 0 || peek_ec) {
+    ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+  }
+}
+
+}  // namespace
+
+awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel) {
+  json body = {{"transfer_id", rel.transfer_id}};
+  auto r = co_await HttpCall(http::verb::post, rel.prefill.url, "/v1/kv/release", body.dump(),
+                             options.cluster_token, options.connect_timeout);
+  if (r.ok() && r->status / 100 == 2) {
+    releases_ok->Inc();
+  } else {
+    releases_failed->Inc();
+    KVB_LOG_WARN(
+        "release of transfer {} at {} failed: {}", rel.transfer_id, rel.prefill.url,
+        r.ok() ? "HTTP " + std::to_string(r->status) + " " + r->body : r.status().ToString());
+  }
+}
+
+awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
+  auto ex = co_await net::this_coro::executor;
+  const TimePoint t0 = SteadyNow();
+  FlowOptions fo;
+  fo.mode = options.mode;
+  fo.prefill_forward_n = options.prefill_forward_n;
+  fo.max_attempts = options.max_attempts;
+  fo.timeout = options.request_timeout;
+  auto ctx =
+      std::make_shared<FlowCtx>(ex, fo, [this](Role role, const std::vector<std::string>& exclude) {
+        std::lock_guard<std::mutex> lock(mu);
+        return registry.Pick(role, exclude);
+      });
+  in_flight.Add(1);
+  ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
+  net::co_spawn(ex, WatchClient(ctx, &sock), net::detached);
+  bool client_ok = true;
+  std::optional<http::response<http::empty_body>> stream_head;
+  std::optional<http::response_serializer<http::empty_body>> serializer;
+  beast::error_code ec;
+  for (;;) {
+    while (!ctx->pending.empty()) {
+      Action a = std::move(ctx->pending.front());
+      ctx->pending.pop_front();
+      if (auto* s = std::get_if<SendLeg>(&a)) {
+        net::co_spawn(ex, RunLeg(this, ctx, std::move(*s)), net::detached);
+      } else if (auto* c = std::get_if<CancelLeg>(&a)) {
+        auto it = ctx->legs.find(c->leg_id);
+        if (it != ctx->legs.end()) {
+          beast::error_code ignore;
+          it->second->socket().close(ignore);
+        }
+      } else if (auto* r = std::get_if<ReleaseHold>(&a)) {
+        net::co_spawn(ex, Release(std::move(*r)), net::detached);
+      } else if (!client_ok) {
+        continue;  // the client is gone; its bytes have nowhere to go
+      } else if (auto* w = std::get_if<Respond>(&a)) {
+        client_ok = co_await WriteWhole(sock, req, w->status, w->content_type, std::move(w->body));
+      } else if (auto* st = std::get_if<StartStream>(&a)) {
+        stream_head.emplace();
+        stream_head->version(req.version());
+        stream_head->result(static_cast<unsigned>(st->status));
+        stream_head->set(http::field::server, "kvbridge-proxy");
+        stream_head->set(http::field::content_type, st->content_type);
+        stream_head->set(http::field::cache_control, "no-cache");
+        stream_head->keep_alive(req.keep_alive());
+        stream_head->chunked(true);
+        serializer.emplace(*stream_head);
+        co_await http::async_write_header(sock, *serializer, net::redirect_error(kAwait, ec));
+        client_ok = !ec;
+      } else if (auto* ch = std::get_if<StreamChunk>(&a)) {
+        co_await net::async_write(sock, http::make_chunk(net::buffer(ch->data)),
+                                  net::redirect_error(kAwait, ec));
+        client_ok = !ec;
+      } else if (std::holds_alternative<EndStream>(a)) {
+        co_await net::async_write(sock, http::make_chunk_last(), net::redirect_error(kAwait, ec));
+        client_ok = !ec;
+      }
+      if (!client_ok) ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+    }
+    if (ctx->flow.done()) break;
+    std::optional<TimePoint> deadline = ctx->flow.deadline();
+    if (deadline) {
+      ctx->wake.expires_after(
+          std::chrono::microseconds(std::max<DurationUs>(0, *deadline - SteadyNow())));
+    } else {
+      ctx->wake.expires_at(net::steady_timer::time_point::max());
+    }
+    co_await ctx->wake.async_wait(net::redirect_error(kAwait, ec));
+    if (!ec) ctx->Push(ctx->flow.OnTick(SteadyNow()));
+  }
+  ctx->finished = true;
+  beast::error_code ignore;
+  sock.cancel(ignore);  // ends WatchClient
+  in_flight.Add(-1);
+  outcome_counters[ctx->flow.outcome()]->Inc();
+  request_seconds.Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
+  co_return client_ok && ctx->flow.outcome() != Outcome::kClientDisconnected;
+}
+
+awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
+  std::string target(req.target());
+  auto q = target.find('?');
+  std::string path = q == std::string::npos ? target : target.substr(0, q);
+  const bool get = req.method() == http::verb::get;
+  const bool post = req.method() == http::verb::post;
+  if (post && (path == "/v1/completions" || path == "/v1/chat/completions")) {
+    co_return co_await RunFlow(sock, req);
+  }
+  if (get && path == "/health") {
+    json j = {{"status", "ok"},
+              {"prefill_healthy", CountInstances(Role::kPrefill, true)},
+              {"decode_healthy", CountInstances(Role::kDecode, true)}};
+    co_return co_await WriteWhole(sock, req, 200, "application/json", j.dump());
+  }
+  if (get && path == "/metrics") {
+    co_return co_await WriteWhole(sock, req, 200, "text/plain; version=0.0.4", RenderMetrics());
+  }
+  if (get && path == "/instances") {
+    co_return co_await WriteWhole(sock, req, 200, "application/json", InstancesJson().dump());
+  }
+  if (get && path == "/v1/models") {
+    std::optional<Endpoint> ep;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ep = registry.Pick(Role::kDecode, {});
+      if (!ep) ep = registry.Pick(Role::kPrefill, {});
+    }
+    if (!ep) {
+      co_return co_await WriteWhole(sock, req, 503, "application/json",
+                                    ErrorJson(503, "service_unavailable", "no instance available"));
+    }
+    auto r = co_await HttpCall(http::verb::get, ep->url, "/v1/models", "", options.cluster_token,
+                               options.connect_timeout * 5);
+    if (!r.ok()) {
+      co_return co_await WriteWhole(sock, req, 502, "application/json",
+                                    ErrorJson(502, "bad_gateway", r.status().ToString()));
+    }
+    co_return co_await WriteWhole(sock, req, r->status, r->content_type, std::move(r->body));
+  }
+  if (post && path.rfind("/v1/instances/", 0) == 0) {
+    if (!TokenOk(req)) {
+      co_return co_await WriteWhole(
+          sock, req, 401, "application/json",
+          ErrorJson(401, "unauthorized", "missing or wrong cluster token"));
+    }
+    const TimePoint now = SteadyNow();
+    if (path == "/v1/instances/register") {
+      auto parsed = ParseRegistration(req.body());
+      Status s = parsed.status();
+      if (parsed.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        s = registry.Register(parsed->first, parsed->second, now);
+      }
+      if (!s.ok()) {
+        registrations_refused->Inc();
+        KVB_LOG_WARN("registration refused: {}", s.ToString());
+        int code = s.code() == StatusCode::kFailedPrecondition ? 409
+                   : s.code() == StatusCode::kAlreadyExists    ? 409
+                                                               : 400;
+        co_return co_await WriteWhole(sock, req, code, "application/json",
+                                      ErrorJson(code, "registration_refused", s.ToString()));
+      }
+      registrations_ok->Inc();
+      std::string id = parsed->first.id.empty() ? parsed->first.url : parsed->first.id;
+      while (!id.empty() && id.back() == '/') id.pop_back();
+      KVB_LOG_INFO("registered {} {} ({})", RoleName(parsed->first.role), parsed->first.url, id);
+      json j = {{"instance_id", id},
+                {"heartbeat_interval_ms", options.heartbeat_interval / kMillisecond},
+                {"expiry_ms", options.heartbeat_timeout / kMillisecond}};
+      co_return co_await WriteWhole(sock, req, 200, "application/json", j.dump());
+    }
+    json j = json::parse(req.body(), nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("instance_id") ||
+        !j["instance_id"].is_string()) {
+      co_return co_await WriteWhole(
+          sock, req, 400, "application/json",
+          ErrorJson(400, "invalid_request_error", "body must be an object with instance_id"));
+    }
+    std::string id = j["instance_id"].get<std::string>();
+    Status s;
+    if (path == "/v1/instances/heartbeat") {
+      auto load = ParseLoad(j.contains("load") ? j["load"].dump() : "{}");
+      s = load.status();
+      if (load.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        s = registry.Heartbeat(id, *load, now);
+      }
+    } else if (path == "/v1/instances/deregister") {
+      std::lock_guard<std::mutex> lock(mu);
+      s = registry.Remove(id);
+      if (s.ok()) KVB_LOG_INFO("deregistered {}", id);
+    } else {
+      co_return co_await WriteWhole(sock, req, 404, "application/json",
+                                    ErrorJson(404, "not_found", "no such endpoint"));
+    }
+    if (!s.ok()) {
+      int code = s.code() == StatusCode::kNotFound ? 404 : 400;
+      co_return co_await WriteWhole(sock, req, code, "application/json",
+                                    ErrorJson(code, "instance_error", s.ToString()));
+    }
+    co_return co_await WriteWhole(sock, req, 200, "application/json", R"({"status":"ok"})");
+  }
+  co_return co_await WriteWhole(sock, req, 404, "application/json",
+                                ErrorJson(404, "not_found", "no such endpoint: " + path));
+}
+
+awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
+  beast::error_code ec;
+  sock.set_option(tcp::no_delay(true), ec);
+  beast::flat_buffer buf;
+  try {
+    for (;;) {
+      http::request_parser<http::string_body> parser;
+      parser.body_limit(64u << 20);
+      co_await http::async_read(sock, buf, parser, net::redirect_error(kAwait, ec));
+      if (ec == http::error::end_of_stream || ec == net::error::eof ||
+          ec == net::error::connection_reset || ec == net::error::operation_aborted) {
+        break;
+      }
+      if (ec) {
+        Request dummy;
+        dummy.version(11);
+        dummy.keep_alive(false);
+        co_await WriteWhole(sock, dummy, 400, "application/json",
+                            ErrorJson(400, "invalid_request_error", ec.message()));
+        break;
+      }
+      Request req = parser.release();
+      bool keep = req.keep_alive();
+      bool ok = co_await Handle(sock, req);
+      if (!ok || !keep) break;
+    }
+  } catch (const std::exception& e) {
+    KVB_LOG_ERROR("proxy session failed: {}", e.what());
+  }
+  sock.shutdown(tcp::socket::shutdown_send, ec);
+  sock.close(ec);
+}
+
+awaitable<void> ProxyServer::Impl::Accept() {
+  for (;;) {
+    beast::error_code ec;
+    auto strand = net::make_strand(ioc);
+    tcp::socket sock(strand);
+    co_await acceptor.async_accept(sock, net::redirect_error(kAwait, ec));
+    if (ec == net::error::operation_aborted) co_return;
+    if (ec) {
+      KVB_LOG_WARN("accept failed: {}", ec.message());
+      continue;
+    }
+    net::co_spawn(strand, Session(std::move(sock)), net::detached);
+  }
+}
+
+awaitable<void> ProxyServer::Impl::Housekeeping() {
+  auto ex = co_await net::this_coro::executor;
+  net::steady_timer timer(ex);
+  TimePoint next_probe = 0;
+  for (;;) {
+    timer.expires_after(std::chrono::milliseconds(200));
+    beast::error_code ec;
+    co_await timer.async_wait(net::redirect_error(kAwait, ec));
+    if (ec) co_return;
+    const TimePoint now = SteadyNow();
+    std::vector<InstanceState> statics;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const std::string& id : registry.Expire(now)) {
+        expired.Inc();
+        KVB_LOG_WARN("instance {} dropped: no heartbeat for {} ms", id,
+                     options.heartbeat_timeout / kMillisecond);
+      }
+      if (now >= next_probe) {
+        for (auto& st : registry.List()) {
+          if (st.is_static) statics.push_back(st);
+        }
+      }
+    }
+    if (now < next_probe) continue;
+    next_probe = now + options.health_probe_interval;
+    for (const auto& st : statics) {
+      auto r = co_await HttpCall(http::verb::get, st.info.url, "/health", "", "",
+                                 options.connect_timeout);
+      bool healthy = r.ok() && r->status == 200;
+      std::lock_guard<std::mutex> lock(mu);
+      auto cur = registry.Get(st.info.id);
+      if (cur && cur->healthy != healthy) {
+        KVB_LOG_WARN("instance {} is now {}", st.info.url, healthy ? "healthy" : "unhealthy");
+      }
+      registry.SetHealthy(st.info.id, healthy);
+    }
+  }
+}
+
+ProxyServer::ProxyServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ProxyServer::~ProxyServer() { Stop(); }
+
+Result<std::unique_ptr<ProxyServer>> ProxyServer::Create(const ProxyOptions& options) {
+  if (options.threads < 1 || options.threads > 64) {
+    return InvalidArgumentError("threads must be in [1, 64]");
+  }
+  if (options.port < 0 || options.port > 65535) return InvalidArgumentError("bad port");
+  auto impl = std::make_unique<Impl>(options);
+  for (const auto& url : options.prefill_urls) {
+    RETURN_IF_ERROR(impl->registry.AddStatic(Role::kPrefill, url).WithPrefix("--prefill"));
+  }
+  for (const auto& url : options.decode_urls) {
+    RETURN_IF_ERROR(impl->registry.AddStatic(Role::kDecode, url).WithPrefix("--decode"));
+  }
+  beast::error_code ec;
+  auto addr = net::ip::make_address(options.host, ec);
+  if (ec) return InvalidArgumentError("bad --host '" + options.host + "': " + ec.message());
+  tcp::endpoint ep(addr, static_cast<unsigned short>(options.port));
+  impl->acceptor.open(ep.protocol(), ec);
+  if (!ec) impl->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor.bind(ep, ec);
+  if (!ec) impl->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return UnavailableError("cannot listen on " + options.host + ":" +
+                            std::to_string(options.port) + ": " + ec.message());
+  }
+  impl->bound_port = impl->acceptor.local_endpoint().port();
+  return std::unique_ptr<ProxyServer>(new ProxyServer(std::move(impl)));
+}
+
+void ProxyServer::Start() {
+  if (impl_->started) return;
+  impl_->started = true;
+  net::co_spawn(impl_->ioc, impl_->Accept(), net::detached);
+  net::co_spawn(net::make_strand(impl_->ioc), impl_->Housekeeping(), net::detached);
+  for (int i = 0; i < impl_->options.threads; ++i) {
+    impl_->threads.emplace_back([this] { impl_->ioc.run(); });
+  }
+}
+
+void ProxyServer::Stop() {
+  if (!impl_) return;
+  impl_->ioc.stop();
+  for (auto& t : impl_->threads) {
+    if (t.joinable()) t.join();
+  }
+  impl_->threads.clear();
+}
+
+int ProxyServer::port() const { return impl_->bound_port; }
+
+std::vector<InstanceState> ProxyServer::Instances() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->registry.List();
+}
+
+std::string ProxyServer::MetricsText() const { return impl_->RenderMetrics(); }
+
+}  // namespace kvbridge::proxy
