@@ -133,6 +133,7 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
     scheduler_->FailBatch(batch, st, now);
     return st;
   }
+  if (logits_observer_) logits_observer_(batch, logits_);
   RETURN_IF_ERROR(scheduler_->UpdateFromOutput(batch, logits_, now));
   r.num_tokens = batch.num_tokens;
   r.num_sequences = static_cast<int>(batch.chunks.size());

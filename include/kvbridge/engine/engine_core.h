@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "kvbridge/common/clock.h"
@@ -76,6 +77,11 @@ class EngineCore {
   /// True when a step could do something without new input: running or admissible work.
   bool HasRunnableWork() const;
 
+  /// Test/debug hook: called after each forward with the batch and its logits
+  /// ([batch.num_logit_rows][vocab_size]), before sampling.
+  using LogitsObserver = std::function<void(const ScheduledBatch&, std::span<const float>)>;
+  void set_logits_observer(LogitsObserver observer) { logits_observer_ = std::move(observer); }
+
   Scheduler& scheduler() { return *scheduler_; }
   const Scheduler& scheduler() const { return *scheduler_; }
   BlockPool& pool() { return *pool_; }
@@ -97,6 +103,7 @@ class EngineCore {
   std::unique_ptr<KvConnector> connector_;
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<float> logits_;
+  LogitsObserver logits_observer_;
 };
 
 }  // namespace kvbridge
