@@ -128,9 +128,8 @@ class TransferAgent::Impl {
     if (cfg_.copy_threads < 1 || cfg_.copy_threads > 64) {
       return InvalidArgumentError("copy_threads must be in [1, 64]");
     }
-    if (!cfg_.force_backend.empty() &&
-        std::find(cfg_.backends.begin(), cfg_.backends.end(), cfg_.force_backend) ==
-            cfg_.backends.end()) {
+    if (!cfg_.force_backend.empty() && std::find(cfg_.backends.begin(), cfg_.backends.end(),
+                                                 cfg_.force_backend) == cfg_.backends.end()) {
       cfg_.backends.push_back(cfg_.force_backend);
     }
     hold_check_ = cfg_.hold_check;
@@ -224,8 +223,9 @@ class TransferAgent::Impl {
     if (!chosen) {
       std::string offered;
       for (auto& [n, e] : peer.endpoints) offered += (offered.empty() ? "" : ",") + n;
-      return UnavailableError("no common reachable backend with peer '" + peer.agent_name +
-                              "' (peer offers " + offered + (cfg_.force_backend.empty() ? "" : ", forced " + cfg_.force_backend) + ")");
+      return UnavailableError(
+          "no common reachable backend with peer '" + peer.agent_name + "' (peer offers " +
+          offered + (cfg_.force_backend.empty() ? "" : ", forced " + cfg_.force_backend) + ")");
     }
     ASSIGN_OR_RETURN(std::shared_ptr<BackendPeer> conn, chosen->Connect(peer));
     std::shared_ptr<BackendPeer> old;
@@ -267,7 +267,8 @@ class TransferAgent::Impl {
       std::lock_guard<std::mutex> l(mu_);
       if (!registered_) return FailedPreconditionError("RegisterMemory first");
       auto it = peers_.find(spec.peer);
-      if (it == peers_.end()) return NotFoundError("unknown peer '" + spec.peer + "' (AddPeer first)");
+      if (it == peers_.end())
+        return NotFoundError("unknown peer '" + spec.peer + "' (AddPeer first)");
       peer = it->second.meta;
     }
     const PagedKvLayout& ll = reg_.layout;
@@ -302,8 +303,8 @@ class TransferAgent::Impl {
     std::vector<BlockPair> pairs = spec.blocks;
     for (const BlockPair& p : pairs) {
       if (p.local < 0 || p.local >= ll.num_blocks) {
-        return InvalidArgumentError("local block " + std::to_string(p.local) + " out of range [0, " +
-                                    std::to_string(ll.num_blocks) + ")");
+        return InvalidArgumentError("local block " + std::to_string(p.local) +
+                                    " out of range [0, " + std::to_string(ll.num_blocks) + ")");
       }
       if (p.remote < 0 || p.remote >= rl.num_blocks) {
         return InvalidArgumentError("remote block " + std::to_string(p.remote) +
@@ -337,9 +338,11 @@ class TransferAgent::Impl {
         } else {
           for (int kv = 0; kv < 2; ++kv) {
             Segment s;
-            s.local = lbase + static_cast<uint64_t>(pairs[i].local) * lblock + kv * lhalf + lr.offset;
+            s.local =
+                lbase + static_cast<uint64_t>(pairs[i].local) * lblock + kv * lhalf + lr.offset;
             s.remote_layer = static_cast<uint32_t>(layer);
-            s.remote_offset = static_cast<uint64_t>(pairs[i].remote) * rblock + kv * rhalf + rr.offset;
+            s.remote_offset =
+                static_cast<uint64_t>(pairs[i].remote) * rblock + kv * rhalf + rr.offset;
             s.length = lr.length;
             total += s.length;
             segs->push_back(s);
@@ -385,7 +388,8 @@ class TransferAgent::Impl {
         auto c = weak_conn.lock();
         Status ns = c ? SendNotify(peer, c, tid, std::move(*note), std::move(on_reply))
                       : UnavailableError("peer connection closed");
-        if (!ns.ok()) s = UnavailableError("transfer done but notification failed: " + ns.message());
+        if (!ns.ok())
+          s = UnavailableError("transfer done but notification failed: " + ns.message());
       }
       if (auto st = weak_state.lock()) st->Finish(std::move(s));
     };
@@ -452,9 +456,9 @@ class TransferAgent::Impl {
     m.wants_reply = static_cast<bool>(on_reply);
     if (m.wants_reply) {
       std::lock_guard<std::mutex> l(timer_mu_);
-      replies_[m.id] = PendingReply{peer, path, std::move(on_reply),
-                                    std::chrono::steady_clock::now() +
-                                        std::chrono::milliseconds(cfg_.reply_timeout_ms)};
+      replies_[m.id] = PendingReply{
+          peer, path, std::move(on_reply),
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(cfg_.reply_timeout_ms)};
     }
     Status s = path->SendMessage(wire::EncodeAgentMessage(m));
     if (!s.ok() && m.wants_reply) {
@@ -502,10 +506,12 @@ class TransferAgent::Impl {
       auto in = inbound_.find(peer);
       if (in != inbound_.end() && !in->second->alive()) inbound_.erase(in);
     }
-    FailReplies([&](const PendingReply& r) {
-      auto p = r.path.lock();
-      return r.peer == peer && (!p || !p->alive());
-    }, "peer '" + peer + "' lost");
+    FailReplies(
+        [&](const PendingReply& r) {
+          auto p = r.path.lock();
+          return r.peer == peer && (!p || !p->alive());
+        },
+        "peer '" + peer + "' lost");
   }
 
   template <typename Pred>
@@ -579,17 +585,23 @@ Result<std::unique_ptr<TransferAgent>> TransferAgent::Create(AgentConfig config)
 TransferAgent::TransferAgent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TransferAgent::~TransferAgent() = default;
 
-Status TransferAgent::RegisterMemory(const KvRegistration& reg) { return impl_->RegisterMemory(reg); }
+Status TransferAgent::RegisterMemory(const KvRegistration& reg) {
+  return impl_->RegisterMemory(reg);
+}
 Result<AgentMetadata> TransferAgent::Metadata() const { return impl_->Metadata(); }
-Result<std::string> TransferAgent::AddPeer(const AgentMetadata& peer) { return impl_->AddPeer(peer); }
+Result<std::string> TransferAgent::AddPeer(const AgentMetadata& peer) {
+  return impl_->AddPeer(peer);
+}
 Status TransferAgent::RemovePeer(const std::string& n) { return impl_->RemovePeer(n); }
 Result<std::string> TransferAgent::PeerBackend(const std::string& n) const {
   return impl_->PeerBackend(n);
 }
-Result<std::shared_ptr<const PreparedTransfer>> TransferAgent::Prepare(const TransferSpec& s) const {
+Result<std::shared_ptr<const PreparedTransfer>> TransferAgent::Prepare(
+    const TransferSpec& s) const {
   return impl_->Prepare(s);
 }
-Result<TransferHandle> TransferAgent::Post(std::shared_ptr<const PreparedTransfer> p, PostOptions o) {
+Result<TransferHandle> TransferAgent::Post(std::shared_ptr<const PreparedTransfer> p,
+                                           PostOptions o) {
   return impl_->Post(std::move(p), std::move(o));
 }
 void TransferAgent::SetNotificationHandler(NotificationHandler h) {

@@ -13,7 +13,8 @@ std::string_view MemoryKindName(MemoryKind kind) {
   return kind == MemoryKind::kHost ? "host" : "cuda";
 }
 
-KvRegistration KvRegistration::FromHostBuffer(const PagedKvLayout& layout, const HostBuffer& buffer) {
+KvRegistration KvRegistration::FromHostBuffer(const PagedKvLayout& layout,
+                                              const HostBuffer& buffer) {
   KvRegistration reg;
   reg.layout = layout;
   const size_t lb = layout.LayerBytes();
@@ -71,8 +72,8 @@ Result<HostBuffer> HostBuffer::Allocate(size_t bytes) {
   if (p == MAP_FAILED) {
     int e = errno;
     ::close(fd);
-    return ResourceExhaustedError("mmap of " + std::to_string(bytes) + " bytes: " +
-                                  ErrnoToStatus(e, "mmap").message());
+    return ResourceExhaustedError("mmap of " + std::to_string(bytes) +
+                                  " bytes: " + ErrnoToStatus(e, "mmap").message());
   }
   HostBuffer b;
   b.data_ = static_cast<uint8_t*>(p);

@@ -9,9 +9,12 @@ namespace kvbridge::transfer {
 namespace {
 const char* DtypeStr(KvDtype d) {
   switch (d) {
-    case KvDtype::kFp32: return "fp32";
-    case KvDtype::kBf16: return "bf16";
-    case KvDtype::kFp8E4M3: return "fp8";
+    case KvDtype::kFp32:
+      return "fp32";
+    case KvDtype::kBf16:
+      return "bf16";
+    case KvDtype::kFp8E4M3:
+      return "fp8";
   }
   return "?";
 }
@@ -37,9 +40,9 @@ std::string EncodeMetadata(const AgentMetadata& m) {
   j["tp_rank"] = m.tp_rank;
   j["head_begin"] = m.head_begin;
   j["head_count"] = m.head_count;
-  j["layout"] = {{"num_layers", m.layout.num_layers},   {"num_kv_heads", m.layout.num_kv_heads},
-                 {"head_dim", m.layout.head_dim},       {"block_size", m.layout.block_size},
-                 {"num_blocks", m.layout.num_blocks},   {"dtype", DtypeStr(m.layout.dtype)}};
+  j["layout"] = {{"num_layers", m.layout.num_layers}, {"num_kv_heads", m.layout.num_kv_heads},
+                 {"head_dim", m.layout.head_dim},     {"block_size", m.layout.block_size},
+                 {"num_blocks", m.layout.num_blocks}, {"dtype", DtypeStr(m.layout.dtype)}};
   j["block_bytes"] = m.layout.BlockBytes();
   j["layer_base"] = m.layer_base;
   j["layer_bytes"] = m.layer_bytes;
@@ -54,7 +57,8 @@ std::string EncodeMetadata(const AgentMetadata& m) {
 
 Result<AgentMetadata> DecodeMetadata(std::string_view text) {
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return InvalidArgumentError("metadata is not a JSON object");
+  if (j.is_discarded() || !j.is_object())
+    return InvalidArgumentError("metadata is not a JSON object");
   AgentMetadata m;
   uint64_t block_bytes = 0;
   try {
@@ -104,12 +108,13 @@ Result<AgentMetadata> DecodeMetadata(std::string_view text) {
   }
   const PagedKvLayout& l = m.layout;
   if (m.agent_name.empty()) return InvalidArgumentError("metadata: empty agent_name");
-  if (l.num_layers <= 0 || l.num_layers > 100000 || l.num_kv_heads <= 0 ||
-      l.num_kv_heads > 65536 || l.head_dim <= 0 || l.head_dim > 65536 || l.block_size <= 0 ||
-      l.block_size > 65536 || l.num_blocks <= 0) {
+  if (l.num_layers <= 0 || l.num_layers > 100000 || l.num_kv_heads <= 0 || l.num_kv_heads > 65536 ||
+      l.head_dim <= 0 || l.head_dim > 65536 || l.block_size <= 0 || l.block_size > 65536 ||
+      l.num_blocks <= 0) {
     return InvalidArgumentError("metadata: layout has an out-of-range dimension");
   }
-  if (l.BlockBytes() > (uint64_t{1} << 32)) return InvalidArgumentError("metadata: blocks too large");
+  if (l.BlockBytes() > (uint64_t{1} << 32))
+    return InvalidArgumentError("metadata: blocks too large");
   if (block_bytes != l.BlockBytes()) {
     return InvalidArgumentError("metadata: block_bytes does not match the layout");
   }
@@ -125,8 +130,8 @@ Result<AgentMetadata> DecodeMetadata(std::string_view text) {
 
 Status CheckCompatible(const AgentMetadata& local, const AgentMetadata& peer) {
   auto mismatch = [](const std::string& field, const std::string& a, const std::string& b) {
-    return FailedPreconditionError("peer metadata mismatch: " + field + " (local " + a +
-                                   ", peer " + b + ")");
+    return FailedPreconditionError("peer metadata mismatch: " + field + " (local " + a + ", peer " +
+                                   b + ")");
   };
   if (local.version != peer.version) {
     return mismatch("version", std::to_string(local.version), std::to_string(peer.version));

@@ -279,7 +279,9 @@ Result<Fd> UnixConnect(const std::string& abstract_name) {
 
 Status SendWithFds(int sock, std::string_view bytes, const std::vector<int>& fds) {
   if (bytes.empty()) return InvalidArgumentError("fds need at least one byte");
-  struct iovec iov {const_cast<char*>(bytes.data()), 1};
+  struct iovec iov {
+    const_cast<char*>(bytes.data()), 1
+  };
   std::vector<char> ctrl(CMSG_SPACE(sizeof(int) * fds.size()));
   struct msghdr msg {};
   msg.msg_iov = &iov;
@@ -303,7 +305,9 @@ Status SendWithFds(int sock, std::string_view bytes, const std::vector<int>& fds
 
 Status RecvWithFds(int sock, void* p, size_t n, std::vector<Fd>* fds) {
   if (n == 0) return InvalidArgumentError("fds need at least one byte");
-  struct iovec iov {p, 1};
+  struct iovec iov {
+    p, 1
+  };
   alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * 64)];
   struct msghdr msg {};
   msg.msg_iov = &iov;

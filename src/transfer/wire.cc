@@ -27,7 +27,8 @@ Result<FrameHeader> DecodeFrameHeader(const uint8_t* data, size_t size) {
   }
   FrameHeader h;
   uint8_t type = data[5];
-  if (type < static_cast<uint8_t>(FrameType::kHello) || type > static_cast<uint8_t>(FrameType::kMsg)) {
+  if (type < static_cast<uint8_t>(FrameType::kHello) ||
+      type > static_cast<uint8_t>(FrameType::kMsg)) {
     return InvalidArgumentError("unknown frame type " + std::to_string(type));
   }
   h.type = static_cast<FrameType>(type);
@@ -99,7 +100,8 @@ Result<DataRequest> DecodeDataRequest(std::string_view meta) {
   return req;
 }
 
-Status ValidateSegments(const DataRequest& req, const KvRegistration& reg, std::vector<int>* blocks) {
+Status ValidateSegments(const DataRequest& req, const KvRegistration& reg,
+                        std::vector<int>* blocks) {
   const uint64_t layer_bytes = reg.layout.LayerBytes();
   const uint64_t block_bytes = reg.layout.BlockBytes();
   if (blocks) blocks->clear();

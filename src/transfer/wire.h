@@ -99,8 +99,8 @@ class Reader {
 /// Handshake sent by the connecting side.
 struct Hello {
   std::string agent_name;
-  uint64_t incarnation = 0;           ///< Sender's.
-  uint64_t expect_incarnation = 0;    ///< Target's, from its metadata (stale metadata refused).
+  uint64_t incarnation = 0;         ///< Sender's.
+  uint64_t expect_incarnation = 0;  ///< Target's, from its metadata (stale metadata refused).
   uint32_t connection_index = 0;
 };
 std::string EncodeHello(const Hello& h);
@@ -122,7 +122,8 @@ Result<DataRequest> DecodeDataRequest(std::string_view meta);
 
 /// Checks segments against a registration: layer exists, [offset, offset+length) inside the
 /// layer's LayerBytes(). Fills the sorted distinct block ids touched. InvalidArgument if not.
-Status ValidateSegments(const DataRequest& req, const KvRegistration& reg, std::vector<int>* blocks);
+Status ValidateSegments(const DataRequest& req, const KvRegistration& reg,
+                        std::vector<int>* blocks);
 
 /// Agent-level messages (payload of kMsg frames / shm control / ucx active messages).
 enum class MessageKind : uint8_t { kNotify = 1, kReply = 2 };

@@ -82,9 +82,9 @@ struct BlockPair {
 
 struct TransferSpec {
   TransferOp op = TransferOp::kRead;
-  std::string peer;              ///< Peer agent_name (AddPeer first).
+  std::string peer;               ///< Peer agent_name (AddPeer first).
   std::vector<BlockPair> blocks;  ///< (local block id, remote block id) pairs.
-  int layer = -1;                ///< -1 = all layers; else one layer index.
+  int layer = -1;                 ///< -1 = all layers; else one layer index.
   /// Optional sub-range of each half block (both or neither; equal lengths).
   std::optional<ByteRange> local_range;
   std::optional<ByteRange> remote_range;
@@ -181,8 +181,8 @@ class TransferAgent {
   /// Handler for notifications from peers (replaces the previous one).
   void SetNotificationHandler(NotificationHandler handler);
   /// Sends a standalone notification (no transfer). Unavailable when the peer is unreachable.
-  Status Notify(const std::string& peer_name, const std::string& transfer_id,
-                std::string payload, ReplyCallback on_reply = nullptr);
+  Status Notify(const std::string& peer_name, const std::string& transfer_id, std::string payload,
+                ReplyCallback on_reply = nullptr);
   /// Replies to a notification that wants_reply. Unavailable if its sender is gone.
   Status Reply(const Notification& n, std::string payload);
   /// Replaces the hold check (see AgentConfig::hold_check).

@@ -6,8 +6,8 @@
 // (a memfd mapping the peer can map too). MemoryKind is ready for CUDA device memory (the future
 // cuda_ipc backend); today only kHost is accepted.
 //
-//   ASSIGN_OR_RETURN(HostBuffer buf, HostBuffer::Allocate(layout.LayerBytes() * layout.num_layers));
-//   KvRegistration reg = KvRegistration::FromHostBuffer(layout, buf);
+//   ASSIGN_OR_RETURN(HostBuffer buf, HostBuffer::Allocate(layout.LayerBytes() *
+//   layout.num_layers)); KvRegistration reg = KvRegistration::FromHostBuffer(layout, buf);
 //   RETURN_IF_ERROR(agent->RegisterMemory(reg));
 #pragma once
 

@@ -22,8 +22,8 @@ namespace {
 using wire::FrameHeader;
 using wire::FrameType;
 
-constexpr uint64_t kSplitBytes = 8u << 20;   // split a job over workers above this
-constexpr uint64_t kChunkBytes = 4u << 20;   // cancel is polled at least this often
+constexpr uint64_t kSplitBytes = 8u << 20;  // split a job over workers above this
+constexpr uint64_t kChunkBytes = 4u << 20;  // cancel is polled at least this often
 
 // Peer memory mapped into this process; kept alive by every in-flight copy.
 struct RemoteMap {
@@ -145,7 +145,10 @@ class ShmChannel : public BackendPeer, public std::enable_shared_from_this<ShmCh
  public:
   ShmChannel(net::Fd sock, std::string peer_name, const BackendContext* ctx, CopyPool* pool,
              std::shared_ptr<RemoteMap> map)
-      : sock_(std::move(sock)), peer_(std::move(peer_name)), ctx_(ctx), pool_(pool),
+      : sock_(std::move(sock)),
+        peer_(std::move(peer_name)),
+        ctx_(ctx),
+        pool_(pool),
         map_(std::move(map)) {}
   ~ShmChannel() override { Close(); }
 
@@ -164,7 +167,8 @@ class ShmChannel : public BackendPeer, public std::enable_shared_from_this<ShmCh
     }
     const auto& segs = *job->segments;
     for (const Segment& s : segs) {  // defence in depth: Prepare checked against the metadata
-      if (s.remote_layer >= map_->layer_base.size() || s.remote_offset > map_->layer_bytes[s.remote_layer] ||
+      if (s.remote_layer >= map_->layer_base.size() ||
+          s.remote_offset > map_->layer_bytes[s.remote_layer] ||
           s.length > map_->layer_bytes[s.remote_layer] - s.remote_offset) {
         job->finish(InvalidArgumentError("segment outside the peer's mapped region"));
         return;
@@ -301,7 +305,8 @@ class ShmBackend : public Backend {
       map->maps.emplace_back(p, static_cast<size_t>(st.st_size));
     }
     uint32_t n;
-    if (!r.U32(n) || n != peer.layer_bytes.size()) return UnavailableError("shm handshake: bad table");
+    if (!r.U32(n) || n != peer.layer_bytes.size())
+      return UnavailableError("shm handshake: bad table");
     for (uint32_t i = 0; i < n; ++i) {
       uint32_t fi;
       uint64_t off, bytes;
@@ -373,8 +378,8 @@ class ShmBackend : public Backend {
       frame += meta_out;
       if (!net::SendWithFds(sock.get(), frame, fds).ok() || ack.status != 0) continue;
       net::SetTimeouts(sock.get(), 0, ctx_.peer_timeout_ms);
-      auto ch = std::make_shared<ShmChannel>(std::move(sock), hello->agent_name, &ctx_, &pool_,
-                                             nullptr);
+      auto ch =
+          std::make_shared<ShmChannel>(std::move(sock), hello->agent_name, &ctx_, &pool_, nullptr);
       {
         std::lock_guard<std::mutex> l(mu_);
         if (shut_) return;

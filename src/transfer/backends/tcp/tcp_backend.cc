@@ -145,8 +145,8 @@ class TcpPeer : public BackendPeer {
       return;
     }
     const auto& segs = *job->segments;
-    const uint64_t stripe = std::clamp<uint64_t>(job->total_bytes / conns_.size(),
-                                                 kMinStripeBytes, kMaxRequestBytes);
+    const uint64_t stripe =
+        std::clamp<uint64_t>(job->total_bytes / conns_.size(), kMinStripeBytes, kMaxRequestBytes);
     std::vector<Request> reqs;
     Request cur;
     for (size_t i = 0; i < segs.size(); ++i) {
@@ -219,8 +219,8 @@ void TcpConn::SendLoop() {
       continue;
     }
     wire::Writer w;
-    wire::EncodeDataRequest(r.job->transfer_id, r.job->segments->data() + r.begin,
-                            r.end - r.begin, w);
+    wire::EncodeDataRequest(r.job->transfer_id, r.job->segments->data() + r.begin, r.end - r.begin,
+                            w);
     FrameHeader h;
     h.request_id = r.id;
     Status s;
@@ -280,7 +280,8 @@ void TcpConn::RecvLoop() {
       r = std::move(outstanding_.front());
       outstanding_.pop_front();
     }
-    const FrameType want = r.job->op == TransferOp::kRead ? FrameType::kReadResp : FrameType::kWriteAck;
+    const FrameType want =
+        r.job->op == TransferOp::kRead ? FrameType::kReadResp : FrameType::kWriteAck;
     if (h.type != want) {
       r.parts->Done(r.job, UnavailableError("tcp protocol error: wrong response type"));
       fail = UnavailableError("tcp protocol error");
@@ -334,7 +335,9 @@ class ServerConn : public BackendPeer {
       : sock_(std::move(sock)), ctx_(ctx), reg_(reg) {}
   ~ServerConn() override { Close(); }
 
-  void Start() { thread_ = std::thread([this] { Serve(); }); }
+  void Start() {
+    thread_ = std::thread([this] { Serve(); });
+  }
   bool finished() const { return finished_.load(); }
 
   void Submit(std::shared_ptr<TransferJob> job) override {

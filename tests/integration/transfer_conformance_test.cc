@@ -1,0 +1,716 @@
+// The transfer conformance suite: every backend passes the same TEST_P cases.
+//
+// Built twice from this one file: transfer_conformance_test (label unit: two agents in one
+// process) and, with KVB_TRANSFER_MULTIPROCESS, transfer_multiprocess_test (label integration:
+// a forked peer process, SIGKILLed mid-transfer; tcp across two network namespaces).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "kvbridge/transfer/agent.h"
+
+namespace kvbridge::transfer {
+namespace {
+
+constexpr uint8_t kPoison = 0xAB;
+
+PagedKvLayout SmallLayout(int num_blocks = 64) {
+  PagedKvLayout l;
+  l.num_layers = 2;
+  l.num_kv_heads = 2;
+  l.head_dim = 16;
+  l.block_size = 4;
+  l.num_blocks = num_blocks;
+  l.dtype = KvDtype::kFp32;
+  return l;  // half = 512 B, block = 1 KiB
+}
+
+// Deterministic content of (seed, layer, block): lets a parent verify a child's memory.
+void FillBlock(uint8_t* p, size_t n, uint64_t seed, int layer, int block) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(layer) * 1000003 + block;
+  for (size_t i = 0; i < n; i += 8) {
+    x += 0x9E3779B97F4A7C15ULL;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    std::memcpy(p + i, &z, std::min<size_t>(8, n - i));
+  }
+}
+
+struct Side {
+  PagedKvLayout layout;
+  HostBuffer buf;
+  std::unique_ptr<TransferAgent> agent;
+  uint8_t* Block(int layer, int block) {
+    return buf.data() + static_cast<size_t>(layer) * layout.LayerBytes() +
+           static_cast<size_t>(block) * layout.BlockBytes();
+  }
+  void FillAll(uint64_t seed) {
+    for (int l = 0; l < layout.num_layers; ++l) {
+      for (int b = 0; b < layout.num_blocks; ++b)
+        FillBlock(Block(l, b), layout.BlockBytes(), seed, l, b);
+    }
+  }
+  void Poison() { std::memset(buf.data(), kPoison, buf.size()); }
+  AgentMetadata Meta() { return agent->Metadata().value(); }
+};
+
+AgentConfig ConfigFor(const std::string& name, const std::string& backend) {
+  AgentConfig c;
+  c.name = name;
+  c.backends = {backend};
+  c.force_backend = backend;
+  c.model_fingerprint = "model-A";
+  c.peer_timeout_ms = 2000;
+  c.reply_timeout_ms = 2000;
+  return c;
+}
+
+std::unique_ptr<Side> MakeSide(AgentConfig cfg, PagedKvLayout layout) {
+  auto s = std::make_unique<Side>();
+  s->layout = layout;
+  s->buf = HostBuffer::Allocate(layout.LayerBytes() * layout.num_layers).value();
+  auto agent = TransferAgent::Create(std::move(cfg));
+  EXPECT_TRUE(agent.ok()) << agent.status().ToString();
+  s->agent = std::move(agent).value();
+  Status st = s->agent->RegisterMemory(KvRegistration::FromHostBuffer(layout, s->buf));
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return s;
+}
+
+std::vector<BlockPair> ScatteredPairs(int n, int num_blocks, uint32_t seed) {
+  std::vector<int> a(num_blocks), b(num_blocks);
+  for (int i = 0; i < num_blocks; ++i) a[i] = b[i] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(a.begin(), a.end(), rng);
+  std::shuffle(b.begin(), b.end(), rng);
+  std::vector<BlockPair> pairs;
+  for (int i = 0; i < n; ++i) pairs.push_back({a[i], b[i]});
+  return pairs;
+}
+
+class TransferConformance : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::string backend() const { return GetParam(); }
+  bool one_sided() const { return backend() != "tcp"; }
+
+  // a = initiator, b = target; a imported b.
+  void Pair(PagedKvLayout la = SmallLayout(), PagedKvLayout lb = SmallLayout(),
+            std::function<void(AgentConfig&)> tweak_b = nullptr) {
+    AgentConfig cb = ConfigFor("b", backend());
+    if (tweak_b) tweak_b(cb);
+    b_ = MakeSide(cb, lb);
+    a_ = MakeSide(ConfigFor("a", backend()), la);
+    auto added = a_->agent->AddPeer(b_->Meta());
+    ASSERT_TRUE(added.ok()) << added.status().ToString();
+    ASSERT_EQ(*added, backend());
+  }
+
+  TransferHandle PostOk(const TransferSpec& spec, PostOptions opt = {}) {
+    auto p = a_->agent->Prepare(spec);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    auto h = a_->agent->Post(*p, std::move(opt));
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+    return *h;
+  }
+
+  std::unique_ptr<Side> a_, b_;
+};
+
+TEST_P(TransferConformance, ReadScatteredBlocksAllLayersEveryByte) {
+  Pair();
+  b_->FillAll(7);
+  a_->Poison();
+  auto pairs = ScatteredPairs(20, 64, 1);
+  TransferHandle h = PostOk({TransferOp::kRead, "b", pairs});
+  ASSERT_TRUE(h.Wait(10000));
+  ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  std::vector<bool> dest(64, false);
+  for (auto p : pairs) dest[p.local] = true;
+  for (int l = 0; l < 2; ++l) {
+    for (auto p : pairs) {
+      ASSERT_EQ(0, std::memcmp(a_->Block(l, p.local), b_->Block(l, p.remote), 1024)) << l;
+    }
+    for (int blk = 0; blk < 64; ++blk) {
+      if (dest[blk]) continue;
+      for (int i = 0; i < 1024; ++i) ASSERT_EQ(a_->Block(l, blk)[i], kPoison);
+    }
+  }
+}
+
+TEST_P(TransferConformance, WriteOneLayerEveryByte) {
+  Pair();
+  a_->FillAll(9);
+  b_->Poison();
+  auto pairs = ScatteredPairs(10, 64, 2);
+  TransferHandle h = PostOk({TransferOp::kWrite, "b", pairs, /*layer=*/1});
+  ASSERT_TRUE(h.Wait(10000));
+  ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  std::vector<bool> dest(64, false);
+  for (auto p : pairs) dest[p.remote] = true;
+  for (auto p : pairs)
+    ASSERT_EQ(0, std::memcmp(b_->Block(1, p.remote), a_->Block(1, p.local), 1024));
+  for (int blk = 0; blk < 64; ++blk) {
+    for (int i = 0; i < 1024; ++i) ASSERT_EQ(b_->Block(0, blk)[i], kPoison);  // layer 0 untouched
+    if (!dest[blk]) {
+      for (int i = 0; i < 1024; ++i) ASSERT_EQ(b_->Block(1, blk)[i], kPoison);
+    }
+  }
+}
+
+TEST_P(TransferConformance, SubBlockHeadRangeBetweenDifferentTpLayouts) {
+  // b holds 2 heads per rank; a holds 4 (TP 2 -> TP 1): a's heads 2..3 <- b's heads 0..1.
+  PagedKvLayout la = SmallLayout();
+  la.num_kv_heads = 4;
+  Pair(la, SmallLayout());
+  b_->FillAll(11);
+  a_->Poison();
+  TransferSpec spec{TransferOp::kRead, "b", {{5, 9}, {6, 3}}};
+  spec.local_range = HeadRangeBytes(la, 2, 2);
+  spec.remote_range = HeadRangeBytes(SmallLayout(), 0, 2);
+  ASSERT_EQ(spec.local_range->offset, 2u * 4 * 16 * 4);
+  ASSERT_EQ(spec.local_range->length, 512u);
+  TransferHandle h = PostOk(spec);
+  ASSERT_TRUE(h.Wait(10000));
+  ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  const size_t lhalf = la.HalfBlockBytes(), rhalf = 512;
+  for (int l = 0; l < 2; ++l) {
+    for (auto [loc, rem] : std::vector<std::pair<int, int>>{{5, 9}, {6, 3}}) {
+      for (int kv = 0; kv < 2; ++kv) {
+        uint8_t* dst = a_->Block(l, loc) + kv * lhalf;
+        uint8_t* src = b_->Block(l, rem) + kv * rhalf;
+        for (size_t i = 0; i < 512; ++i) ASSERT_EQ(dst[i], kPoison);  // heads 0..1 untouched
+        ASSERT_EQ(0, std::memcmp(dst + 512, src, 512));               // heads 2..3 read
+      }
+    }
+  }
+}
+
+TEST_P(TransferConformance, AdjacentBlocksCoalesce) {
+  Pair();
+  b_->FillAll(13);
+  a_->Poison();
+  // Given out of order; (10,20),(11,21),(12,22) and (30,40),(31,41) are runs; (50,5) alone.
+  TransferSpec spec{
+      TransferOp::kRead, "b", {{12, 22}, {30, 40}, {10, 20}, {50, 5}, {11, 21}, {31, 41}}, 0};
+  auto p = a_->agent->Prepare(spec);
+  ASSERT_TRUE(p.ok());
+  ASSERT_EQ((*p)->segment_count(), 3u);
+  EXPECT_EQ((*p)->segments()[0].length, 3u * 1024);
+  EXPECT_EQ((*p)->segments()[0].remote_offset, 20u * 1024);
+  EXPECT_EQ((*p)->bytes(), 6u * 1024);
+  // Reused twice.
+  for (int rep = 0; rep < 2; ++rep) {
+    a_->Poison();
+    auto h = a_->agent->Post(*p);
+    ASSERT_TRUE(h.ok());
+    ASSERT_TRUE(h->Wait(10000));
+    ASSERT_EQ(h->state(), TransferState::kDone);
+    for (auto bp : spec.blocks)
+      ASSERT_EQ(0, std::memcmp(a_->Block(0, bp.local), b_->Block(0, bp.remote), 1024));
+  }
+}
+
+TEST_P(TransferConformance, NotificationArrivesAfterWriteDataLanded) {
+  Pair();
+  a_->FillAll(17);
+  b_->Poison();
+  auto pairs = ScatteredPairs(32, 64, 3);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool got = false, data_ok = false;
+  std::string payload, tid;
+  b_->agent->SetNotificationHandler([&](Notification n) {
+    bool ok = true;  // every byte must already be there when the notification runs
+    for (int l = 0; l < 2; ++l) {
+      for (auto p : pairs)
+        ok = ok && std::memcmp(b_->Block(l, p.remote), a_->Block(l, p.local), 1024) == 0;
+    }
+    std::lock_guard<std::mutex> g(mu);
+    got = true;
+    data_ok = ok;
+    payload = n.payload;
+    tid = n.transfer_id;
+    EXPECT_EQ(n.peer, "a");
+    cv.notify_all();
+  });
+  PostOptions opt;
+  opt.transfer_id = "tx-1";
+  opt.notification = "written rank0";
+  TransferHandle h = PostOk({TransferOp::kWrite, "b", pairs}, opt);
+  ASSERT_TRUE(h.Wait(10000));
+  ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  std::unique_lock<std::mutex> l(mu);
+  ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(5), [&] { return got; }));
+  EXPECT_TRUE(data_ok);
+  EXPECT_EQ(payload, "written rank0");
+  EXPECT_EQ(tid, "tx-1");
+}
+
+TEST_P(TransferConformance, ReadNotificationReplyPath) {
+  Pair();
+  b_->FillAll(19);
+  a_->Poison();
+  auto pairs = ScatteredPairs(8, 64, 4);
+  std::atomic<bool> data_ok{false};
+  b_->agent->SetNotificationHandler([&](Notification n) {
+    bool ok = true;  // READ: the data landed at a before b hears of it
+    for (auto p : pairs)
+      ok = ok && std::memcmp(a_->Block(0, p.local), b_->Block(0, p.remote), 1024) == 0;
+    data_ok = ok;
+    ASSERT_TRUE(n.wants_reply);
+    EXPECT_TRUE(b_->agent->Reply(n, n.transfer_id == "tx-9" ? "held" : "gone").ok());
+  });
+  std::promise<Result<std::string>> reply;
+  PostOptions opt;
+  opt.transfer_id = "tx-9";
+  opt.notification = "read-done";
+  opt.on_reply = [&](Result<std::string> r) { reply.set_value(std::move(r)); };
+  TransferHandle h = PostOk({TransferOp::kRead, "b", pairs}, std::move(opt));
+  ASSERT_TRUE(h.Wait(10000));
+  ASSERT_EQ(h.state(), TransferState::kDone);
+  auto f = reply.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  Result<std::string> r = f.get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, "held");
+  EXPECT_TRUE(data_ok);
+  // Standalone notification, reply in the other direction (b -> a over b's inbound path).
+  std::promise<std::string> back;
+  a_->agent->SetNotificationHandler(
+      [&](Notification n) { EXPECT_TRUE(a_->agent->Reply(n, "pong:" + n.payload).ok()); });
+  ASSERT_TRUE(b_->agent
+                  ->Notify("a", "tx-2", "ping",
+                           [&](Result<std::string> r2) {
+                             back.set_value(r2.ok() ? *r2 : r2.status().ToString());
+                           })
+                  .ok());
+  auto fb = back.get_future();
+  ASSERT_EQ(fb.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(fb.get(), "pong:ping");
+}
+
+TEST_P(TransferConformance, UnansweredNotificationTimesOut) {
+  Pair();
+  b_->agent->SetNotificationHandler([](Notification) {});  // never replies
+  std::promise<Status> p;
+  ASSERT_TRUE(
+      a_->agent->Notify("b", "t", "x", [&](Result<std::string> r) { p.set_value(r.status()); })
+          .ok());
+  auto f = p.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(f.get().code(), StatusCode::kDeadlineExceeded);
+}
+
+TEST_P(TransferConformance, OutOfRangeRefusedAndNothingTouched) {
+  Pair();
+  // Prepare refuses against the peer's metadata.
+  auto bad = a_->agent->Prepare({TransferOp::kRead, "b", {{0, 64}}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("remote block 64"), std::string::npos);
+  EXPECT_EQ(a_->agent->Prepare({TransferOp::kRead, "b", {{-1, 0}}}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(a_->agent->Prepare({TransferOp::kRead, "b", {{0, 0}}, 2}).status().code(),
+            StatusCode::kInvalidArgument);
+  TransferSpec r{TransferOp::kRead, "b", {{0, 0}}};
+  r.local_range = ByteRange{256, 512};
+  r.remote_range = ByteRange{0, 512};
+  EXPECT_EQ(a_->agent->Prepare(r).status().code(), StatusCode::kInvalidArgument);
+
+  // A lying peer description (twice the blocks) gets past Prepare; the backend refuses.
+  b_->Poison();
+  a_->FillAll(5);
+  AgentMetadata forged = b_->Meta();
+  forged.agent_name = "b-forged";
+  forged.layout.num_blocks *= 2;
+  for (auto& n : forged.layer_bytes) n *= 2;
+  auto added = a_->agent->AddPeer(forged);
+  if (!added.ok()) {
+    // shm maps the real regions: the handshake's sizes disagree with the metadata.
+    EXPECT_TRUE(one_sided()) << added.status().ToString();
+    EXPECT_EQ(added.status().code(), StatusCode::kUnavailable);
+  } else {
+    auto p = a_->agent->Prepare({TransferOp::kWrite, "b-forged", {{1, 63}, {2, 64}, {3, 100}}});
+    ASSERT_TRUE(p.ok());
+    auto h = a_->agent->Post(*p);
+    ASSERT_TRUE(h.ok());
+    ASSERT_TRUE(h->Wait(10000));
+    EXPECT_EQ(h->state(), TransferState::kFailed);
+    EXPECT_EQ(h->status().code(), StatusCode::kInvalidArgument) << h->status().ToString();
+  }
+  for (size_t i = 0; i < b_->buf.size(); ++i) ASSERT_EQ(b_->buf.data()[i], kPoison) << i;
+}
+
+TEST_P(TransferConformance, HoldCheckRefusesBlocksNotHeld) {
+  if (one_sided())
+    GTEST_SKIP() << backend() << " is one-sided: the target is never asked (trusted peers only)";
+  std::mutex mu;
+  std::vector<std::pair<std::string, std::vector<int>>> asked;
+  Pair(SmallLayout(), SmallLayout(), [&](AgentConfig& c) {
+    c.hold_check = [&](std::string_view tid, const std::vector<int>& blocks) {
+      std::lock_guard<std::mutex> l(mu);
+      asked.emplace_back(std::string(tid), blocks);
+      return tid == "held-tx";
+    };
+  });
+  b_->FillAll(23);
+  a_->Poison();
+  PostOptions opt;
+  opt.transfer_id = "other-tx";
+  TransferHandle h = PostOk({TransferOp::kRead, "b", {{1, 7}, {2, 3}}}, opt);
+  ASSERT_TRUE(h.Wait(10000));
+  EXPECT_EQ(h.state(), TransferState::kFailed);
+  EXPECT_EQ(h.status().code(), StatusCode::kFailedPrecondition) << h.status().ToString();
+  for (size_t i = 0; i < a_->buf.size(); ++i) ASSERT_EQ(a_->buf.data()[i], kPoison);
+  {
+    std::lock_guard<std::mutex> l(mu);
+    ASSERT_EQ(asked.size(), 1u);
+    EXPECT_EQ(asked[0].first, "other-tx");
+    EXPECT_EQ(asked[0].second, (std::vector<int>{3, 7}));
+  }
+  opt.transfer_id = "held-tx";
+  TransferHandle ok = PostOk({TransferOp::kRead, "b", {{1, 7}, {2, 3}}}, opt);
+  ASSERT_TRUE(ok.Wait(10000));
+  EXPECT_EQ(ok.state(), TransferState::kDone) << ok.status().ToString();
+  EXPECT_EQ(0, std::memcmp(a_->Block(1, 1), b_->Block(1, 7), 1024));
+}
+
+TEST_P(TransferConformance, MetadataMismatchRefusedNamingField) {
+  b_ = MakeSide(ConfigFor("b", backend()), SmallLayout());
+  AgentConfig ca = ConfigFor("a", backend());
+  ca.model_fingerprint = "model-B";
+  a_ = MakeSide(ca, SmallLayout());
+  auto r = a_->agent->AddPeer(b_->Meta());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("model_fingerprint"), std::string::npos)
+      << r.status().message();
+
+  PagedKvLayout bf = SmallLayout();
+  bf.dtype = KvDtype::kBf16;
+  auto c = MakeSide(ConfigFor("c", backend()), bf);
+  r = b_->agent->AddPeer(c->Meta());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), "peer metadata mismatch: dtype (local fp32, peer bf16)");
+  // Round trip through the wire form keeps compatibility; a corrupted blob is refused.
+  std::string blob = EncodeMetadata(b_->Meta());
+  ASSERT_TRUE(DecodeMetadata(blob).ok());
+  auto m = DecodeMetadata(blob);
+  m->layout.head_dim = 32;
+  EXPECT_EQ(a_->agent->AddPeer(*m).status().code(), StatusCode::kFailedPrecondition);
+  // A peer restarted since its metadata was taken: stale incarnation refused at handshake.
+  AgentMetadata stale = b_->Meta();
+  stale.incarnation ^= 1;
+  stale.model_fingerprint = "model-B";
+  stale.compat_hash = ComputeCompatHash(stale);
+  auto s = a_->agent->AddPeer(stale);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("incarnation"), std::string::npos) << s.status().ToString();
+}
+
+TEST_P(TransferConformance, CancelEndsOnlyWhenNoMoreBytesLand) {
+  PagedKvLayout big = SmallLayout();
+  big.num_layers = 1;
+  big.num_kv_heads = 8;
+  big.head_dim = 64;
+  big.block_size = 16;   // 64 KiB blocks
+  big.num_blocks = 512;  // 32 MiB
+  Pair(big, big);
+  b_->FillAll(29);
+  std::atomic<int> notes{0};
+  b_->agent->SetNotificationHandler([&](Notification) { notes++; });
+  int cancelled = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    a_->Poison();
+    std::vector<BlockPair> pairs;
+    for (int i = 0; i < 512; ++i) pairs.push_back({i, 511 - i});
+    PostOptions opt;
+    opt.transfer_id = "c" + std::to_string(rep);
+    opt.notification = "done";
+    TransferHandle h = PostOk({TransferOp::kRead, "b", pairs}, opt);
+    h.Cancel();
+    ASSERT_TRUE(h.Wait(10000));
+    if (h.state() == TransferState::kFailed) {
+      EXPECT_EQ(h.status().code(), StatusCode::kCancelled) << h.status().ToString();
+      ++cancelled;
+    }
+    std::vector<uint8_t> snap(a_->buf.data(), a_->buf.data() + a_->buf.size());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_EQ(0, std::memcmp(snap.data(), a_->buf.data(), snap.size()))
+        << "bytes landed after cancel";
+  }
+  EXPECT_GT(cancelled, 0);
+  // Only transfers that completed anyway sent their notification.
+  EXPECT_EQ(notes.load(), 3 - cancelled);
+}
+
+TEST_P(TransferConformance, ThousandConcurrentTransfers) {
+  PagedKvLayout l = SmallLayout(1000);
+  l.num_layers = 1;
+  Pair(l, l);
+  b_->FillAll(31);
+  a_->Poison();
+  std::vector<TransferHandle> hs;
+  for (int i = 0; i < 1000; ++i) {
+    hs.push_back(PostOk({i % 2 ? TransferOp::kRead : TransferOp::kRead, "b", {{i, 999 - i}}}));
+  }
+  for (auto& h : hs) {
+    ASSERT_TRUE(h.Wait(20000));
+    ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  }
+  for (int i = 0; i < 1000; ++i)
+    ASSERT_EQ(0, std::memcmp(a_->Block(0, i), b_->Block(0, 999 - i), 1024));
+}
+
+TEST_P(TransferConformance, GonePeerFailsLaterOpsAtOnce) {
+  Pair();
+  auto p = a_->agent->Prepare({TransferOp::kRead, "b", {{0, 0}}});
+  ASSERT_TRUE(p.ok());
+  b_.reset();  // the peer agent goes away (connections close)
+  auto t0 = std::chrono::steady_clock::now();
+  Status last;
+  for (;;) {
+    auto h = a_->agent->Post(*p);
+    if (!h.ok()) {
+      last = h.status();
+      break;
+    }
+    h->Wait(5000);
+    if (h->state() == TransferState::kFailed) {
+      last = h->status();
+      break;
+    }
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3))
+        << "peer death not detected";
+  }
+  EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.ToString();
+  // Known dead now: the next post fails at once.
+  auto h = a_->agent->Post(*p);
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->agent->Notify("b", "t", "x").code(), StatusCode::kUnavailable);
+}
+
+#ifdef KVB_TRANSFER_MULTIPROCESS
+// ---------------------------------------------------------------- multi-process
+
+// Forks a peer that registers `layout` filled with FillAll(seed) and prints its metadata to a
+// pipe; it lives until killed. Called before the parent starts any thread of its own.
+struct Child {
+  pid_t pid = -1;
+  AgentMetadata meta;
+  ~Child() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+bool ReadAll(int fd, std::string* out) {
+  char buf[4096];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return !out->empty();
+    out->append(buf, static_cast<size_t>(n));
+    if (out->back() == '\n') return true;
+  }
+}
+
+void ForkPeer(Child* c, const std::string& backend, PagedKvLayout layout, uint64_t seed,
+              const std::string& netns = "", const std::string& bind = "127.0.0.1") {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  c->pid = ::fork();
+  ASSERT_GE(c->pid, 0);
+  if (c->pid == 0) {
+    ::close(fds[0]);
+    if (!netns.empty()) {
+      int nfd = ::open(("/run/netns/" + netns).c_str(), O_RDONLY);
+      if (nfd < 0 || ::setns(nfd, CLONE_NEWNET) != 0) ::_exit(3);
+    }
+    AgentConfig cfg = ConfigFor("child", backend);
+    cfg.bind_host = bind;
+    auto side = MakeSide(cfg, layout);
+    side->FillAll(seed);
+    std::string blob = EncodeMetadata(side->Meta()) + "\n";
+    if (::write(fds[1], blob.data(), blob.size()) != static_cast<ssize_t>(blob.size())) ::_exit(2);
+    ::close(fds[1]);
+    for (;;) ::pause();
+  }
+  ::close(fds[1]);
+  std::string blob;
+  ASSERT_TRUE(ReadAll(fds[0], &blob)) << "peer died before sending its metadata";
+  ::close(fds[0]);
+  auto m = DecodeMetadata(blob.substr(0, blob.size() - 1));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  c->meta = *m;
+}
+
+PagedKvLayout BigLayout() {
+  PagedKvLayout l = SmallLayout();
+  l.num_layers = 2;
+  l.num_kv_heads = 8;
+  l.head_dim = 64;
+  l.block_size = 16;    // 64 KiB blocks
+  l.num_blocks = 1024;  // 64 MiB per layer
+  return l;
+}
+
+TEST_P(TransferConformance, MultiProcessReadEveryByte) {
+  Child child;
+  ForkPeer(&child, backend(), SmallLayout(), 41);
+  a_ = MakeSide(ConfigFor("a", backend()), SmallLayout());
+  ASSERT_EQ(*a_->agent->AddPeer(child.meta), backend());
+  a_->Poison();
+  auto pairs = ScatteredPairs(30, 64, 5);
+  TransferSpec spec{TransferOp::kRead, "child", pairs};
+  auto p = a_->agent->Prepare(spec);
+  auto h = a_->agent->Post(*p);
+  ASSERT_TRUE(h->Wait(10000));
+  ASSERT_EQ(h->state(), TransferState::kDone) << h->status().ToString();
+  std::vector<uint8_t> want(1024);
+  for (int l = 0; l < 2; ++l) {
+    for (auto bp : pairs) {
+      FillBlock(want.data(), 1024, 41, l, bp.remote);
+      ASSERT_EQ(0, std::memcmp(a_->Block(l, bp.local), want.data(), 1024));
+    }
+  }
+}
+
+TEST_P(TransferConformance, MultiProcessPeerKilledMidTransfer) {
+  Child child;
+  ForkPeer(&child, backend(), BigLayout(), 43);
+  a_ = MakeSide(ConfigFor("a", backend()), BigLayout());
+  ASSERT_EQ(*a_->agent->AddPeer(child.meta), backend());
+  std::vector<BlockPair> pairs;
+  for (int i = 0; i < 1024; ++i) pairs.push_back({i, 1023 - i});
+  auto p = a_->agent->Prepare({TransferOp::kRead, "child", pairs});
+  ASSERT_TRUE(p.ok());
+  std::vector<TransferHandle> hs;
+  for (int i = 0; i < 8; ++i) hs.push_back(*a_->agent->Post(*p));  // 1 GiB in flight
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(child.pid, SIGKILL);
+  auto t_kill = std::chrono::steady_clock::now();
+  // Bound: process death closes the connection at once; stated bound is peer_timeout_ms (2 s).
+  int done = 0, unavailable = 0;
+  std::vector<uint8_t> want(BigLayout().BlockBytes());
+  for (auto& h : hs) {
+    ASSERT_TRUE(h.Wait(2500)) << "transfer still pending after the peer died";
+    if (h.state() == TransferState::kDone) {
+      ++done;
+    } else {
+      EXPECT_EQ(h.status().code(), StatusCode::kUnavailable) << h.status().ToString();
+      ++unavailable;
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t_kill, std::chrono::milliseconds(2500));
+  if (unavailable == 0) {
+    // Every transfer completed (shm: the mapping outlives the process): data must be right.
+    for (int l = 0; l < 2; ++l) {
+      for (int b = 0; b < 1024; b += 97) {
+        FillBlock(want.data(), want.size(), 43, l, 1023 - b);
+        ASSERT_EQ(0, std::memcmp(a_->Block(l, b), want.data(), want.size()));
+      }
+    }
+  }
+  if (backend() == "tcp") {
+    EXPECT_GT(unavailable, 0);
+  }
+  // Once known dead, later operations fail at once.
+  auto t0 = std::chrono::steady_clock::now();
+  Result<TransferHandle> h = UnavailableError("not posted");
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2)) {
+    h = a_->agent->Post(*p);
+    if (!h.ok()) break;
+    h->Wait(2500);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), StatusCode::kUnavailable);
+}
+
+bool Sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0; }
+
+TEST_P(TransferConformance, MultiProcessAcrossNetworkNamespaces) {
+  if (backend() == "shm") GTEST_SKIP() << "shm is same-host, same-namespace only";
+  const std::string a = "kvbt-a-" + std::to_string(::getpid()),
+                    b = "kvbt-b-" + std::to_string(::getpid());
+  if (!Sh("ip netns add " + a))
+    GTEST_SKIP() << "ip netns does not work here (need root and iproute2)";
+  Sh("ip netns add " + b);
+  struct Cleanup {
+    std::string a, b;
+    ~Cleanup() {
+      Sh("ip netns del " + a);
+      Sh("ip netns del " + b);
+    }
+  } cleanup{a, b};
+  // A veth pair between the two namespaces, on a link-local /30 that exists only there.
+  bool ok = Sh("ip link add va" + std::to_string(::getpid() % 100000) + " netns " + a +
+               " type veth peer name vb" + std::to_string(::getpid() % 100000) + " netns " + b);
+  const std::string va = "va" + std::to_string(::getpid() % 100000),
+                    vb = "vb" + std::to_string(::getpid() % 100000);
+  ok = ok && Sh("ip -n " + a + " addr add 169.254.77.1/30 dev " + va) &&
+       Sh("ip -n " + b + " addr add 169.254.77.2/30 dev " + vb) &&
+       Sh("ip -n " + a + " link set " + va + " up") &&
+       Sh("ip -n " + b + " link set " + vb + " up") && Sh("ip -n " + a + " link set lo up") &&
+       Sh("ip -n " + b + " link set lo up");
+  if (!ok) GTEST_SKIP() << "could not create a veth pair between network namespaces";
+  Child child;
+  ForkPeer(&child, backend(), SmallLayout(), 47, b, "169.254.77.2");
+  ASSERT_GT(child.pid, 0);
+  // The initiator runs in its own forked process inside namespace a; exit code = result.
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int nfd = ::open(("/run/netns/" + a).c_str(), O_RDONLY);
+    if (nfd < 0 || ::setns(nfd, CLONE_NEWNET) != 0) ::_exit(10);
+    AgentConfig cfg = ConfigFor("a", backend());
+    cfg.bind_host = "169.254.77.1";
+    auto side = MakeSide(cfg, SmallLayout());
+    side->Poison();
+    if (!side->agent->AddPeer(child.meta).ok()) ::_exit(11);
+    auto pairs = ScatteredPairs(16, 64, 6);
+    auto p = side->agent->Prepare({TransferOp::kRead, "child", pairs});
+    auto h = side->agent->Post(*p);
+    if (!h.ok() || !h->Wait(10000) || h->state() != TransferState::kDone) ::_exit(12);
+    std::vector<uint8_t> want(1024);
+    for (int l = 0; l < 2; ++l) {
+      for (auto bp : pairs) {
+        FillBlock(want.data(), 1024, 47, l, bp.remote);
+        if (std::memcmp(side->Block(l, bp.local), want.data(), 1024) != 0) ::_exit(13);
+      }
+    }
+    ::_exit(0);
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 0) << "10 setns, 11 AddPeer, 12 transfer, 13 data";
+}
+#endif  // KVB_TRANSFER_MULTIPROCESS
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransferConformance, ::testing::ValuesIn(AvailableBackends()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace kvbridge::transfer
