@@ -42,18 +42,20 @@ if has build; then
   fi
   echo "=== build ok in $((SECONDS - t0))s"
   # 16-byte accesses in the copy kernel: count LDG/STG .128 in its SASS.
-  cuobjdump -sass "$B/cuda_ipc/libkvbridge_cuda_ipc_core.a" >"$OUT/sass.txt" 2>&1 || true
-  echo "SASS: $(grep -c 'LDG.E.*128' "$OUT/sass.txt") LDG.128, $(grep -c 'STG.E.*128' "$OUT/sass.txt") STG.128"
+  cuobjdump -sass "$B/cuda_ipc/libkvbridge_cuda_ipc_core.a" >"$B/sass.txt" 2>&1 || true
+  echo "SASS: $(grep -c 'LDG.E.*128' "$B/sass.txt") LDG.128, $(grep -c 'STG.E.*128' "$B/sass.txt") STG.128"
   grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -12
 fi
 
 if has conformance; then
-  t0=$SECONDS
-  timeout 180 "$B/bin/cuda_ipc_conformance_test" >"$OUT/conformance.log" 2>&1
-  c=$?
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|Failure" "$OUT/conformance.log" | tail -15
-  echo "=== conformance rc=$c in $((SECONDS - t0))s"
-  ((c == 0)) || rc=1
+  for t in cuda_ipc_conformance_test cuda_ipc_backend_test; do
+    t0=$SECONDS
+    timeout 180 "$B/bin/$t" >"$OUT/$t.log" 2>&1
+    c=$?
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran|Failure" "$OUT/$t.log" | tail -12
+    echo "=== $t rc=$c in $((SECONDS - t0))s"
+    ((c == 0)) || rc=1
+  done
 fi
 
 if has bench; then
@@ -66,13 +68,17 @@ if has bench; then
 fi
 
 if has sanitizer; then
-  t0=$SECONDS
   if command -v compute-sanitizer >/dev/null; then
-    timeout 200 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-      "$B/bin/cuda_ipc_conformance_test" --gtest_filter='-*262144B*' >"$OUT/sanitizer.log" 2>&1
-    s=$?
-    grep -E "ERROR SUMMARY|tests ran|PASSED|FAILED" "$OUT/sanitizer.log" | tail -6
-    echo "=== sanitizer rc=$s in $((SECONDS - t0))s"
+    # BadHandlesAreRefused makes deliberate invalid CUDA API calls, which memcheck reports.
+    for t in "cuda_ipc_conformance_test:-*262144B*:*BadHandlesAreRefused*" "cuda_ipc_backend_test:*"; do
+      t0=$SECONDS
+      timeout 200 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        "$B/bin/${t%%:*}" --gtest_filter="${t#*:}" >"$OUT/sanitizer_${t%%:*}.log" 2>&1
+      s=$?
+      grep -E "ERROR SUMMARY|tests ran|PASSED|FAILED" "$OUT/sanitizer_${t%%:*}.log" | tail -4
+      echo "=== sanitizer ${t%%:*} rc=$s in $((SECONDS - t0))s"
+      ((s == 0)) || rc=1
+    done
   else
     echo "=== sanitizer: compute-sanitizer not on PATH (skipped)"
   fi

@@ -6,6 +6,9 @@
 #if KVBRIDGE_HAVE_UCX
 #include "transfer/backends/ucx/ucx_backend.h"
 #endif
+#if KVBRIDGE_HAVE_CUDA_IPC
+#include "transfer/backends/cuda_ipc/cuda_ipc_backend.h"
+#endif
 
 namespace kvbridge::transfer {
 
@@ -15,6 +18,9 @@ Result<std::unique_ptr<Backend>> MakeBackend(std::string_view name, const Backen
 #if KVBRIDGE_HAVE_UCX
   if (name == "ucx") return MakeUcxBackend(ctx);
 #endif
+#if KVBRIDGE_HAVE_CUDA_IPC
+  if (name == "cuda_ipc") return MakeCudaIpcBackend(ctx);
+#endif
   return NotFoundError("transfer backend '" + std::string(name) + "' is not built in");
 }
 
@@ -22,6 +28,9 @@ std::vector<std::string> AvailableBackends() {
   std::vector<std::string> v = {"shm", "tcp"};
 #if KVBRIDGE_HAVE_UCX
   v.push_back("ucx");
+#endif
+#if KVBRIDGE_HAVE_CUDA_IPC
+  v.push_back("cuda_ipc");
 #endif
   return v;
 }

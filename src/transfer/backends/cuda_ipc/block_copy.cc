@@ -320,4 +320,43 @@ Result<CopyHandle> CopyEngine::Post(const PreparedList& list) {
   return RecordCompletion();
 }
 
+Result<CopyHandle> CopyEngine::PostAddresses(CopyOp op, std::span<const AddressPair> units,
+                                             uint64_t unit_bytes) {
+  if (unit_bytes == 0 || unit_bytes % 16 != 0) {
+    return InvalidArgumentError("unit_bytes " + std::to_string(unit_bytes) +
+                                " is not a positive multiple of 16");
+  }
+  const uint64_t chunks = (unit_bytes + 2047) / 2048;
+  if (units.size() > UINT32_MAX || units.size() * chunks > kMaxWorkItems) {
+    return InvalidArgumentError("address list too long: split the transfer");
+  }
+  for (const AddressPair& u : units) {
+    if (u.local == nullptr || u.remote == nullptr ||
+        (reinterpret_cast<uintptr_t>(u.local) | reinterpret_cast<uintptr_t>(u.remote)) % 16 != 0) {
+      return InvalidArgumentError("address pair null or not 16-byte aligned");
+    }
+  }
+  if (units.empty()) return CopyHandle();
+  KVB_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  const auto count = static_cast<uint32_t>(units.size());
+  if (count <= kInlineAddressPairs) {
+    RETURN_IF_ERROR(LaunchAddressCopy(options_.unroll, options_.streaming, grid_ctas_, op,
+                                      unit_bytes, nullptr, units, count, stream_));
+    return RecordCompletion();
+  }
+  AddressPair* d = nullptr;
+  KVB_CUDA_RETURN_IF_ERROR(
+      cudaMallocAsync(reinterpret_cast<void**>(&d), units.size_bytes(), stream_));
+  Status st = CudaStatus(
+      cudaMemcpyAsync(d, units.data(), units.size_bytes(), cudaMemcpyHostToDevice, stream_),
+      "upload address list");
+  if (st.ok()) {
+    st = LaunchAddressCopy(options_.unroll, options_.streaming, grid_ctas_, op, unit_bytes, d, {},
+                           count, stream_);
+  }
+  cudaFreeAsync(d, stream_);
+  RETURN_IF_ERROR(st);
+  return RecordCompletion();
+}
+
 }  // namespace kvbridge::cuda_ipc

@@ -54,11 +54,20 @@ struct BlockPair {
   uint32_t remote = 0;
 };
 
+/// One unit of an address-list transfer: `unit_bytes` at device address `local` <-> `remote`
+/// (an address inside a mapped peer pool). Used by the transfer-agent backend, whose segments
+/// span several registered layers.
+struct AddressPair {
+  void* local = nullptr;
+  void* remote = nullptr;
+};
+
 /// Largest work-item count one launch accepts (pairs x 4 KiB chunks); bigger lists are split by
 /// the caller. 2^31 items = 8 TiB.
 constexpr uint64_t kMaxWorkItems = uint64_t{1} << 31;
 /// Pair lists up to this length travel inside the kernel's parameters (no upload, lower latency).
 constexpr uint32_t kInlinePairs = 256;
+constexpr uint32_t kInlineAddressPairs = 128;
 
 /// Checks `pairs` against both regions without touching the GPU: InvalidArgument when a region
 /// is null, block_bytes is 0 or not a multiple of 16, a base is not 16-byte aligned, the two
@@ -200,6 +209,11 @@ class CopyEngine {
   Result<PreparedList> Prepare(CopyOp op, const BlockRegion& local, const BlockRegion& remote,
                                std::span<const BlockPair> pairs);
   Result<CopyHandle> Post(const PreparedList& list);
+  /// One launch over `units` of `unit_bytes` each. The caller has checked every address against
+  /// its registered regions; this checks only shape: InvalidArgument when unit_bytes is not a
+  /// positive multiple of 16, an address is null or not 16-byte aligned, or the list is too long.
+  Result<CopyHandle> PostAddresses(CopyOp op, std::span<const AddressPair> units,
+                                   uint64_t unit_bytes);
 
   cudaStream_t stream() const { return stream_; }
   int device() const { return options_.device; }

@@ -52,6 +52,34 @@ __device__ __forceinline__ void Store(uint4* p, uint4 v) {
   }
 }
 
+// Absolute device addresses of one unit of a segment list (AddressPair).
+struct InlineAddresses {
+  AddressPair p[kInlineAddressPairs];
+};
+struct DeviceAddresses {
+  const AddressPair* p;
+};
+__device__ __forceinline__ AddressPair PairAt(const InlineAddresses& a, uint32_t i) {
+  return a.p[i];
+}
+__device__ __forceinline__ AddressPair PairAt(const DeviceAddresses& a, uint32_t i) {
+  return a.p[i];
+}
+
+// Source and destination of pair `p`: block ids against the two bases, or absolute addresses.
+__device__ __forceinline__ void Endpoints(const CopyParams& prm, const BlockPair& bp,
+                                          const uint4*& s, uint4*& d) {
+  const uint64_t src_block = prm.read ? bp.remote : bp.local;
+  const uint64_t dst_block = prm.read ? bp.local : bp.remote;
+  s = prm.src + src_block * prm.block_words;
+  d = prm.dst + dst_block * prm.block_words;
+}
+__device__ __forceinline__ void Endpoints(const CopyParams& prm, const AddressPair& ap,
+                                          const uint4*& s, uint4*& d) {
+  s = reinterpret_cast<const uint4*>(prm.read ? ap.remote : ap.local);
+  d = reinterpret_cast<uint4*>(prm.read ? ap.local : ap.remote);
+}
+
 template <int kUnroll, bool kStreaming, typename Pairs>
 __global__ void __launch_bounds__(kThreads)
     BlockCopyKernel(const __grid_constant__ CopyParams prm, const __grid_constant__ Pairs pairs) {
@@ -63,12 +91,12 @@ __global__ void __launch_bounds__(kThreads)
        item += n_warps) {
     const uint32_t p = item / prm.chunks_per_block;
     const uint32_t c = item - p * prm.chunks_per_block;
-    const BlockPair bp = PairAt(pairs, p);
-    const uint64_t src_block = prm.read ? bp.remote : bp.local;
-    const uint64_t dst_block = prm.read ? bp.local : bp.remote;
+    const uint4* s;
+    uint4* d;
+    Endpoints(prm, PairAt(pairs, p), s, d);
     const uint64_t first = uint64_t{c} * kChunkWords;
-    const uint4* s = prm.src + src_block * prm.block_words + first + lane;
-    uint4* d = prm.dst + dst_block * prm.block_words + first + lane;
+    s += first + lane;
+    d += first + lane;
     const uint64_t left = prm.block_words - first;
     uint4 v[kUnroll];
     if (left >= kChunkWords) {
@@ -163,6 +191,45 @@ Status LaunchBlockCopy(int unroll, bool streaming, int max_ctas, CopyOp op,
   const void* fn = SelectKernel(unroll, streaming, use_inline);
   InlinePairs inl;
   DevicePairs dev{device_pairs};
+  void* args[2] = {&prm, nullptr};
+  if (use_inline) {
+    std::copy(inline_pairs.begin(), inline_pairs.end(), inl.p);
+    args[1] = &inl;
+  } else {
+    args[1] = &dev;
+  }
+  KVB_CUDA_RETURN_IF_ERROR(cudaLaunchKernel(fn, dim3(ctas), dim3(kThreads), args, 0, stream));
+  return OkStatus();
+}
+
+template <int kUnroll, bool kStreaming>
+const void* AddressKernelFor(bool inline_pairs) {
+  return inline_pairs
+             ? reinterpret_cast<const void*>(&BlockCopyKernel<kUnroll, kStreaming, InlineAddresses>)
+             : reinterpret_cast<const void*>(
+                   &BlockCopyKernel<kUnroll, kStreaming, DeviceAddresses>);
+}
+
+Status LaunchAddressCopy(int unroll, bool streaming, int max_ctas, CopyOp op, uint64_t unit_bytes,
+                         const AddressPair* device_pairs, std::span<const AddressPair> inline_pairs,
+                         uint32_t count, cudaStream_t stream) {
+  CopyParams prm{};
+  prm.block_words = unit_bytes / 16;
+  const uint64_t chunk_bytes = uint64_t{32} * unroll * 16;
+  prm.chunks_per_block = static_cast<uint32_t>((unit_bytes + chunk_bytes - 1) / chunk_bytes);
+  prm.count = count;
+  prm.read = op == CopyOp::kRead ? 1 : 0;
+  const uint64_t items = uint64_t{count} * prm.chunks_per_block;
+  const uint64_t warps_per_cta = kThreads / 32;
+  const int ctas =
+      static_cast<int>(std::min<uint64_t>(max_ctas, (items + warps_per_cta - 1) / warps_per_cta));
+  const bool use_inline = device_pairs == nullptr;
+  const void* fn = unroll == 4 ? (streaming ? AddressKernelFor<4, true>(use_inline)
+                                            : AddressKernelFor<4, false>(use_inline))
+                               : (streaming ? AddressKernelFor<8, true>(use_inline)
+                                            : AddressKernelFor<8, false>(use_inline));
+  InlineAddresses inl;
+  DeviceAddresses dev{device_pairs};
   void* args[2] = {&prm, nullptr};
   if (use_inline) {
     std::copy(inline_pairs.begin(), inline_pairs.end(), inl.p);

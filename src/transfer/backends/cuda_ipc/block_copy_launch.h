@@ -19,4 +19,9 @@ Status LaunchBlockCopy(int unroll, bool streaming, int max_ctas, CopyOp op,
                        const BlockPair* device_pairs, std::span<const BlockPair> inline_pairs,
                        uint32_t count, cudaStream_t stream);
 
+/// Same kernel over absolute address pairs of `unit_bytes` each (CopyEngine::PostAddresses).
+Status LaunchAddressCopy(int unroll, bool streaming, int max_ctas, CopyOp op, uint64_t unit_bytes,
+                         const AddressPair* device_pairs, std::span<const AddressPair> inline_pairs,
+                         uint32_t count, cudaStream_t stream);
+
 }  // namespace kvbridge::cuda_ipc

@@ -87,6 +87,8 @@ Result<Message> Channel::Recv(int timeout_ms) {
   return m;
 }
 
+void Channel::Shutdown() { ::shutdown(fd_, SHUT_RDWR); }
+
 bool Channel::PeerAlive() const {
   pollfd pfd{fd_, POLLIN | POLLRDHUP, 0};
   if (poll(&pfd, 1, 0) <= 0) return true;

@@ -38,6 +38,12 @@ enum class MsgType : uint32_t {
   kOk = 9,
   kError = 10,  // text
   kExit = 11,   // -> kOk, then the peer exits 0
+  // kServeBackend: u64 layers -> kEndpoint (u64 incarnation + endpoint text): starts a
+  // cuda_ipc transfer Backend over the pool split into that many layers.
+  kServeBackend = 12,
+  kEndpoint = 13,
+  kMessages = 14,  // -> kMessages: agent messages the backend received, "from:bytes\n" each
+  // 100..199 are the cuda_ipc transfer backend's own frames (cuda_ipc_backend.cc).
 };
 
 struct Message {
@@ -60,6 +66,8 @@ class Channel {
   Result<Message> Recv(int timeout_ms);
   /// False once the other end is closed (process gone); non-blocking.
   bool PeerAlive() const;
+  /// Shuts the socket down both ways (wakes a blocked Recv with Unavailable); idempotent.
+  void Shutdown();
   int fd() const { return fd_; }
 
  private:

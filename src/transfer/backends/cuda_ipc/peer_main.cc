@@ -6,15 +6,19 @@
 // records each notification's arrival (latency from the sender's CLOCK_MONOTONIC stamp, and,
 // when the notification carries a VerifySpec, the pool's state at that moment).
 #include <time.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "kvbridge/transfer/backend.h"
 #include "transfer/backends/cuda_ipc/block_copy.h"
+#include "transfer/backends/cuda_ipc/cuda_ipc_backend.h"
 #include "transfer/backends/cuda_ipc/cuda_status.h"
 #include "transfer/backends/cuda_ipc/peer_link.h"
 
@@ -40,6 +44,11 @@ int Serve(int fd, int device) {
   std::unique_ptr<DevicePool> pool;
   cudaStream_t stream = nullptr;
   std::vector<uint64_t> report;  // triples: id, latency_ns, mismatches (or -1)
+  // kServeBackend: a transfer Backend over the pool (declared after the pool: destroyed first).
+  transfer::KvRegistration reg;
+  std::mutex msg_mu;
+  std::string messages;
+  std::unique_ptr<transfer::Backend> backend;
   auto reply_error = [&](const Status& st) { return ch.Send(MsgType::kError, st.ToString()); };
   while (true) {
     Result<Message> m = ch.Recv(-1);
@@ -110,11 +119,56 @@ int Serve(int fd, int device) {
         report.push_back(static_cast<uint64_t>(mismatches));
         break;
       }
+      case MsgType::kServeBackend: {
+        uint64_t layers = 0;
+        if (!pool || m->payload.size() != 8) {
+          sent = reply_error(FailedPreconditionError("kServeBackend: no pool or bad payload"));
+          break;
+        }
+        std::memcpy(&layers, m->payload.data(), 8);
+        if (layers == 0 || pool->bytes() % (layers * 16) != 0) {
+          sent = reply_error(InvalidArgumentError("kServeBackend: pool does not split evenly"));
+          break;
+        }
+        reg.layers.clear();
+        for (uint64_t i = 0; i < layers; ++i) {
+          transfer::MemoryRegion r;
+          r.kind = transfer::MemoryKind::kCuda;
+          r.device = device;
+          r.bytes = pool->bytes() / layers;
+          r.base = static_cast<uint8_t*>(pool->data()) + i * r.bytes;
+          reg.layers.push_back(r);
+        }
+        transfer::BackendContext ctx;
+        ctx.agent_name = "cuda-ipc-peer";
+        ctx.incarnation = (static_cast<uint64_t>(getpid()) << 20) ^ static_cast<uint64_t>(NowNs());
+        ctx.on_message = [&](const std::string& from, std::string bytes) {
+          std::lock_guard<std::mutex> l(msg_mu);
+          messages += from + ":" + bytes + "\n";
+        };
+        backend = transfer::MakeCudaIpcBackend(ctx);
+        auto ep = backend->Start(reg);
+        if (!ep.ok() || ep->empty()) {
+          sent = reply_error(ep.ok() ? InternalError("backend refused the registration")
+                                     : ep.status());
+          break;
+        }
+        std::string out = EncodeU64s(std::vector<uint64_t>{ctx.incarnation}) + *ep;
+        sent = ch.Send(MsgType::kEndpoint, out);
+        break;
+      }
+      case MsgType::kMessages: {
+        std::lock_guard<std::mutex> l(msg_mu);
+        sent = ch.Send(MsgType::kMessages, messages);
+        break;
+      }
       case MsgType::kReport:
         sent = ch.Send(MsgType::kReportList, EncodeU64s(report));
         report.clear();
         break;
       case MsgType::kExit:
+        if (backend) backend->Shutdown();
+        backend.reset();
         (void)ch.Send(MsgType::kOk, {});
         pool.reset();
         if (stream) cudaStreamDestroy(stream);

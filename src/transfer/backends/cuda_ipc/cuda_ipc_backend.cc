@@ -1,0 +1,488 @@
+#include "transfer/backends/cuda_ipc/cuda_ipc_backend.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "transfer/backends/cuda_ipc/block_copy.h"
+#include "transfer/backends/cuda_ipc/cuda_status.h"
+#include "transfer/backends/cuda_ipc/peer_link.h"
+
+namespace kvbridge::transfer {
+namespace {
+
+using cuda_ipc::AddressPair;
+using cuda_ipc::Channel;
+using cuda_ipc::CopyEngine;
+using cuda_ipc::CopyHandle;
+using cuda_ipc::CopyOp;
+using cuda_ipc::CopyState;
+using cuda_ipc::CudaStatus;
+using cuda_ipc::ImportedPool;
+using cuda_ipc::IpcHandle;
+using cuda_ipc::MsgType;
+
+constexpr auto kHello = static_cast<MsgType>(101);     // u64 incarnation, u64 expected, name
+constexpr auto kHelloAck = static_cast<MsgType>(102);  // u32 status; table or error text
+constexpr auto kAgentMsg = static_cast<MsgType>(103);  // opaque agent message
+
+void PutU32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+void PutU64(std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
+bool GetU32(std::string_view s, size_t& at, uint32_t& v) {
+  if (s.size() < at + 4) return false;
+  std::memcpy(&v, s.data() + at, 4);
+  at += 4;
+  return true;
+}
+bool GetU64(std::string_view s, size_t& at, uint64_t& v) {
+  if (s.size() < at + 8) return false;
+  std::memcpy(&v, s.data() + at, 8);
+  at += 8;
+  return true;
+}
+
+Result<sockaddr_un> AbstractAddr(const std::string& name, socklen_t* len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (name.size() < 2 || name[0] != '@' || name.size() > sizeof(a.sun_path)) {
+    return InvalidArgumentError("cuda_ipc endpoint '" + name + "' is not an abstract socket name");
+  }
+  a.sun_path[0] = '\0';
+  std::memcpy(a.sun_path + 1, name.data() + 1, name.size() - 1);
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size());
+  return a;
+}
+
+// Base and size of the cudaMalloc allocation holding `p` (cuMemGetAddressRange through the
+// runtime's driver entry point, so no link against libcuda: CI machines have no driver).
+Result<std::pair<uint8_t*, size_t>> AllocationOf(void* p) {
+  using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  KVB_CUDA_RETURN_IF_ERROR(
+      cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q));
+  if (fn == nullptr || q != cudaDriverEntryPointSuccess) {
+    return UnavailableError("cuMemGetAddressRange not available from the driver");
+  }
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (reinterpret_cast<Fn>(fn)(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
+    return InvalidArgumentError("registered region is not device memory from cudaMalloc");
+  }
+  return std::make_pair(reinterpret_cast<uint8_t*>(base), size);
+}
+
+// The peer's layers mapped into this process; kept alive by every in-flight copy.
+struct RemoteMap {
+  std::vector<std::unique_ptr<ImportedPool>> pools;
+  std::vector<uint8_t*> layer_base;
+  std::vector<uint64_t> layer_bytes;
+};
+
+struct Pending {
+  CopyHandle copy;
+  std::shared_ptr<TransferJob> job;
+  std::shared_ptr<RemoteMap> map;
+  std::function<bool()> peer_alive;
+};
+
+// Calls job->finish once each copy's event completed (FIFO: one stream).
+class Completer {
+ public:
+  explicit Completer(int device) : device_(device), thread_([this] { Loop(); }) {}
+  ~Completer() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Push(Pending p) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      q_.push_back(std::move(p));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    cudaSetDevice(device_);
+    for (;;) {
+      Pending p;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || !q_.empty(); });
+        if (q_.empty()) return;  // stopped, nothing left
+        p = std::move(q_.front());
+        q_.pop_front();
+      }
+      CopyState s;
+      while ((s = p.copy.Poll()) == CopyState::kInProgress) std::this_thread::yield();
+      Status st = p.copy.status();
+      if (st.ok() && !p.peer_alive()) st = UnavailableError("cuda_ipc peer lost during transfer");
+      p.job->finish(std::move(st));
+    }
+  }
+  int device_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> q_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+struct LocalLayers {
+  std::vector<uint8_t*> base;
+  std::vector<uint64_t> bytes;
+  bool Contains(const uint8_t* p, uint64_t n) const {
+    for (size_t i = 0; i < base.size(); ++i) {
+      if (p >= base[i] && n <= bytes[i] && static_cast<uint64_t>(p - base[i]) <= bytes[i] - n)
+        return true;
+    }
+    return false;
+  }
+};
+
+class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<CudaIpcChannel> {
+ public:
+  CudaIpcChannel(int fd, std::string peer, const BackendContext* ctx, CopyEngine* engine,
+                 Completer* completer, const LocalLayers* local, std::shared_ptr<RemoteMap> map)
+      : ch_(fd),
+        peer_(std::move(peer)),
+        ctx_(ctx),
+        engine_(engine),
+        completer_(completer),
+        local_(local),
+        map_(std::move(map)) {}
+  ~CudaIpcChannel() override { Close(); }
+
+  void StartReader() {
+    reader_ = std::thread([this] { ReadLoop(); });
+  }
+
+  void Submit(std::shared_ptr<TransferJob> job) override {
+    if (!map_)
+      return job->finish(FailedPreconditionError("inbound cuda_ipc channel carries messages only"));
+    if (!alive()) return job->finish(UnavailableError("cuda_ipc peer '" + peer_ + "' is dead"));
+    // relaxed: advisory; once launched the kernel runs to the end (finish after its event).
+    if (job->cancel.load(std::memory_order_relaxed))
+      return job->finish(CancelledError("cancelled"));
+    const auto& segs = *job->segments;
+    uint64_t unit = 0;
+    for (const Segment& s : segs) {  // defence in depth: Prepare checked against the metadata
+      if (s.remote_layer >= map_->layer_base.size() ||
+          s.remote_offset > map_->layer_bytes[s.remote_layer] ||
+          s.length > map_->layer_bytes[s.remote_layer] - s.remote_offset) {
+        return job->finish(InvalidArgumentError("segment outside the peer's mapped region"));
+      }
+      if (!local_->Contains(s.local, s.length)) {
+        return job->finish(
+            InvalidArgumentError("segment outside the local registered device memory"));
+      }
+      if (s.length == 0 || s.length % 16 != 0 || reinterpret_cast<uintptr_t>(s.local) % 16 != 0 ||
+          s.remote_offset % 16 != 0) {
+        return job->finish(InvalidArgumentError("cuda_ipc moves 16-byte aligned segments only"));
+      }
+      unit = std::gcd(unit, s.length);
+    }
+    std::vector<AddressPair> units;
+    for (const Segment& s : segs) {
+      uint8_t* remote = map_->layer_base[s.remote_layer] + s.remote_offset;
+      for (uint64_t off = 0; off < s.length; off += unit)
+        units.push_back({s.local + off, remote + off});
+    }
+    const CopyOp op = job->op == TransferOp::kRead ? CopyOp::kRead : CopyOp::kWrite;
+    Result<CopyHandle> h = engine_->PostAddresses(op, units, unit == 0 ? 16 : unit);
+    if (!h.ok()) return job->finish(h.status());
+    std::weak_ptr<CudaIpcChannel> weak = weak_from_this();
+    completer_->Push(Pending{std::move(*h), std::move(job), map_, [weak] {
+                               auto c = weak.lock();
+                               return c && c->alive();
+                             }});
+  }
+
+  Status SendMessage(std::string_view bytes) override {
+    if (!alive()) return UnavailableError("cuda_ipc peer '" + peer_ + "' is dead");
+    std::lock_guard<std::mutex> l(send_mu_);
+    Status s = ch_.Send(kAgentMsg, bytes);
+    if (!s.ok()) MarkDead();
+    return s;
+  }
+
+  bool alive() const override { return alive_.load() && ch_.PeerAlive(); }
+
+  void Close() override {
+    MarkDead();
+    if (reader_.joinable()) {
+      if (reader_.get_id() == std::this_thread::get_id()) {
+        reader_.detach();
+      } else {
+        reader_.join();
+      }
+    }
+  }
+
+ private:
+  void MarkDead() {
+    if (alive_.exchange(false)) ch_.Shutdown();
+  }
+  void ReadLoop() {
+    for (;;) {
+      Result<cuda_ipc::Message> m = ch_.Recv(-1);
+      if (!m.ok() || m->type != kAgentMsg) break;
+      if (ctx_->on_message) ctx_->on_message(peer_, std::move(m->payload));
+    }
+    const bool was_alive = alive_.exchange(false);
+    ch_.Shutdown();
+    if (was_alive && ctx_->on_peer_lost) ctx_->on_peer_lost(peer_);
+  }
+
+  Channel ch_;
+  std::string peer_;
+  const BackendContext* ctx_;
+  CopyEngine* engine_;
+  Completer* completer_;
+  const LocalLayers* local_;
+  std::shared_ptr<RemoteMap> map_;  // null for inbound (message-only) channels
+  std::atomic<bool> alive_{true};
+  std::mutex send_mu_;
+  std::thread reader_;
+};
+
+class CudaIpcBackend : public Backend {
+ public:
+  explicit CudaIpcBackend(const BackendContext& ctx) : ctx_(ctx) {}
+  ~CudaIpcBackend() override { Shutdown(); }
+
+  std::string_view name() const override { return "cuda_ipc"; }
+  bool one_sided() const override { return true; }
+  bool Supports(MemoryKind kind) const override { return kind == MemoryKind::kCuda; }
+
+  Result<std::string> Start(const KvRegistration& reg) override {
+    if (reg.layers.empty()) return std::string();
+    for (const MemoryRegion& r : reg.layers) {
+      if (r.kind != MemoryKind::kCuda || r.device != reg.layers[0].device) return std::string();
+    }
+    ASSIGN_OR_RETURN(int n, cuda_ipc::CudaDeviceCount());
+    device_ = reg.layers[0].device;
+    if (device_ < 0 || device_ >= n)
+      return InvalidArgumentError("cuda_ipc: no device " + std::to_string(device_));
+    KVB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    // Handshake table: one IPC handle per allocation, each layer = (handle, offset, bytes).
+    std::vector<uint8_t*> alloc_base;
+    std::string handles, layers;
+    for (const MemoryRegion& r : reg.layers) {
+      ASSIGN_OR_RETURN(auto alloc, AllocationOf(r.base));
+      if (r.bytes > alloc.second - static_cast<size_t>(r.base - alloc.first)) {
+        return InvalidArgumentError("cuda_ipc: registered layer runs past its allocation");
+      }
+      auto it = std::find(alloc_base.begin(), alloc_base.end(), alloc.first);
+      const auto idx = static_cast<uint32_t>(it - alloc_base.begin());
+      if (it == alloc_base.end()) {
+        cudaIpcMemHandle_t raw;
+        KVB_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&raw, alloc.first));
+        IpcHandle h;
+        std::memcpy(h.handle.data(), &raw, sizeof(raw));
+        h.bytes = alloc.second;
+        h.device = device_;
+        h.pid = static_cast<int32_t>(getpid());
+        handles += h.Serialize();
+        alloc_base.push_back(alloc.first);
+      }
+      PutU32(layers, idx);
+      PutU64(layers, static_cast<uint64_t>(r.base - alloc.first));
+      PutU64(layers, r.bytes);
+      local_.base.push_back(r.base);
+      local_.bytes.push_back(r.bytes);
+    }
+    table_.clear();
+    PutU32(table_, 0);  // status OK
+    PutU32(table_, static_cast<uint32_t>(alloc_base.size()));
+    table_ += handles;
+    PutU32(table_, static_cast<uint32_t>(reg.layers.size()));
+    table_ += layers;
+    ASSIGN_OR_RETURN(engine_, CopyEngine::Create({.device = device_}));
+    completer_ = std::make_unique<Completer>(device_);
+    char name[96];
+    std::snprintf(name, sizeof(name), "@kvbridge-cuda-ipc-%016llx",
+                  static_cast<unsigned long long>(ctx_.incarnation));
+    socklen_t len = 0;
+    ASSIGN_OR_RETURN(sockaddr_un addr, AbstractAddr(name, &len));
+    listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (listen_fd_ < 0) return ErrnoToStatus(errno, "socket");
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        ::listen(listen_fd_, 64) != 0) {
+      return ErrnoToStatus(errno, std::string("cuda_ipc listen ") + name);
+    }
+    accept_ = std::thread([this] { AcceptLoop(); });
+    return std::string(name);
+  }
+
+  bool CanReach(const AgentMetadata& local, const AgentMetadata& peer) const override {
+    return !local.host_id.empty() && local.host_id == peer.host_id &&
+           local.memory_kind == MemoryKind::kCuda && peer.memory_kind == MemoryKind::kCuda;
+  }
+
+  Result<std::shared_ptr<BackendPeer>> Connect(const AgentMetadata& peer) override {
+    if (!engine_) return FailedPreconditionError("cuda_ipc: Start with CUDA memory before Connect");
+    auto ep = peer.endpoints.find("cuda_ipc");
+    if (ep == peer.endpoints.end()) return UnavailableError("peer has no cuda_ipc endpoint");
+    socklen_t len = 0;
+    ASSIGN_OR_RETURN(sockaddr_un addr, AbstractAddr(ep->second, &len));
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return ErrnoToStatus(errno, "socket");
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      Status st = UnavailableError("cuda_ipc connect " + ep->second + ": " + std::strerror(errno));
+      ::close(fd);
+      return st;
+    }
+    Channel hs(fd);  // the handshake's view; the channel below gets its own descriptor
+    std::string hello;
+    PutU64(hello, ctx_.incarnation);
+    PutU64(hello, peer.incarnation);
+    hello += ctx_.agent_name;
+    RETURN_IF_ERROR(hs.Send(kHello, hello));
+    ASSIGN_OR_RETURN(cuda_ipc::Message ack, hs.Recv(ctx_.peer_timeout_ms));
+    if (ack.type != kHelloAck) return UnavailableError("cuda_ipc handshake: bad reply");
+    size_t at = 0;
+    uint32_t status = 0, nh = 0, nl = 0;
+    if (!GetU32(ack.payload, at, status))
+      return UnavailableError("cuda_ipc handshake: short reply");
+    if (status != 0) {
+      return Status(static_cast<StatusCode>(status),
+                    "cuda_ipc handshake refused: " + ack.payload.substr(at));
+    }
+    auto map = std::make_shared<RemoteMap>();
+    if (!GetU32(ack.payload, at, nh) || nh > 1024)
+      return UnavailableError("cuda_ipc handshake: bad table");
+    for (uint32_t i = 0; i < nh; ++i) {
+      if (ack.payload.size() < at + IpcHandle::kSerializedBytes)
+        return UnavailableError("cuda_ipc handshake: short table");
+      ASSIGN_OR_RETURN(
+          IpcHandle h,
+          IpcHandle::Parse(std::string_view(ack.payload).substr(at, IpcHandle::kSerializedBytes)));
+      at += IpcHandle::kSerializedBytes;
+      ASSIGN_OR_RETURN(auto pool, ImportedPool::Open(h, device_));
+      map->pools.push_back(std::move(pool));
+    }
+    if (!GetU32(ack.payload, at, nl) || nl != peer.layer_bytes.size()) {
+      return UnavailableError("cuda_ipc handshake: layer count differs from the peer's metadata");
+    }
+    for (uint32_t i = 0; i < nl; ++i) {
+      uint32_t idx = 0;
+      uint64_t off = 0, bytes = 0;
+      if (!GetU32(ack.payload, at, idx) || !GetU64(ack.payload, at, off) ||
+          !GetU64(ack.payload, at, bytes) || idx >= map->pools.size() ||
+          off > map->pools[idx]->bytes() || bytes > map->pools[idx]->bytes() - off ||
+          bytes != peer.layer_bytes[i]) {
+        return UnavailableError("cuda_ipc handshake: region " + std::to_string(i) +
+                                " does not fit");
+      }
+      map->layer_base.push_back(static_cast<uint8_t*>(map->pools[idx]->data()) + off);
+      map->layer_bytes.push_back(bytes);
+    }
+    auto ch = std::make_shared<CudaIpcChannel>(::dup(fd), peer.agent_name, &ctx_, engine_.get(),
+                                               completer_.get(), &local_, std::move(map));
+    ch->StartReader();
+    return std::shared_ptr<BackendPeer>(ch);
+  }
+
+  void Shutdown() override {
+    std::list<std::shared_ptr<CudaIpcChannel>> inbound;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (shut_) return;
+      shut_ = true;
+      inbound.swap(inbound_);
+    }
+    if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);
+    if (accept_.joinable()) accept_.join();
+    if (listen_fd_ >= 0) ::close(listen_fd_);
+    listen_fd_ = -1;
+    for (auto& c : inbound) c->Close();
+    completer_.reset();  // finishes every posted job first
+  }
+
+ private:
+  void AcceptLoop() {
+    for (;;) {
+      int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        return;
+      }
+      Channel hs(::dup(fd));
+      Result<cuda_ipc::Message> m = hs.Recv(ctx_.peer_timeout_ms);
+      uint64_t inc = 0, expect = 0;
+      size_t at = 0;
+      if (!m.ok() || m->type != kHello || !GetU64(m->payload, at, inc) ||
+          !GetU64(m->payload, at, expect)) {
+        ::close(fd);
+        continue;
+      }
+      std::string peer_name = m->payload.substr(at);
+      if (expect != ctx_.incarnation) {
+        std::string refuse;
+        PutU32(refuse, static_cast<uint32_t>(StatusCode::kFailedPrecondition));
+        refuse += "stale metadata: agent incarnation changed";
+        (void)hs.Send(kHelloAck, refuse);
+        ::close(fd);
+        continue;
+      }
+      if (!hs.Send(kHelloAck, table_).ok()) {
+        ::close(fd);
+        continue;
+      }
+      auto ch = std::make_shared<CudaIpcChannel>(fd, peer_name, &ctx_, engine_.get(),
+                                                 completer_.get(), &local_, nullptr);
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (shut_) return;
+        for (auto it = inbound_.begin(); it != inbound_.end();) {
+          if (!(*it)->alive()) {
+            (*it)->Close();
+            it = inbound_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        inbound_.push_back(ch);
+      }
+      if (ctx_.on_inbound) ctx_.on_inbound(peer_name, ch);
+      ch->StartReader();
+    }
+  }
+
+  BackendContext ctx_;
+  int device_ = 0;
+  LocalLayers local_;
+  std::string table_;
+  std::unique_ptr<CopyEngine> engine_;
+  std::unique_ptr<Completer> completer_;
+  int listen_fd_ = -1;
+  std::thread accept_;
+  std::mutex mu_;
+  bool shut_ = false;
+  std::list<std::shared_ptr<CudaIpcChannel>> inbound_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCudaIpcBackend(const BackendContext& ctx) {
+  return std::make_unique<CudaIpcBackend>(ctx);
+}
+
+}  // namespace kvbridge::transfer
