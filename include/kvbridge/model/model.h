@@ -1,0 +1,104 @@
+// kvbridge/model/model.h — a loaded Llama-family model and its batch-invariant forward pass.
+//
+// The model module: config (config.h), weights (safetensors.h), tokenizer (tokenizer.h) and the
+// forward pass (forward.h + kv_cache_view.h). fp32 compute on CPU with our own kernels, so a
+// token's logits are bitwise identical whatever else is in the batch, however its prompt was
+// chunked and wherever its KV was computed (DESIGN.md "The model and its numerics").
+//
+//   ASSIGN_OR_RETURN(std::shared_ptr<Model> model, Model::Load("models/small"));
+//   LocalKvCache kv(model->KvLayout(/*num_blocks=*/64, /*block_size=*/16, KvDtype::kBf16),
+//                   model->KvScales());
+//   std::vector<int32_t> ids = model->tokenizer().Encode("Hello", true);
+//   std::vector<int32_t> table = {0};
+//   ForwardBatch batch;
+//   batch.sequences.push_back({ids.data(), (int)ids.size(), 0, table.data(), 1, true});
+//   std::vector<float> logits;
+//   RETURN_IF_ERROR(model->Forward(batch, kv.view(), &logits));  // [1][vocab_size]
+//
+// Thread-safety: a loaded Model is immutable; Forward may run concurrently from several
+// threads as long as the calls write disjoint KV blocks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvbridge/common/status.h"
+#include "kvbridge/model/config.h"
+#include "kvbridge/model/forward.h"
+#include "kvbridge/model/kv_cache_view.h"
+#include "kvbridge/model/tokenizer.h"
+
+namespace kvbridge {
+
+struct ModelLoadOptions {
+  /// Threads used inside one Forward (matmul output columns, attention rows x heads); they
+  /// never change the arithmetic. 0 = std::thread::hardware_concurrency(), capped at 8.
+  int num_threads = 0;
+};
+
+class Model {
+ public:
+  /// Loads `dir/config.json` and the weights (model.safetensors or sharded with
+  /// model.safetensors.index.json; BF16/F16/F32/F64 tensors become fp32).
+  /// Errors: NotFound (missing file), InvalidArgument naming file, tensor and expected vs
+  /// found shape/dtype, Unimplemented (unsupported config features).
+  static Result<std::shared_ptr<Model>> Load(const std::string& dir, ModelLoadOptions options = {});
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const;
+  const Tokenizer& tokenizer() const;
+  /// 32 lowercase hex digits: XXH3-128 over the canonical config JSON and every tensor
+  /// (name, shape, fp32 values, in name order). Equal models give equal fingerprints on any
+  /// host; seeds the prefix-cache hash chain and is checked at transfer handshake.
+  const std::string& fingerprint() const;
+
+  /// The KV layout this model needs (all KV heads on one rank).
+  PagedKvLayout KvLayout(int num_blocks, int block_size, KvDtype dtype) const;
+  /// The fp8 scales of config (per layer), or all 1.0 when `dtype` is not fp8.
+  void KvScales(KvDtype dtype, std::vector<float>* k_scale, std::vector<float>* v_scale) const;
+
+  /// One step over `batch` (see forward.h). For every sequence, writes the K/V of its tokens
+  /// into `kv` at positions [start_pos, start_pos + num_tokens) through its block table, then
+  /// attends over positions [0, pos] of that sequence. `logits` is resized to
+  /// [number of sequences with compute_logits][vocab_size], in batch order.
+  /// Errors (nothing written when the batch is invalid): InvalidArgument for a token id
+  /// outside the vocabulary, a position beyond max_position_embeddings, a block table too
+  /// short or naming a block outside the cache, or a `kv` whose layout does not match
+  /// KvLayout (layers, kv heads, head_dim) or whose scales are missing or not positive.
+  Status Forward(const ForwardBatch& batch, const PagedKvView& kv,
+                 std::vector<float>* logits) const;
+
+  struct Impl;  // internal (src/model/model_impl.h); exposed for the reference tests
+
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  explicit Model(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// An owned, zero-filled paged KV cache (for tests, benchmarks and `kvbridge generate`; the
+/// engine has its own block pool). Move-only.
+class LocalKvCache {
+ public:
+  LocalKvCache(const PagedKvLayout& layout, std::vector<float> k_scale, std::vector<float> v_scale);
+  LocalKvCache(LocalKvCache&&) = default;
+  LocalKvCache& operator=(LocalKvCache&&) = default;
+  LocalKvCache(const LocalKvCache&) = delete;
+  LocalKvCache& operator=(const LocalKvCache&) = delete;
+  const PagedKvView& view() const { return view_; }
+  /// Bytes of one block of one layer (K and V).
+  uint8_t* BlockData(int layer, int block) {
+    return view_.layer_base[layer] + static_cast<size_t>(block) * view_.layout.BlockBytes();
+  }
+
+ private:
+  std::vector<std::vector<uint8_t>> layers_;
+  PagedKvView view_;
+};
+
+}  // namespace kvbridge

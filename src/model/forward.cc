@@ -1,0 +1,350 @@
+// The batch-invariant forward pass (DESIGN.md "The model and its numerics").
+//
+// Every row (token) of the batch is computed by arithmetic that depends only on that row and on
+// the KV of its sequence: matmuls use the fixed-order kernel (kernels.h), row-parallel matmuls
+// sum kRowParallelShards fixed K-shards in a fixed tree, and attention walks positions
+// [0, pos] in kAttentionChunk-aligned chunks reading K/V back through the cache dtype.
+// Code is organized by head range and shard range so a TP rank can compute its slice.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "model/kernels.h"
+#include "model/model_impl.h"
+#include "model/numerics.h"
+
+namespace kvbridge {
+namespace {
+
+using model_internal::kAttentionChunk;
+using model_internal::kRowParallelShards;
+using model_internal::MatMulNT;
+
+Status CheckView(const ModelConfig& c, const PagedKvView& kv) {
+  const PagedKvLayout& l = kv.layout;
+  if (l.num_layers != c.num_hidden_layers || l.num_kv_heads != c.num_key_value_heads ||
+      l.head_dim != c.head_dim) {
+    return InvalidArgumentError(
+        "KV view layout (layers " + std::to_string(l.num_layers) + ", kv heads " +
+        std::to_string(l.num_kv_heads) + ", head_dim " + std::to_string(l.head_dim) +
+        ") does not match the model (" + std::to_string(c.num_hidden_layers) + ", " +
+        std::to_string(c.num_key_value_heads) + ", " + std::to_string(c.head_dim) + ")");
+  }
+  if (l.block_size <= 0 || l.num_blocks < 0) {
+    return InvalidArgumentError("KV view: block_size must be > 0 and num_blocks >= 0");
+  }
+  if (l.dtype != KvDtype::kFp32 && l.dtype != KvDtype::kBf16 && l.dtype != KvDtype::kFp8E4M3) {
+    return InvalidArgumentError("KV view: unknown dtype");
+  }
+  if (static_cast<int>(kv.layer_base.size()) != l.num_layers ||
+      static_cast<int>(kv.k_scale.size()) != l.num_layers ||
+      static_cast<int>(kv.v_scale.size()) != l.num_layers) {
+    return InvalidArgumentError(
+        "KV view: layer_base, k_scale and v_scale need one entry per layer");
+  }
+  for (int i = 0; i < l.num_layers; ++i) {
+    if (kv.layer_base[i] == nullptr) return InvalidArgumentError("KV view: null layer_base");
+    for (float s : {kv.k_scale[i], kv.v_scale[i]}) {
+      if (!(s > 0) || !std::isfinite(s)) {
+        return InvalidArgumentError("KV view: scales must be finite and > 0");
+      }
+    }
+  }
+  return OkStatus();
+}
+
+// Writes one head vector (head_dim floats) into the cache through the dtype; `scale` divides.
+void StoreKv(const float* src, int n, KvDtype dtype, float scale, uint8_t* dst) {
+  switch (dtype) {
+    case KvDtype::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case KvDtype::kBf16:
+      for (int i = 0; i < n; ++i) {
+        const uint16_t h = model_internal::FloatToBf16(src[i]);
+        std::memcpy(dst + 2 * i, &h, 2);
+      }
+      break;
+    case KvDtype::kFp8E4M3:
+      for (int i = 0; i < n; ++i) dst[i] = model_internal::FloatToFp8E4M3(src[i] / scale);
+      break;
+  }
+}
+
+// Reads one head vector back as fp32; `scale` multiplies.
+void LoadKv(const uint8_t* src, int n, KvDtype dtype, float scale, float* dst) {
+  switch (dtype) {
+    case KvDtype::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case KvDtype::kBf16:
+      for (int i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        dst[i] = model_internal::Bf16ToFloat(h);
+      }
+      break;
+    case KvDtype::kFp8E4M3:
+      for (int i = 0; i < n; ++i) dst[i] = model_internal::Fp8E4M3ToFloat(src[i]) * scale;
+      break;
+  }
+}
+
+// y = RMSNorm(x) * w per row (HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then * w).
+void RmsNorm(const float* x, int m, int h, const float* w, float eps, float* y) {
+  for (int i = 0; i < m; ++i) {
+    const float* xr = x + static_cast<size_t>(i) * h;
+    float* yr = y + static_cast<size_t>(i) * h;
+    const float ss = model_internal::Dot(xr, xr, h);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+    for (int j = 0; j < h; ++j) yr[j] = w[j] * (xr[j] * inv);
+  }
+}
+
+struct Row {
+  int seq;
+  int pos;
+  int32_t token;
+};
+
+}  // namespace
+
+Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
+                            std::vector<float>* logits) const {
+  const ModelConfig& c = config;
+  if (logits == nullptr) return InvalidArgumentError("Forward: logits must not be null");
+  RETURN_IF_ERROR(CheckView(c, kv));
+  const PagedKvLayout& layout = kv.layout;
+
+  // ---- validate every sequence before touching the cache ----
+  std::vector<Row> rows;
+  std::vector<int> logit_rows;
+  int64_t total = 0;
+  for (size_t s = 0; s < batch.sequences.size(); ++s) {
+    const SequenceChunk& q = batch.sequences[s];
+    const std::string where = "Forward: sequence " + std::to_string(s) + ": ";
+    if (q.num_tokens <= 0 || q.tokens == nullptr) {
+      return InvalidArgumentError(where + "needs num_tokens >= 1 and tokens");
+    }
+    total += q.num_tokens;
+    if (total > (1 << 20)) return InvalidArgumentError(where + "batch holds over 2^20 tokens");
+    if (q.start_pos < 0 ||
+        static_cast<int64_t>(q.start_pos) + q.num_tokens > c.max_position_embeddings) {
+      return InvalidArgumentError(where + "positions [" + std::to_string(q.start_pos) + ", " +
+                                  std::to_string(int64_t{q.start_pos} + q.num_tokens) +
+                                  ") exceed max_position_embeddings " +
+                                  std::to_string(c.max_position_embeddings));
+    }
+    const int64_t end = static_cast<int64_t>(q.start_pos) + q.num_tokens;
+    const int64_t blocks_needed = (end + layout.block_size - 1) / layout.block_size;
+    if (q.block_table == nullptr || q.num_blocks < blocks_needed) {
+      return InvalidArgumentError(where + "block table has " + std::to_string(q.num_blocks) +
+                                  " blocks, positions up to " + std::to_string(end) + " need " +
+                                  std::to_string(blocks_needed));
+    }
+    for (int64_t b = 0; b < blocks_needed; ++b) {
+      if (q.block_table[b] < 0 || q.block_table[b] >= layout.num_blocks) {
+        return InvalidArgumentError(where + "block id " + std::to_string(q.block_table[b]) +
+                                    " outside the cache's " + std::to_string(layout.num_blocks) +
+                                    " blocks");
+      }
+    }
+    for (int t = 0; t < q.num_tokens; ++t) {
+      if (q.tokens[t] < 0 || q.tokens[t] >= c.vocab_size) {
+        return InvalidArgumentError(where + "token id " + std::to_string(q.tokens[t]) +
+                                    " outside the vocabulary of " + std::to_string(c.vocab_size));
+      }
+      rows.push_back({static_cast<int>(s), q.start_pos + t, q.tokens[t]});
+    }
+    if (q.compute_logits) logit_rows.push_back(static_cast<int>(rows.size()) - 1);
+  }
+
+  const int m = static_cast<int>(rows.size());
+  const int hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+  const int hsz = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), im = c.intermediate_size;
+  const int group = nh / nkv;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float attn_scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int threads = pool->num_threads();
+  auto grain_for = [&](int64_t n) {
+    return std::max<int64_t>(1, (n + 4 * threads - 1) / (4 * threads));
+  };
+
+  // y[m][n] = x[m][k] . w[n][k] (+ bias), parallel over output columns.
+  auto linear = [&](const float* x, int k, const std::vector<float>& w, int n,
+                    const std::vector<float>& bias, float* y) {
+    pool->ParallelFor(n, grain_for(n), [&](int64_t b, int64_t e) {
+      MatMulNT(x, m, k, w.data() + b * k, static_cast<int>(e - b), k, k, y + b, n);
+    });
+    if (!bias.empty()) {
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) y[static_cast<size_t>(i) * n + j] += bias[j];
+      }
+    }
+  };
+  // Row-parallel: shard s covers K range [s*k/S, (s+1)*k/S); y = fixed tree over shards.
+  // A TP rank would compute its shards' partials and exchange them; the tree stays the same.
+  std::vector<float> partial;
+  auto row_parallel = [&](const float* x, int k, const std::vector<float>& w, int n,
+                          const std::vector<float>& bias, float* y) {
+    partial.resize(static_cast<size_t>(kRowParallelShards) * m * n);
+    pool->ParallelFor(n, grain_for(n), [&](int64_t b, int64_t e) {
+      for (int s = 0; s < kRowParallelShards; ++s) {
+        const int k0 = s * k / kRowParallelShards, k1 = (s + 1) * k / kRowParallelShards;
+        MatMulNT(x + k0, m, k, w.data() + b * k + k0, static_cast<int>(e - b), k, k1 - k0,
+                 partial.data() + static_cast<size_t>(s) * m * n + b, n);
+      }
+      const size_t stride = static_cast<size_t>(m) * n;
+      for (int i = 0; i < m; ++i) {
+        for (int64_t j = b; j < e; ++j) {
+          const float* p = partial.data() + static_cast<size_t>(i) * n + j;
+          float v = ((p[0] + p[stride]) + (p[2 * stride] + p[3 * stride])) +
+                    ((p[4 * stride] + p[5 * stride]) + (p[6 * stride] + p[7 * stride]));
+          if (!bias.empty()) v += bias[j];
+          y[static_cast<size_t>(i) * n + j] = v;
+        }
+      }
+    });
+  };
+  static_assert(kRowParallelShards == 8, "the sum tree above is written for 8 shards");
+
+  std::vector<float> x(static_cast<size_t>(m) * hsz), h(x.size()), tmp(x.size());
+  std::vector<float> q(static_cast<size_t>(m) * qd), k(static_cast<size_t>(m) * kvd),
+      v(static_cast<size_t>(m) * kvd), attn(static_cast<size_t>(m) * qd);
+  std::vector<float> gate(static_cast<size_t>(m) * im), up(gate.size());
+  for (int i = 0; i < m; ++i) {
+    std::memcpy(x.data() + static_cast<size_t>(i) * hsz,
+                weights.embed.data() + static_cast<size_t>(rows[i].token) * hsz, hsz * 4);
+  }
+  const int half = hd / 2;
+  auto rope = [&](float* vec, int pos) {
+    const float* cs = rope_cos.data() + static_cast<size_t>(pos) * half;
+    const float* sn = rope_sin.data() + static_cast<size_t>(pos) * half;
+    for (int i = 0; i < half; ++i) {
+      const float x1 = vec[i], x2 = vec[i + half];
+      vec[i] = x1 * cs[i] - x2 * sn[i];
+      vec[i + half] = x2 * cs[i] + x1 * sn[i];
+    }
+  };
+
+  for (int layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const model_internal::LayerWeights& w = weights.layers[layer];
+    uint8_t* base = kv.layer_base[layer];
+    const float ks = kv.k_scale[layer], vs = kv.v_scale[layer];
+
+    RmsNorm(x.data(), m, hsz, w.input_norm.data(), eps, h.data());
+    linear(h.data(), hsz, w.wq, qd, w.bq, q.data());
+    linear(h.data(), hsz, w.wk, kvd, w.bk, k.data());
+    linear(h.data(), hsz, w.wv, kvd, w.bv, v.data());
+    for (int i = 0; i < m; ++i) {
+      for (int hh = 0; hh < nh; ++hh)
+        rope(q.data() + static_cast<size_t>(i) * qd + hh * hd, rows[i].pos);
+      for (int g = 0; g < nkv; ++g)
+        rope(k.data() + static_cast<size_t>(i) * kvd + g * hd, rows[i].pos);
+    }
+    // Write this step's K/V into the cache; attention then reads every position back from it.
+    for (int i = 0; i < m; ++i) {
+      const SequenceChunk& sq = batch.sequences[rows[i].seq];
+      const int block = sq.block_table[rows[i].pos / layout.block_size];
+      const int slot = rows[i].pos % layout.block_size;
+      for (int g = 0; g < nkv; ++g) {
+        StoreKv(k.data() + static_cast<size_t>(i) * kvd + g * hd, hd, layout.dtype, ks,
+                base + layout.Offset(block, 0, g, slot));
+        StoreKv(v.data() + static_cast<size_t>(i) * kvd + g * hd, hd, layout.dtype, vs,
+                base + layout.Offset(block, 1, g, slot));
+      }
+    }
+    if (batch.on_layer_kv_written) batch.on_layer_kv_written(layer);
+
+    // Attention, one task per (row, kv head): the `group` query heads sharing that KV head.
+    const int64_t tasks = static_cast<int64_t>(m) * nkv;
+    pool->ParallelFor(tasks, grain_for(tasks), [&](int64_t tb, int64_t te) {
+      std::vector<float> kbuf(static_cast<size_t>(kAttentionChunk) * hd),
+          vbuf(static_cast<size_t>(kAttentionChunk) * hd),
+          scores(static_cast<size_t>(group) * kAttentionChunk),
+          acc(static_cast<size_t>(group) * hd), mx(group), den(group);
+      for (int64_t task = tb; task < te; ++task) {
+        const int i = static_cast<int>(task / nkv), g = static_cast<int>(task % nkv);
+        const SequenceChunk& sq = batch.sequences[rows[i].seq];
+        const int pos = rows[i].pos;
+        const float* qg =
+            q.data() + static_cast<size_t>(i) * qd + static_cast<size_t>(g) * group * hd;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+        std::fill(den.begin(), den.end(), 0.0f);
+        for (int c0 = 0; c0 <= pos; c0 += kAttentionChunk) {
+          const int n = std::min(kAttentionChunk, pos + 1 - c0);
+          for (int t = 0; t < n; ++t) {
+            const int p = c0 + t;
+            const int block = sq.block_table[p / layout.block_size];
+            const int slot = p % layout.block_size;
+            LoadKv(base + layout.Offset(block, 0, g, slot), hd, layout.dtype, ks,
+                   kbuf.data() + static_cast<size_t>(t) * hd);
+            LoadKv(base + layout.Offset(block, 1, g, slot), hd, layout.dtype, vs,
+                   vbuf.data() + static_cast<size_t>(t) * hd);
+          }
+          // scores[j][t] = q_j . k_t (fixed-order dot), then * 1/sqrt(head_dim).
+          MatMulNT(qg, group, hd, kbuf.data(), n, hd, hd, scores.data(), kAttentionChunk);
+          for (int j = 0; j < group; ++j) {
+            float* sj = scores.data() + static_cast<size_t>(j) * kAttentionChunk;
+            float cmax = -std::numeric_limits<float>::infinity();
+            for (int t = 0; t < n; ++t) {
+              sj[t] *= attn_scale;
+              cmax = std::max(cmax, sj[t]);
+            }
+            const float new_max = std::max(mx[j], cmax);
+            const float corr = std::exp(mx[j] - new_max);
+            float* aj = acc.data() + static_cast<size_t>(j) * hd;
+            den[j] *= corr;
+            for (int d = 0; d < hd; ++d) aj[d] *= corr;
+            for (int t = 0; t < n; ++t) {
+              const float pr = std::exp(sj[t] - new_max);
+              den[j] += pr;
+              const float* vt = vbuf.data() + static_cast<size_t>(t) * hd;
+              for (int d = 0; d < hd; ++d) aj[d] += pr * vt[d];
+            }
+            mx[j] = new_max;
+          }
+        }
+        float* out =
+            attn.data() + static_cast<size_t>(i) * qd + static_cast<size_t>(g) * group * hd;
+        for (int j = 0; j < group; ++j) {
+          for (int d = 0; d < hd; ++d) out[j * hd + d] = acc[j * hd + d] / den[j];
+        }
+      }
+    });
+
+    row_parallel(attn.data(), qd, w.wo, hsz, w.bo, tmp.data());
+    for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];
+
+    RmsNorm(x.data(), m, hsz, w.post_norm.data(), eps, h.data());
+    linear(h.data(), hsz, w.w_gate, im, {}, gate.data());
+    linear(h.data(), hsz, w.w_up, im, {}, up.data());
+    for (size_t e = 0; e < gate.size(); ++e) {
+      const float g = gate[e];
+      gate[e] = g / (1.0f + std::exp(-g)) * up[e];
+    }
+    row_parallel(gate.data(), im, w.w_down, hsz, {}, tmp.data());
+    for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];
+  }
+
+  // Logits for the requested rows only.
+  const int nl = static_cast<int>(logit_rows.size());
+  std::vector<float> last(static_cast<size_t>(nl) * hsz), normed(last.size());
+  for (int r = 0; r < nl; ++r) {
+    std::memcpy(last.data() + static_cast<size_t>(r) * hsz,
+                x.data() + static_cast<size_t>(logit_rows[r]) * hsz, hsz * 4);
+  }
+  RmsNorm(last.data(), nl, hsz, weights.final_norm.data(), eps, normed.data());
+  logits->assign(static_cast<size_t>(nl) * c.vocab_size, 0.0f);
+  const std::vector<float>& head = weights.LmHead();
+  const int vocab = c.vocab_size;
+  pool->ParallelFor(vocab, grain_for(vocab), [&](int64_t b, int64_t e) {
+    MatMulNT(normed.data(), nl, hsz, head.data() + b * hsz, static_cast<int>(e - b), hsz, hsz,
+             logits->data() + b, vocab);
+  });
+  return OkStatus();
+}
+
+}  // namespace kvbridge

@@ -1,0 +1,400 @@
+// Forward pass: against a double-precision reference, and the invariance property
+// (DESIGN.md "The model and its numerics") for every KV dtype.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "kvbridge/model/model.h"
+#include "model/model_impl.h"
+#include "model/numerics.h"
+#include "model/test_util.h"
+
+namespace kvbridge {
+namespace {
+
+using testing_model::MakeAndLoad;
+using testing_model::TempDir;
+
+constexpr KvDtype kAllDtypes[] = {KvDtype::kFp32, KvDtype::kBf16, KvDtype::kFp8E4M3};
+
+// Round a value through the KV cache dtype, as the cache does.
+double ThroughCache(double v, KvDtype d, float scale) {
+  const float f = static_cast<float>(v);
+  switch (d) {
+    case KvDtype::kFp32:
+      return f;
+    case KvDtype::kBf16:
+      return model_internal::Bf16ToFloat(model_internal::FloatToBf16(f));
+    case KvDtype::kFp8E4M3:
+      return model_internal::Fp8E4M3ToFloat(model_internal::FloatToFp8E4M3(f / scale)) * scale;
+  }
+  return f;
+}
+
+// A straightforward double-precision implementation of the HF Llama/Qwen2 forward pass
+// (whole sequence at once, plain softmax), returning logits of every position.
+std::vector<std::vector<double>> ReferenceLogits(const Model& model,
+                                                 const std::vector<int32_t>& tokens,
+                                                 KvDtype dtype) {
+  const ModelConfig& c = model.config();
+  const auto& w = model.impl().weights;
+  const int t_len = static_cast<int>(tokens.size());
+  const int hs = c.hidden_size, hd = c.head_dim, nh = c.num_attention_heads,
+            nkv = c.num_key_value_heads, im = c.intermediate_size;
+  std::vector<float> ks, vs;
+  model.KvScales(dtype, &ks, &vs);
+  using Mat = std::vector<std::vector<double>>;
+  auto matvec = [](const std::vector<float>& wt, const std::vector<float>& bias,
+                   const std::vector<double>& x, int n) {
+    const int k = static_cast<int>(x.size());
+    std::vector<double> y(n);
+    for (int j = 0; j < n; ++j) {
+      double s = bias.empty() ? 0.0 : bias[j];
+      for (int p = 0; p < k; ++p)
+        s += static_cast<double>(wt[static_cast<size_t>(j) * k + p]) * x[p];
+      y[j] = s;
+    }
+    return y;
+  };
+  auto rms = [&](const std::vector<double>& x, const std::vector<float>& g) {
+    double ss = 0;
+    for (double v : x) ss += v * v;
+    const double inv = 1.0 / std::sqrt(ss / x.size() + c.rms_norm_eps);
+    std::vector<double> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = g[i] * x[i] * inv;
+    return y;
+  };
+  auto rope = [&](double* v, int pos) {
+    for (int i = 0; i < hd / 2; ++i) {
+      const double a = pos * std::pow(c.rope_theta, -2.0 * i / hd);
+      const double x1 = v[i], x2 = v[i + hd / 2];
+      v[i] = x1 * std::cos(a) - x2 * std::sin(a);
+      v[i + hd / 2] = x2 * std::cos(a) + x1 * std::sin(a);
+    }
+  };
+  Mat x(t_len);
+  for (int t = 0; t < t_len; ++t) {
+    x[t].assign(w.embed.begin() + static_cast<size_t>(tokens[t]) * hs,
+                w.embed.begin() + static_cast<size_t>(tokens[t] + 1) * hs);
+  }
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const auto& lw = w.layers[l];
+    Mat q(t_len), k(t_len), v(t_len);
+    for (int t = 0; t < t_len; ++t) {
+      auto h = rms(x[t], lw.input_norm);
+      q[t] = matvec(lw.wq, lw.bq, h, c.q_dim());
+      k[t] = matvec(lw.wk, lw.bk, h, c.kv_dim());
+      v[t] = matvec(lw.wv, lw.bv, h, c.kv_dim());
+      for (int hh = 0; hh < nh; ++hh) rope(&q[t][hh * hd], t);
+      for (int g = 0; g < nkv; ++g) rope(&k[t][g * hd], t);
+      for (auto& e : k[t]) e = ThroughCache(e, dtype, ks[l]);
+      for (auto& e : v[t]) e = ThroughCache(e, dtype, vs[l]);
+    }
+    for (int t = 0; t < t_len; ++t) {
+      std::vector<double> attn(c.q_dim());
+      for (int hh = 0; hh < nh; ++hh) {
+        const int g = hh / (nh / nkv);
+        std::vector<double> s(t + 1);
+        double mx = -1e300;
+        for (int p = 0; p <= t; ++p) {
+          double d = 0;
+          for (int e = 0; e < hd; ++e) d += q[t][hh * hd + e] * k[p][g * hd + e];
+          s[p] = d / std::sqrt(static_cast<double>(hd));
+          mx = std::max(mx, s[p]);
+        }
+        double den = 0;
+        for (auto& e : s) den += (e = std::exp(e - mx));
+        for (int p = 0; p <= t; ++p) {
+          for (int e = 0; e < hd; ++e) attn[hh * hd + e] += s[p] / den * v[p][g * hd + e];
+        }
+      }
+      auto o = matvec(lw.wo, lw.bo, attn, hs);
+      for (int i = 0; i < hs; ++i) x[t][i] += o[i];
+      auto h2 = rms(x[t], lw.post_norm);
+      auto gt = matvec(lw.w_gate, {}, h2, im);
+      auto up = matvec(lw.w_up, {}, h2, im);
+      for (int i = 0; i < im; ++i) gt[i] = gt[i] / (1 + std::exp(-gt[i])) * up[i];
+      auto d = matvec(lw.w_down, {}, gt, hs);
+      for (int i = 0; i < hs; ++i) x[t][i] += d[i];
+    }
+  }
+  Mat logits(t_len);
+  for (int t = 0; t < t_len; ++t)
+    logits[t] = matvec(w.LmHead(), {}, rms(x[t], w.final_norm), c.vocab_size);
+  return logits;
+}
+
+std::vector<int32_t> Prompt(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids = {256};
+  while (static_cast<int>(ids.size()) < n) ids.push_back(static_cast<int32_t>(rng() % 256));
+  return ids;
+}
+
+// One sequence's KV placement: blocks [first, first + count) of a cache, in a shuffled order.
+std::vector<int32_t> BlockTable(int count, int first, uint32_t seed) {
+  std::vector<int32_t> t(count);
+  for (int i = 0; i < count; ++i) t[i] = first + i;
+  std::shuffle(t.begin(), t.end(), std::mt19937(seed));
+  return t;
+}
+
+class ForwardTest : public ::testing::TestWithParam<ModelArch> {
+ protected:
+  static void SetUpTestSuite() {
+    dirs_[0] = new TempDir();
+    dirs_[1] = new TempDir();
+    models_[0] = MakeAndLoad(dirs_[0]->path(), "tiny", ModelArch::kLlama, 5);
+    models_[1] = MakeAndLoad(dirs_[1]->path(), "tiny", ModelArch::kQwen2, 6);
+  }
+  static void TearDownTestSuite() {
+    for (int i = 0; i < 2; ++i) {
+      models_[i].reset();
+      delete dirs_[i];
+    }
+  }
+  const Model& model() const { return *models_[GetParam() == ModelArch::kQwen2 ? 1 : 0]; }
+  LocalKvCache Cache(KvDtype d, int blocks = 256, int block_size = 16) const {
+    std::vector<float> ks, vs;
+    model().KvScales(d, &ks, &vs);
+    return LocalKvCache(model().KvLayout(blocks, block_size, d), ks, vs);
+  }
+  // Runs `tokens` through the cache in chunks of `chunk`, returning each chunk's last logits
+  // keyed by position.
+  std::map<int, std::vector<float>> RunChunked(const std::vector<int32_t>& tokens, int chunk,
+                                               const LocalKvCache& kv,
+                                               const std::vector<int32_t>& table) const {
+    std::map<int, std::vector<float>> out;
+    for (int s = 0; s < static_cast<int>(tokens.size()); s += chunk) {
+      const int n = std::min<int>(chunk, static_cast<int>(tokens.size()) - s);
+      ForwardBatch b;
+      b.sequences.push_back(
+          {tokens.data() + s, n, s, table.data(), static_cast<int>(table.size()), true});
+      std::vector<float> logits;
+      Status st = model().Forward(b, kv.view(), &logits);
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      out[s + n - 1] = logits;
+    }
+    return out;
+  }
+
+  static TempDir* dirs_[2];
+  static std::shared_ptr<Model> models_[2];
+};
+TempDir* ForwardTest::dirs_[2];
+std::shared_ptr<Model> ForwardTest::models_[2];
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Error bound: |ours - ref| <= 2e-6 * (1 + max_j |ref_j|) for every logit of every position
+// with fp32 KV (observed ~3e-7). For bf16/fp8 the reference rounds K/V through the same dtype,
+// but a value within fp32 error of a rounding boundary may round the other way there, so the
+// bound is 1e-4 * (1 + max |ref|) (observed ~3e-7 too).
+TEST_P(ForwardTest, MatchesDoublePrecisionReference) {
+  const auto tokens = Prompt(40, 1);
+  for (KvDtype d : kAllDtypes) {
+    auto ref = ReferenceLogits(model(), tokens, d);
+    auto kv = Cache(d);
+    auto table = BlockTable(3, 0, 1);
+    auto ours = RunChunked(tokens, 1, kv, table);
+    const double tol = d == KvDtype::kFp32 ? 2e-6 : 1e-4;
+    double worst = 0;
+    for (int t = 0; t < static_cast<int>(tokens.size()); ++t) {
+      double mx = 0;
+      for (double v : ref[t]) mx = std::max(mx, std::fabs(v));
+      for (int j = 0; j < model().config().vocab_size; ++j) {
+        const double err = std::fabs(ours[t][j] - ref[t][j]);
+        worst = std::max(worst, err / (1 + mx));
+        ASSERT_LE(err, tol * (1 + mx))
+            << "dtype " << KvDtypeName(d) << " pos " << t << " logit " << j;
+      }
+    }
+    std::printf("[ reference ] %s kv %s: worst |err| / (1 + max|ref|) = %.3g\n",
+                std::string(ModelArchName(GetParam())).c_str(), std::string(KvDtypeName(d)).c_str(),
+                worst);
+  }
+}
+
+// The invariance property: a token's logits are bitwise equal computed alone (one token at a
+// time from cached KV), in prefill chunks of any size, in other block placements and block
+// sizes, and next to 1..64 other rows of other sequences.
+TEST_P(ForwardTest, LogitsAreBitwiseInvariantToChunkingBatchingAndCaching) {
+  const auto tokens = Prompt(37, 2);
+  const int n = static_cast<int>(tokens.size());
+  for (KvDtype d : kAllDtypes) {
+    SCOPED_TRACE(std::string("kv ") + std::string(KvDtypeName(d)));
+    auto kv = Cache(d);
+    const auto alone =
+        RunChunked(tokens, 1, kv, BlockTable(3, 0, 9));  // decode-style, every position
+    ASSERT_EQ(static_cast<int>(alone.size()), n);
+    for (int chunk : {2, 3, 16, 17, n}) {
+      auto kv2 = Cache(d);
+      auto chunked = RunChunked(tokens, chunk, kv2, BlockTable(3, 10 + chunk, chunk));
+      for (const auto& [pos, logits] : chunked) {
+        ASSERT_TRUE(BitEqual(logits, alone.at(pos))) << "chunk " << chunk << " pos " << pos;
+      }
+    }
+    // Other block sizes put the same positions in other slots.
+    for (int bs : {1, 8, 32}) {
+      auto kv3 = Cache(d, 64, bs);
+      auto chunked = RunChunked(tokens, 5, kv3, BlockTable((n + bs - 1) / bs, 0, bs));
+      for (const auto& [pos, logits] : chunked) {
+        ASSERT_TRUE(BitEqual(logits, alone.at(pos))) << "block_size " << bs << " pos " << pos;
+      }
+    }
+    // Batched with `others` rows of other sequences (prefill chunks and decode tokens), the
+    // target being the last 4 tokens of the prompt on top of cached KV.
+    std::mt19937 rng(static_cast<uint32_t>(d) + 100);
+    for (int others : {1, 2, 5, 17, 33, 64}) {
+      auto kvb = Cache(d);
+      auto table = BlockTable(3, 0, 77);
+      std::vector<int32_t> prefix(tokens.begin(), tokens.end() - 4);
+      RunChunked(prefix, 16, kvb, table);
+      ForwardBatch b;
+      std::vector<std::vector<int32_t>> other_tokens, other_tables;
+      int rows = 0, next_block = 10;
+      while (rows < others) {
+        const int len = std::min<int>(others - rows, 1 + static_cast<int>(rng() % 20));
+        other_tokens.push_back(Prompt(len, rng()));
+        other_tables.push_back(BlockTable(3, next_block, rng()));
+        next_block += 3;
+        rows += len;
+      }
+      const int target_index = static_cast<int>(rng() % (other_tokens.size() + 1));
+      for (size_t i = 0; i <= other_tokens.size(); ++i) {
+        if (static_cast<int>(i) == target_index) {
+          b.sequences.push_back({tokens.data() + n - 4, 4, n - 4, table.data(), 3, true});
+        }
+        if (i < other_tokens.size()) {
+          b.sequences.push_back({other_tokens[i].data(), static_cast<int>(other_tokens[i].size()),
+                                 0, other_tables[i].data(), 3, (i % 2) == 0});
+        }
+      }
+      std::vector<float> logits;
+      ASSERT_TRUE(model().Forward(b, kvb.view(), &logits).ok());
+      int logit_row = 0;
+      for (int i = 0; i < target_index; ++i) logit_row += b.sequences[i].compute_logits ? 1 : 0;
+      const int vocab = model().config().vocab_size;
+      std::vector<float> mine(logits.begin() + logit_row * vocab,
+                              logits.begin() + (logit_row + 1) * vocab);
+      ASSERT_TRUE(BitEqual(mine, alone.at(n - 1))) << others << " other rows";
+    }
+  }
+}
+
+// KV computed in one cache ("elsewhere") and copied block by block into other block ids of
+// another cache gives the same logits, as a P/D transfer does.
+TEST_P(ForwardTest, KvCopiedToOtherBlocksGivesSameLogits) {
+  const auto tokens = Prompt(30, 3);
+  for (KvDtype d : kAllDtypes) {
+    auto a = Cache(d, 8);
+    auto b = Cache(d, 8);
+    std::vector<int32_t> ta = {0, 1}, tb = {5, 3};
+    std::vector<int32_t> prefix(tokens.begin(), tokens.end() - 1);
+    RunChunked(prefix, 29, a, ta);
+    for (int l = 0; l < model().config().num_hidden_layers; ++l) {
+      for (int i = 0; i < 2; ++i) {
+        std::memcpy(b.BlockData(l, tb[i]), a.BlockData(l, ta[i]), a.view().layout.BlockBytes());
+      }
+    }
+    ForwardBatch fa, fb;
+    fa.sequences.push_back({tokens.data() + 29, 1, 29, ta.data(), 2, true});
+    fb.sequences.push_back({tokens.data() + 29, 1, 29, tb.data(), 2, true});
+    std::vector<float> la, lb;
+    ASSERT_TRUE(model().Forward(fa, a.view(), &la).ok());
+    ASSERT_TRUE(model().Forward(fb, b.view(), &lb).ok());
+    EXPECT_TRUE(BitEqual(la, lb)) << KvDtypeName(d);
+  }
+}
+
+TEST_P(ForwardTest, ConcurrentCallsOnDisjointBlocksMatchSequential) {
+  const auto t1 = Prompt(33, 4), t2 = Prompt(21, 5);
+  auto kv = Cache(KvDtype::kBf16);
+  std::vector<int32_t> b1 = {0, 1, 2}, b2 = {3, 4};
+  std::map<int, std::vector<float>> r1, r2;
+  std::thread th([&] { r1 = RunChunked(t1, 4, kv, b1); });
+  r2 = RunChunked(t2, 3, kv, b2);
+  th.join();
+  auto kv_seq = Cache(KvDtype::kBf16);
+  EXPECT_EQ(r1, RunChunked(t1, 4, kv_seq, b1));
+  EXPECT_EQ(r2, RunChunked(t2, 3, kv_seq, b2));
+}
+
+TEST_P(ForwardTest, CallsLayerHookInOrderAndEmitsOnlyRequestedLogits) {
+  const auto t = Prompt(5, 6);
+  auto kv = Cache(KvDtype::kFp32);
+  std::vector<int32_t> table = {0}, table2 = {1};
+  ForwardBatch b;
+  b.sequences.push_back({t.data(), 5, 0, table.data(), 1, false});
+  b.sequences.push_back({t.data(), 5, 0, table2.data(), 1, true});
+  std::vector<int> layers;
+  b.on_layer_kv_written = [&](int l) { layers.push_back(l); };
+  std::vector<float> logits;
+  ASSERT_TRUE(model().Forward(b, kv.view(), &logits).ok());
+  EXPECT_EQ(layers, (std::vector<int>{0, 1}));
+  EXPECT_EQ(static_cast<int>(logits.size()), model().config().vocab_size);
+}
+
+TEST_P(ForwardTest, RejectsInvalidBatchesWithoutWriting) {
+  const auto t = Prompt(20, 7);
+  auto kv = Cache(KvDtype::kFp32, 4);
+  std::vector<int32_t> table = {0, 1};
+  std::vector<float> logits;
+  auto run = [&](SequenceChunk s) {
+    ForwardBatch b;
+    b.sequences.push_back(s);
+    return model().Forward(b, kv.view(), &logits);
+  };
+  std::vector<int32_t> bad_token = {5, 264};
+  EXPECT_NE(run({bad_token.data(), 2, 0, table.data(), 2, true}).message().find("token id 264"),
+            std::string::npos);
+  EXPECT_NE(run({t.data(), 20, 0, table.data(), 1, true}).message().find("need 2"),
+            std::string::npos);
+  std::vector<int32_t> far = {0, 9};
+  EXPECT_NE(run({t.data(), 20, 0, far.data(), 2, true}).message().find("block id 9"),
+            std::string::npos);
+  EXPECT_NE(run({t.data(), 2, 1023, table.data(), 2, true}).message().find("max_position"),
+            std::string::npos);
+  EXPECT_EQ(run({t.data(), 0, 0, table.data(), 2, true}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(run({t.data(), 2, -1, table.data(), 2, true}).code(), StatusCode::kInvalidArgument);
+  // Nothing was written by the rejected calls.
+  for (int l = 0; l < model().config().num_hidden_layers; ++l) {
+    const uint8_t* p = kv.view().layer_base[l];
+    for (size_t i = 0; i < kv.view().layout.LayerBytes(); ++i) ASSERT_EQ(p[i], 0) << i;
+  }
+  PagedKvView wrong = kv.view();
+  wrong.layout.head_dim = 8;
+  ForwardBatch b;
+  b.sequences.push_back({t.data(), 2, 0, table.data(), 2, true});
+  EXPECT_NE(model().Forward(b, wrong, &logits).message().find("does not match the model"),
+            std::string::npos);
+  wrong = kv.view();
+  wrong.k_scale[0] = 0;
+  EXPECT_EQ(model().Forward(b, wrong, &logits).code(), StatusCode::kInvalidArgument);
+  wrong = kv.view();
+  wrong.layer_base.pop_back();
+  EXPECT_EQ(model().Forward(b, wrong, &logits).code(), StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest,
+                         ::testing::Values(ModelArch::kLlama, ModelArch::kQwen2),
+                         [](const auto& info) { return std::string(ModelArchName(info.param)); });
+
+TEST(ModelFingerprint, DependsOnWeightsAndIsStable) {
+  TempDir a, b, c;
+  auto ma = MakeAndLoad(a.path(), "tiny", ModelArch::kLlama, 1, 1);
+  auto mb = MakeAndLoad(b.path(), "tiny", ModelArch::kLlama, 1, 1);
+  auto mc = MakeAndLoad(c.path(), "tiny", ModelArch::kLlama, 2, 1);
+  ASSERT_TRUE(ma && mb && mc);
+  EXPECT_EQ(ma->fingerprint().size(), 32u);
+  EXPECT_EQ(ma->fingerprint(), mb->fingerprint());
+  EXPECT_NE(ma->fingerprint(), mc->fingerprint());
+}
+
+}  // namespace
+}  // namespace kvbridge

@@ -1,0 +1,113 @@
+#include "model/kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace kvbridge::model_internal {
+namespace {
+
+std::vector<float> RandomVec(size_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Against a double reference, each element obeys the classic dot-product bound
+// |y - ref| <= gamma_k * sum_i |x_i w_i|, gamma_k = k u / (1 - k u), u = 2^-24.
+TEST(MatMulNT, MatchesDoubleReferenceWithinDotProductBound) {
+  std::mt19937 rng(7);
+  for (int k : {1, 7, 8, 9, 16, 31, 64, 67, 256, 1000}) {
+    for (int m : {1, 3, 4, 5, 13}) {
+      for (int n : {1, 2, 3, 4, 7}) {
+        auto x = RandomVec(static_cast<size_t>(m) * k, rng);
+        auto w = RandomVec(static_cast<size_t>(n) * k, rng);
+        std::vector<float> y(static_cast<size_t>(m) * n);
+        MatMulNT(x.data(), m, k, w.data(), n, k, k, y.data(), n);
+        const double u = std::ldexp(1.0, -24);
+        const double gamma = k * u / (1 - k * u);
+        for (int i = 0; i < m; ++i) {
+          for (int j = 0; j < n; ++j) {
+            double ref = 0, mag = 0;
+            for (int p = 0; p < k; ++p) {
+              ref += static_cast<double>(x[i * k + p]) * w[j * k + p];
+              mag += std::fabs(static_cast<double>(x[i * k + p]) * w[j * k + p]);
+            }
+            EXPECT_LE(std::fabs(y[i * n + j] - ref), gamma * mag)
+                << "m" << m << " n" << n << " k" << k;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The property the forward pass is built on: a row's result does not depend on how many other
+// rows and columns are computed with it, nor on where they sit in the tiles.
+TEST(MatMulNT, RowResultIndependentOfBatchShape) {
+  std::mt19937 rng(11);
+  for (int k : {5, 64, 67, 200}) {
+    const int n = 11;
+    auto w = RandomVec(static_cast<size_t>(n) * k, rng);
+    auto x = RandomVec(static_cast<size_t>(17) * k, rng);
+    std::vector<float> alone(n);
+    MatMulNT(x.data(), 1, k, w.data(), n, k, k, alone.data(), n);
+    for (int m = 1; m <= 17; ++m) {
+      for (int offset = 0; offset < m; offset += 3) {
+        // Row 0 of x placed at row `offset` of an m-row batch.
+        std::vector<float> xb(static_cast<size_t>(m) * k);
+        for (int i = 0; i < m; ++i) {
+          std::memcpy(xb.data() + static_cast<size_t>(i) * k,
+                      x.data() + static_cast<size_t>(i == offset ? 0 : (i % 16) + 1) * k, k * 4);
+        }
+        std::vector<float> y(static_cast<size_t>(m) * n);
+        MatMulNT(xb.data(), m, k, w.data(), n, k, k, y.data(), n);
+        ASSERT_EQ(0, std::memcmp(alone.data(), y.data() + static_cast<size_t>(offset) * n, n * 4))
+            << "k=" << k << " m=" << m << " offset=" << offset;
+        // Column subsets too: column j computed alone.
+        for (int j = 0; j < n; ++j) {
+          float one;
+          MatMulNT(xb.data() + static_cast<size_t>(offset) * k, 1, k, w.data() + j * k, 1, k, k,
+                   &one, 1);
+          ASSERT_EQ(0, std::memcmp(&one, &alone[j], 4));
+        }
+      }
+    }
+  }
+}
+
+TEST(MatMulNT, PortablePathIsBitwiseEqualToDispatchedPath) {
+  std::mt19937 rng(3);
+  for (int k : {1, 8, 13, 64, 129}) {
+    const int m = 9, n = 10;
+    auto x = RandomVec(static_cast<size_t>(m) * k, rng);
+    auto w = RandomVec(static_cast<size_t>(n) * k, rng);
+    std::vector<float> a(m * n), b(m * n);
+    MatMulNT(x.data(), m, k, w.data(), n, k, k, a.data(), n);
+    MatMulNTPortable(x.data(), m, k, w.data(), n, k, k, b.data(), n);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4))
+        << "k=" << k << " path " << KernelPath();
+  }
+}
+
+TEST(MatMulNT, ReductionOrderIsTheDocumentedOne) {
+  // k = 11: lanes 0..7 hold one product each, then the tree, then the 3-element tail.
+  std::vector<float> x(11), w(11, 1.0f);
+  const float vals[11] = {1e8f, 1.0f, -1e8f, 3.0f, 0.5f, 7.0f, 1.5f, -2.0f, 1e-3f, 5.0f, -1e-3f};
+  for (int i = 0; i < 11; ++i) x[i] = vals[i];
+  float lanes[8];
+  for (int l = 0; l < 8; ++l) lanes[l] = vals[l];
+  const float s0 = lanes[0] + lanes[4], s1 = lanes[1] + lanes[5], s2 = lanes[2] + lanes[6],
+              s3 = lanes[3] + lanes[7];
+  float expect = (s0 + s2) + (s1 + s3);
+  for (int p = 8; p < 11; ++p) expect = std::fma(vals[p], 1.0f, expect);
+  EXPECT_EQ(Dot(x.data(), w.data(), 11), expect);
+}
+
+}  // namespace
+}  // namespace kvbridge::model_internal
