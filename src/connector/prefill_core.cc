@@ -372,6 +372,19 @@ bool PrefillCore::IsHeld(const std::string& transfer_id, std::span<const int32_t
                      [&](int32_t b) { return held.count(b) > 0; });
 }
 
+std::map<std::string, std::vector<int32_t>> PrefillCore::HeldBlocksByTransfer() const {
+  std::map<std::string, std::vector<int32_t>> out;
+  for (const auto& [tid, t] : transfers_) {
+    if (!t.open) continue;
+    std::set<int32_t> held;
+    for (const auto& [id, s] : t.siblings) {
+      if (s.held) held.insert(s.blocks.begin(), s.blocks.end());
+    }
+    if (!held.empty()) out[tid] = std::vector<int32_t>(held.begin(), held.end());
+  }
+  return out;
+}
+
 int64_t PrefillCore::NumHeldBlocks() const {
   std::set<int32_t> held;
   for (const auto& [tid, t] : transfers_) {

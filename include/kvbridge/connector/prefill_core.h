@@ -101,6 +101,8 @@ class PrefillCore {
   /// True when `transfer_id` is open and its held siblings hold every block in `block_ids` (the
   /// tcp backend's serving-side check).
   bool IsHeld(const std::string& transfer_id, std::span<const int32_t> block_ids) const;
+  /// Held blocks per open transfer (for the transfer agent's hold check snapshot).
+  std::map<std::string, std::vector<int32_t>> HeldBlocksByTransfer() const;
   /// Distinct blocks held across all transfers.
   int64_t NumHeldBlocks() const;
   int64_t NumTransfers() const { return static_cast<int64_t>(transfers_.size()); }
