@@ -1,0 +1,351 @@
+// READ-mode P/D end to end with real engines in one process: a prefill engine and a decode
+// engine, each with its KvBridgeRuntime (transfer agent on 127.0.0.1) and ApiServer (for the
+// connector's HTTP routes); the test plays the proxy. Answers and top-5 logprobs must be bitwise
+// equal to one colocated engine, and everything must drain with no lease expiry.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "kvbridge/common/metrics.h"
+#include "kvbridge/connector/kvbridge_connector.h"
+#include "kvbridge/engine/engine.h"
+#include "kvbridge/model/model.h"
+#include "kvbridge/model/random_model.h"
+#include "kvbridge/server/api_server.h"
+
+namespace kvbridge {
+namespace {
+
+using nlohmann::json;
+
+std::shared_ptr<const Model> TinyModel() {
+  static std::shared_ptr<const Model> model = [] {
+    std::string dir = ::testing::TempDir() + "/kvb_pd_tiny_" + std::to_string(getpid());
+    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 7);
+    EXPECT_TRUE(spec.ok());
+    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
+    auto m = Model::Load(dir, {.num_threads = 1});
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    return std::shared_ptr<const Model>(std::move(m).value());
+  }();
+  return model;
+}
+
+class ByteCodec : public server::TextCodec {
+ public:
+  std::vector<int32_t> Encode(std::string_view t) const override {
+    return std::vector<int32_t>(t.begin(), t.end());
+  }
+  std::string Decode(std::span<const int32_t> ids) const override {
+    std::string s;
+    for (int32_t i : ids) s += static_cast<char>(i & 0xff);
+    return s;
+  }
+  int32_t vocab_size() const override { return 256; }
+};
+
+struct Result1 {
+  std::map<int, std::vector<int32_t>> tokens;
+  std::map<int, std::vector<TokenLogprob>> logprobs;
+  json kv_transfer_params;
+  Status error;
+  int num_cached_tokens = -1;
+};
+
+// Runs one request to completion on `engine` (bounded wait).
+Result1 Run(Engine& engine, EngineRequest req) {
+  auto st = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+  auto out = std::make_shared<Result1>();
+  auto done = std::make_shared<bool>(false);
+  Status add = engine.AddRequest(std::move(req), [st, out, done](const RequestOutput& o) {
+    std::lock_guard<std::mutex> l(st->first);
+    for (const CompletionOutput& c : o.outputs) {
+      auto& t = out->tokens[c.index];
+      t.insert(t.end(), c.new_token_ids.begin(), c.new_token_ids.end());
+      auto& lp = out->logprobs[c.index];
+      lp.insert(lp.end(), c.new_logprobs.begin(), c.new_logprobs.end());
+    }
+    if (o.finished) {
+      out->kv_transfer_params = o.kv_transfer_params;
+      out->error = o.error;
+      out->num_cached_tokens = o.num_cached_tokens;
+      *done = true;
+      st->second.notify_all();
+    }
+  });
+  EXPECT_TRUE(add.ok()) << add.ToString();
+  if (!add.ok()) return Result1{.error = add};
+  std::unique_lock<std::mutex> l(st->first);
+  EXPECT_TRUE(st->second.wait_for(l, std::chrono::seconds(60), [&] { return *done; }));
+  return *out;
+}
+
+std::vector<int32_t> Prompt(int len, int salt) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < len; ++i) p.push_back((i * 31 + salt * 17 + 5) % 256);
+  return p;
+}
+
+EngineRequest Req(const std::string& id, std::vector<int32_t> prompt, int max_tokens, int n) {
+  EngineRequest r;
+  r.request_id = id;
+  r.prompt_token_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.n = n;
+  r.sampling.temperature = n > 1 ? 1.0f : 0.0f;  // n > 1: seeded sampling, siblings differ
+  r.sampling.seed = 1234;
+  r.sampling.ignore_eos = true;
+  r.sampling.logprobs = 5;
+  return r;
+}
+
+EngineConfig BaseConfig() {
+  EngineConfig c;
+  c.block_size = 16;
+  c.num_blocks = 256;
+  c.max_num_seqs = 64;
+  c.debug_poison_kv_nan = true;  // a block never written shows up as NaN logits
+  return c;
+}
+
+// One engine with its connector runtime and HTTP server.
+struct PdEngine {
+  std::shared_ptr<KvBridgeRuntime> kv;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<server::ApiServer> server;
+
+  static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport, bool corrupt = false) {
+    auto e = std::make_unique<PdEngine>();
+    KvTransferConfig cfg;
+    cfg.role = role;
+    cfg.transport = transport;
+    cfg.lease = 30 * kSecond;
+    cfg.reply_timeout = 5 * kSecond;
+    auto kv = KvBridgeRuntime::Create(
+        {.config = cfg, .cluster_token = "secret", .debug_corrupt_first_read_block = corrupt});
+    EXPECT_TRUE(kv.ok()) << kv.status().ToString();
+    e->kv = *kv;
+    EngineConfig ec = BaseConfig();
+    ec.connector_factory = e->kv->Factory();
+    auto engine = Engine::Create(ec, TinyModel());
+    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+    e->engine = std::move(engine).value();
+    server::ServerConfig sc;
+    sc.port = 0;
+    sc.num_http_threads = 4;
+    sc.cluster_token = "secret";
+    sc.validate_kv_transfer_params = e->kv->ValidateHook();
+    auto srv = server::ApiServer::Create(sc, e->engine.get(), std::make_shared<ByteCodec>());
+    EXPECT_TRUE(srv.ok()) << srv.status().ToString();
+    e->server = std::move(srv).value();
+    EXPECT_TRUE(e->kv->InstallRoutes(*e->server).ok());
+    EXPECT_TRUE(e->server->Start().ok());
+    e->kv->SetAdvertisedEndpoint("127.0.0.1", e->server->port());
+    return e;
+  }
+  ~PdEngine() {
+    if (server) server->Stop();
+    if (engine) engine->Shutdown();
+  }
+  // Waits (bounded) until nothing is active or held and the connector is idle.
+  bool WaitDrained(int ms = 10000) {
+    for (int i = 0; i < ms / 10; ++i) {
+      EngineStats s = engine->Stats();
+      if (s.kv_blocks_active == 0 && s.kv_blocks_held_for_transfer == 0 && kv->Stats().idle &&
+          s.running == 0 && s.waiting == 0 && s.waiting_for_remote_kv == 0) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  double Metric(const std::string& name) { return ScrapeMetric(engine->metrics().Render(), name); }
+};
+
+void ExpectSameAnswer(const Result1& pd, const Result1& ref, int n) {
+  ASSERT_TRUE(pd.error.ok()) << pd.error.ToString();
+  ASSERT_EQ(pd.tokens.size(), static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(pd.tokens.at(i), ref.tokens.at(i)) << "sibling " << i;
+    const auto& a = pd.logprobs.at(i);
+    const auto& b = ref.logprobs.at(i);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t t = 0; t < a.size(); ++t) {
+      EXPECT_EQ(a[t].token, b[t].token);
+      EXPECT_EQ(std::memcmp(&a[t].logprob, &b[t].logprob, sizeof(float)), 0)
+          << "sibling " << i << " token " << t << ": " << a[t].logprob << " vs " << b[t].logprob;
+      ASSERT_EQ(a[t].top.size(), 5u);
+      ASSERT_EQ(b[t].top.size(), 5u);
+      for (size_t k = 0; k < 5; ++k) {
+        EXPECT_EQ(a[t].top[k].token, b[t].top[k].token);
+        EXPECT_EQ(std::memcmp(&a[t].top[k].logprob, &b[t].top[k].logprob, sizeof(float)), 0);
+      }
+    }
+  }
+}
+
+bool SameLogprobs(const Result1& a, const Result1& b) {
+  for (const auto& [i, lp] : a.logprobs) {
+    const auto& o = b.logprobs.at(i);
+    for (size_t t = 0; t < lp.size() && t < o.size(); ++t) {
+      if (std::memcmp(&lp[t].logprob, &o[t].logprob, sizeof(float)) != 0) return false;
+    }
+  }
+  return a.tokens == b.tokens;
+}
+
+// The proxy's two legs. Returns the decode's result (and the prefill's params via *params).
+Result1 PdRequest(PdEngine& p, PdEngine& d, const std::string& id, const std::string& tid,
+                  const std::vector<int32_t>& prompt, int max_tokens, int n,
+                  json* params_out = nullptr) {
+  EngineRequest pre = Req("p-" + id, prompt, 1, 1);
+  pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", tid}};
+  Result1 pr = Run(*p.engine, pre);
+  EXPECT_TRUE(pr.error.ok()) << pr.error.ToString();
+  json params = pr.kv_transfer_params;
+  if (params_out) *params_out = params;
+  EXPECT_EQ(params.value("transfer_id", ""), tid);
+  EXPECT_EQ(params.value("remote_engine_id", ""), p.kv->engine_id());
+  EngineRequest dec = Req(id, prompt, max_tokens, n);
+  dec.kv_transfer_params = params;
+  return Run(*d.engine, dec);
+}
+
+class PdRead : public ::testing::TestWithParam<KvTransport> {};
+
+TEST_P(PdRead, AnswersEqualColocatedAndEverythingDrains) {
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+
+  int k = 0;
+  for (int n : {1, 8}) {
+    for (int len : {1, 16, 17, 40, 64}) {
+      ++k;
+      const std::string id = "req-" + std::to_string(k);
+      auto prompt = Prompt(len, k);
+      Result1 ref = Run(**ref_engine, Req(id, prompt, 6, n));
+      Result1 pd = PdRequest(*p, *d, id, "xfer-" + std::to_string(k), prompt, 6, n);
+      SCOPED_TRACE("n=" + std::to_string(n) + " len=" + std::to_string(len));
+      ExpectSameAnswer(pd, ref, n);
+      EXPECT_TRUE(p->WaitDrained()) << "prefill did not drain";
+      EXPECT_TRUE(d->WaitDrained()) << "decode did not drain";
+    }
+  }
+  // Prompts longer than one token were read remotely: bytes moved, loads done.
+  EXPECT_GT(d->kv->Stats().loads_done, 0);
+  EXPECT_GT(d->Metric("kvbridge_kv_transfer_bytes_total"), 0);
+  for (PdEngine* e : {p.get(), d.get()}) {
+    EXPECT_EQ(e->Metric("kvbridge_kv_lease_expired_total"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_notifications_ignored_total"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_load_failures_total"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_transfers_inflight"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_notifications_parked"), 0);
+  }
+  (*ref_engine)->Shutdown();
+}
+
+TEST_P(PdRead, PartialPrefixHitReadsOnlyMissingBlocks) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  // First: 64 tokens -> reads ceil(63/16) = 4 blocks.
+  auto prompt = Prompt(64, 3);
+  Result1 a = PdRequest(*p, *d, "a", "xfer-a", prompt, 4, 1);
+  ASSERT_TRUE(a.error.ok());
+  ASSERT_TRUE(d->WaitDrained());
+  const double bytes_a = d->Metric("kvbridge_kv_transfer_bytes_total");
+  ASSERT_GT(bytes_a, 0);
+  const double block_bytes = bytes_a / 4;
+  // Second: same first 48 tokens, new tail of 32 -> decode prefix hit 48 tokens (3 blocks),
+  // reads blocks [3, ceil(79/16)) = 2 blocks.
+  auto prompt2 = prompt;
+  prompt2.resize(48);
+  auto tail = Prompt(32, 9);
+  prompt2.insert(prompt2.end(), tail.begin(), tail.end());
+  Result1 b = PdRequest(*p, *d, "b", "xfer-b", prompt2, 4, 1);
+  Result1 ref = Run(**ref_engine, Req("b", prompt2, 4, 1));
+  ExpectSameAnswer(b, ref, 1);
+  ASSERT_TRUE(d->WaitDrained());
+  EXPECT_EQ(d->Metric("kvbridge_kv_transfer_bytes_total") - bytes_a, 2 * block_bytes);
+  EXPECT_TRUE(p->WaitDrained());
+  (*ref_engine)->Shutdown();
+}
+
+TEST_P(PdRead, CorruptedTransferChangesLogprobs) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam(), /*corrupt=*/true);
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto prompt = Prompt(40, 5);
+  Result1 pd = PdRequest(*p, *d, "c", "xfer-c", prompt, 4, 1);
+  Result1 ref = Run(**ref_engine, Req("c", prompt, 4, 1));
+  ASSERT_TRUE(pd.error.ok());
+  EXPECT_FALSE(SameLogprobs(pd, ref)) << "a corrupted block must change the answer";
+  EXPECT_TRUE(p->WaitDrained());
+  EXPECT_TRUE(d->WaitDrained());
+  (*ref_engine)->Shutdown();
+}
+
+TEST_P(PdRead, ExplicitReleaseFreesTheHoldAtOnce) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  EngineRequest pre = Req("p-r", Prompt(40, 1), 1, 1);
+  pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-r"}};
+  Result1 pr = Run(*p->engine, pre);
+  ASSERT_TRUE(pr.error.ok());
+  EXPECT_EQ(p->engine->Stats().kv_blocks_held_for_transfer, 3);
+  httplib::Client cli("127.0.0.1", p->server->port());
+  auto no_token = cli.Post("/v1/kv/release", R"({"transfer_id":"xfer-r"})", "application/json");
+  ASSERT_TRUE(no_token);
+  EXPECT_EQ(no_token->status, 403);
+  httplib::Headers h{{"X-KVBridge-Cluster-Token", "secret"}};
+  auto bad = cli.Post("/v1/kv/release", h, R"({"transfer_id":""})", "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  auto wrong =
+      cli.Post("/v1/kv/release", h, R"({"transfer_id":"xfer-r","prefill_engine_id":"kvb-old"})",
+               "application/json");
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 404);
+  auto ok = cli.Post("/v1/kv/release", h, R"({"transfer_id":"xfer-r"})", "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  EXPECT_TRUE(p->WaitDrained(2000));
+  EXPECT_EQ(p->Metric("kvbridge_kv_lease_expired_total"), 0);
+}
+
+TEST_P(PdRead, DecodeAbortedBeforeAdmissionReleasesThePrefill) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  // Decode rejects the request (remote_num_tokens disagrees with its prompt): 400, no effect;
+  // the proxy then releases explicitly.
+  json params;
+  EngineRequest pre = Req("p-x", Prompt(40, 2), 1, 1);
+  pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-x"}};
+  Result1 pr = Run(*p->engine, pre);
+  EngineRequest dec = Req("x", Prompt(41, 2), 4, 1);
+  dec.kv_transfer_params = pr.kv_transfer_params;
+  Result1 dr = Run(*d->engine, dec);
+  EXPECT_EQ(dr.error.code(), StatusCode::kInvalidArgument) << dr.error.ToString();
+  httplib::Client cli("127.0.0.1", p->server->port());
+  httplib::Headers h{{"X-KVBridge-Cluster-Token", "secret"}};
+  auto ok = cli.Post("/v1/kv/release", h, R"({"transfer_id":"xfer-x"})", "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_TRUE(p->WaitDrained(2000));
+  EXPECT_TRUE(d->WaitDrained(2000));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PdRead, ::testing::Values(KvTransport::kTcp),
+                         [](const auto& info) { return std::string(KvTransportName(info.param)); });
+
+}  // namespace
+}  // namespace kvbridge
