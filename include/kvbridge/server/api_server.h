@@ -1,0 +1,165 @@
+// kvbridge/server/api_server.h — one engine behind the OpenAI-compatible HTTP API.
+//
+// The server module turns HTTP requests into EngineRequests and engine outputs into OpenAI
+// responses: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+// GET /v1/models, GET /health, GET /metrics (Prometheus text: the engine's registry followed by
+// the server's own kvbridge_http_* families). Errors use OpenAI's shape
+// {"error":{"message","type","param","code"}} (docs/api.md lists every status).
+//
+//   ServerConfig cfg;
+//   cfg.port = 8000;
+//   cfg.served_model_name = "tiny";
+//   ASSIGN_OR_RETURN(auto server, ApiServer::Create(cfg, engine.get(), codec));
+//   server->RegisterRoute("POST", "/v1/kv/release", [](const HttpRequest& r) {
+//     return HttpResponse{.status = 200, .body = "{}"};
+//   });
+//   RETURN_IF_ERROR(server->Start());   // listening when it returns
+//   server->Wait();                     // until Stop() (e.g. from a signal-watching thread)
+//
+// P/D: a request body may carry "kv_transfer_params" (an object). Without a
+// `validate_kv_transfer_params` hook such a request gets 400 "P/D is not configured on this
+// engine". With one, the cluster token (when configured) is checked first (header
+// "X-KVBridge-Cluster-Token", else 403), then the hook validates/normalizes the object in place;
+// its non-OK Status becomes the HTTP error (see HttpStatusFromStatus). The object then goes to
+// EngineRequest::kv_transfer_params, and the engine's final RequestOutput::kv_transfer_params is
+// returned at the top level of the response body as "kv_transfer_params" (non-streaming), or of
+// the last streamed chunk that carries a finish_reason (streaming).
+//
+// Client disconnects (streaming or not) abort the engine request; its blocks are freed.
+//
+// Thread-safety: RegisterRoute before Start; Start/Stop/Wait from one controlling thread;
+// port(), metrics() and CheckClusterToken from any thread. Route handlers run on the HTTP
+// thread pool (config.num_http_threads threads), concurrently.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvbridge/common/metrics.h"
+#include "kvbridge/common/status.h"
+
+namespace kvbridge {
+
+class Engine;
+
+namespace server {
+
+/// What the HTTP API needs from a tokenizer (the model's byte-level tokenizer implements it
+/// through an adapter in the CLI; tests use their own). Implementations must be thread-safe.
+class TextCodec {
+ public:
+  struct ChatMessage {
+    std::string role;  ///< "system" | "user" | "assistant"
+    std::string content;
+  };
+  virtual ~TextCodec() = default;
+  /// Token ids of a prompt text (special tokens such as BOS included as the model expects).
+  virtual std::vector<int32_t> Encode(std::string_view text) const = 0;
+  /// Text of generated tokens (special tokens such as EOS render as nothing). May hold invalid
+  /// UTF-8 (a byte tokenizer decodes any byte); the server replaces it when writing JSON.
+  virtual std::string Decode(std::span<const int32_t> ids) const = 0;
+  /// Token ids are valid in [0, vocab_size()).
+  virtual int32_t vocab_size() const = 0;
+  /// The chat prompt for `messages`, ending with the cue for the assistant's turn. The default is
+  /// kvbridge's plain template: "<|role|>\ncontent\n" per message, then "<|assistant|>\n".
+  virtual std::string ApplyChatTemplate(const std::vector<ChatMessage>& messages) const;
+};
+
+/// A request as route handlers see it.
+struct HttpRequest {
+  std::string method;
+  std::string path;
+  std::string body;
+  std::multimap<std::string, std::string> headers;  ///< names as sent (lookup: Header())
+  std::vector<std::string> path_matches;  ///< regex captures of the route pattern, [0] = whole path
+  std::string remote_addr;
+  /// First value of header `name` (case-insensitive), or "" when absent.
+  std::string Header(std::string_view name) const;
+};
+
+/// A whole (non-streaming) response from a route handler.
+struct HttpResponse {
+  int status = 200;
+  std::string body;
+  std::string content_type = "application/json";
+};
+
+using RouteHandler = std::function<HttpResponse(const HttpRequest&)>;
+
+/// The OpenAI error body {"error":{"message","type","param","code"}}; `param` null when empty;
+/// `code` is the HTTP status. type: "invalid_request_error" (400), "authentication_error"
+/// (401), "permission_error" (403), "not_found_error" (404), "overloaded_error" (503),
+/// "internal_error" (500).
+std::string OpenAiErrorBody(int status, std::string_view message, std::string_view param = "");
+/// OpenAiErrorBody as a whole response.
+HttpResponse OpenAiErrorResponse(int status, std::string_view message, std::string_view param = "");
+/// HTTP status for a library Status: InvalidArgument/OutOfRange/FailedPrecondition/
+/// AlreadyExists → 400, Unauthenticated → 401, PermissionDenied → 403, NotFound → 404,
+/// ResourceExhausted/Unavailable → 503, DeadlineExceeded → 504, others → 500; OK → 200.
+int HttpStatusFromStatus(const Status& status);
+
+struct ServerConfig {
+  std::string host = "127.0.0.1";
+  int port = 8000;  ///< 0: any free port (read it back with port())
+  std::string served_model_name = "kvbridge";
+  /// Tokens a request may span (prompt + max_tokens); 0 = leave the check to the engine.
+  int max_model_len = 0;
+  int max_n = 128;               ///< largest accepted `n` (and `best_of`)
+  int max_logprobs = 20;         ///< largest accepted `logprobs` / `top_logprobs`
+  std::string api_key;           ///< non-empty: /v1/* require "Authorization: Bearer <key>"
+  int num_http_threads = 128;    ///< concurrent requests (each connection holds one)
+  int keep_alive_timeout_s = 2;  ///< idle keep-alive connections close after this
+  /// P/D (see the header comment). Empty: requests carrying kv_transfer_params get 400.
+  std::function<Status(nlohmann::json& kv_transfer_params)> validate_kv_transfer_params;
+  /// Non-empty: kv_transfer_params (and routes that call CheckClusterToken) need header
+  /// "X-KVBridge-Cluster-Token: <token>".
+  std::string cluster_token;
+};
+
+class ApiServer {
+ public:
+  /// `engine` must outlive the server. Ignores SIGPIPE process-wide (the HTTP library writes to
+  /// sockets without MSG_NOSIGNAL; a client that disconnects must not kill the process).
+  /// Errors: InvalidArgument (bad config: num_http_threads < 1, max_n < 1, null engine/codec).
+  static Result<std::unique_ptr<ApiServer>> Create(ServerConfig config, Engine* engine,
+                                                   std::shared_ptr<const TextCodec> codec);
+  ~ApiServer();  ///< Stop()s.
+  ApiServer(const ApiServer&) = delete;
+  ApiServer& operator=(const ApiServer&) = delete;
+
+  /// Adds a route. `method` is GET|POST|PUT|DELETE; `pattern` an ECMAScript regex matched
+  /// against the whole path (captures land in HttpRequest::path_matches). Routes under /v1/ get
+  /// the API-key check. Errors: FailedPrecondition after Start, InvalidArgument (method, regex).
+  Status RegisterRoute(std::string_view method, const std::string& pattern, RouteHandler handler);
+
+  /// Binds host:port and serves on background threads; returns once listening.
+  /// Errors: Unavailable (cannot bind), FailedPrecondition (already started).
+  Status Start();
+  /// The bound port (after Start).
+  int port() const;
+  /// Stops accepting, aborts every in-flight engine request, and joins the HTTP threads.
+  /// Idempotent; safe from any thread except an HTTP handler.
+  void Stop();
+  /// Blocks until Stop() was called (from another thread).
+  void Wait();
+
+  /// True when no cluster token is configured or `req` carries the right one.
+  bool CheckClusterToken(const HttpRequest& req) const;
+  /// The server's own metrics (kvbridge_http_*); /metrics renders the engine's registry then this.
+  MetricsRegistry& metrics();
+
+ private:
+  struct Impl;
+  explicit ApiServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace server
+}  // namespace kvbridge

@@ -1,0 +1,593 @@
+// In-process tests of the HTTP layer: a real ApiServer on a free port in front of FakeEngine.
+#include "kvbridge/server/api_server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <thread>
+
+#include "kvbridge/common/metrics.h"
+#include "server/fake_engine.h"
+
+namespace kvbridge::server {
+namespace {
+
+using nlohmann::json;
+using testing::ByteCodec;
+using testing::FakeEngine;
+using testing::FakeEngineOptions;
+
+// Raw HTTP/1.1 over a socket, for tests that must control when the client goes away.
+class RawClient {
+ public:
+  explicit RawClient(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  }
+  ~RawClient() { Close(); }
+  bool connected() const { return connected_; }
+  void Post(const std::string& path, const std::string& body) {
+    std::string req = "POST " + path +
+                      " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+                      "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+    ASSERT_EQ(send(fd_, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+  }
+  // Reads until `needle` appears (or 5 s pass); returns what was read.
+  std::string ReadUntil(const std::string& needle) {
+    std::string got;
+    timeval tv{0, 100000};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    for (int i = 0; i < 50 && got.find(needle) == std::string::npos; ++i) {
+      char buf[4096];
+      ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n == 0) break;
+      if (n > 0) got.append(buf, static_cast<size_t>(n));
+    }
+    return got;
+  }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+class ApiServerTest : public ::testing::Test {
+ protected:
+  void StartServer(FakeEngineOptions eopts = {}, ServerConfig cfg = {}) {
+    engine_ = std::make_unique<FakeEngine>(eopts);
+    cfg.port = 0;
+    if (cfg.served_model_name == "kvbridge") cfg.served_model_name = "tiny";
+    if (cfg.max_model_len == 0) cfg.max_model_len = eopts.max_model_len;
+    auto server = ApiServer::Create(cfg, engine_.get(), std::make_shared<ByteCodec>());
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+    ASSERT_TRUE(server_->Start().ok());
+  }
+  void TearDown() override {
+    if (server_) server_->Stop();
+    if (engine_) {
+      EXPECT_EQ(engine_->Stats().kv_blocks_active, 0) << "blocks leaked";
+      engine_->Shutdown();
+    }
+  }
+  httplib::Client Client(int timeout_s = 10) {
+    httplib::Client c("127.0.0.1", server_->port());
+    c.set_read_timeout(timeout_s, 0);
+    return c;
+  }
+  httplib::Result Post(const std::string& path, const json& body, httplib::Headers h = {}) {
+    return Client().Post(path.c_str(), h, body.dump(), "application/json");
+  }
+  std::string Metrics() {
+    auto r = Client().Get("/metrics");
+    return r ? r->body : "";
+  }
+  // Polls until the engine holds no blocks and no request is in flight (bounded).
+  bool Drained(int timeout_ms = 5000) {
+    for (int i = 0; i < timeout_ms / 10; ++i) {
+      if (engine_->Stats().kv_blocks_active == 0 && engine_->Stats().running == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  static std::string Expected(const std::string& prompt, int len, int sibling) {
+    int64_t sum = 0;
+    for (unsigned char c : prompt) sum += c;
+    std::string s;
+    for (int j = 0; j < len; ++j)
+      s.push_back(static_cast<char>(FakeEngine::TokenAt(sum, j, sibling)));
+    return s;
+  }
+  static std::vector<json> SseEvents(const std::string& body, bool* done) {
+    std::vector<json> events;
+    *done = false;
+    size_t pos = 0;
+    while ((pos = body.find("data: ", pos)) != std::string::npos) {
+      size_t end = body.find("\n\n", pos);
+      if (end == std::string::npos) break;
+      std::string payload = body.substr(pos + 6, end - pos - 6);
+      if (payload == "[DONE]") {
+        *done = true;
+      } else {
+        events.push_back(json::parse(payload));
+      }
+      pos = end + 2;
+    }
+    return events;
+  }
+  static void ExpectOpenAiError(const httplib::Result& r, int status) {
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, status) << r->body;
+    json j = json::parse(r->body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r->body;
+    ASSERT_TRUE(j.contains("error")) << r->body;
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_TRUE(j["error"]["type"].is_string());
+    EXPECT_TRUE(j["error"].contains("param"));
+    EXPECT_EQ(j["error"]["code"], status);
+  }
+
+  std::unique_ptr<FakeEngine> engine_;
+  std::unique_ptr<ApiServer> server_;
+};
+
+TEST_F(ApiServerTest, CompletionWithEightChoicesAndLogprobs) {
+  StartServer();
+  auto r =
+      Post("/v1/completions",
+           {{"model", "tiny"}, {"prompt", "Hello"}, {"n", 8}, {"max_tokens", 6}, {"logprobs", 2}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "tiny");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("cmpl-", 0), 0u);
+  ASSERT_EQ(j["choices"].size(), 8u);
+  for (int i = 0; i < 8; ++i) {
+    const json& c = j["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    EXPECT_EQ(c["text"], Expected("Hello", 6, i));
+    EXPECT_EQ(c["finish_reason"], "length");
+    const json& lp = c["logprobs"];
+    ASSERT_EQ(lp["tokens"].size(), 6u);
+    ASSERT_EQ(lp["token_logprobs"].size(), 6u);
+    ASSERT_EQ(lp["top_logprobs"].size(), 6u);
+    ASSERT_EQ(lp["text_offset"].size(), 6u);
+    for (int k = 0; k < 6; ++k) {
+      std::string tok = lp["tokens"][k];
+      EXPECT_EQ(tok, std::string(1, c["text"].get<std::string>()[k]));
+      EXPECT_EQ(lp["top_logprobs"][k][tok], lp["token_logprobs"][k]);  // consistent
+      EXPECT_EQ(lp["top_logprobs"][k].size(), 2u);
+      EXPECT_EQ(lp["text_offset"][k], k);
+    }
+  }
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 48);
+  EXPECT_EQ(j["usage"]["total_tokens"], 53);
+  EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EngineRequest last = engine_->last_request();
+  EXPECT_EQ(last.sampling.n, 8);
+  EXPECT_EQ(last.sampling.max_tokens, 6);
+  EXPECT_EQ(last.sampling.logprobs, 2);
+  EXPECT_TRUE(Drained());
+}
+
+TEST_F(ApiServerTest, SeveralPromptsGiveChoicesIndexedPromptTimesN) {
+  StartServer();
+  auto r =
+      Post("/v1/completions",
+           {{"prompt", json::array({"ab", json::array({120, 121})})}, {"n", 2}, {"max_tokens", 3}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  ASSERT_EQ(j["choices"].size(), 4u);
+  EXPECT_EQ(j["choices"][0]["text"], Expected("ab", 3, 0));
+  EXPECT_EQ(j["choices"][1]["text"], Expected("ab", 3, 1));
+  EXPECT_EQ(j["choices"][2]["text"], Expected("xy", 3, 0));
+  EXPECT_EQ(j["choices"][3]["text"], Expected("xy", 3, 1));
+  EXPECT_EQ(j["choices"][3]["index"], 3);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(engine_->requests_added(), 2);
+}
+
+TEST_F(ApiServerTest, StreamingCompletionMatchesWholeAnswer) {
+  StartServer();
+  json body{{"prompt", "Hi"},
+            {"n", 2},
+            {"max_tokens", 5},
+            {"stream", true},
+            {"stream_options", {{"include_usage", true}}},
+            {"logprobs", 0}};
+  auto r = Post("/v1/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  EXPECT_EQ(r->get_header_value("Content-Type"), "text/event-stream");
+  bool done = false;
+  auto events = SseEvents(r->body, &done);
+  EXPECT_TRUE(done);
+  std::string text[2];
+  int finishes = 0;
+  size_t logprob_tokens = 0;
+  ASSERT_GE(events.size(), 3u);
+  for (size_t e = 0; e + 1 < events.size(); ++e) {
+    const json& c = events[e]["choices"][0];
+    text[c["index"].get<int>()] += c["text"].get<std::string>();
+    logprob_tokens += c["logprobs"]["tokens"].size();
+    if (!c["finish_reason"].is_null()) {
+      EXPECT_EQ(c["finish_reason"], "length");
+      ++finishes;
+    }
+    EXPECT_TRUE(events[e]["usage"].is_null());
+  }
+  EXPECT_EQ(text[0], Expected("Hi", 5, 0));
+  EXPECT_EQ(text[1], Expected("Hi", 5, 1));
+  EXPECT_EQ(finishes, 2);
+  EXPECT_EQ(logprob_tokens, 10u);
+  const json& last = events.back();
+  EXPECT_TRUE(last["choices"].empty());
+  EXPECT_EQ(last["usage"]["completion_tokens"], 10);
+  EXPECT_EQ(last["usage"]["prompt_tokens"], 2);
+  EXPECT_TRUE(Drained());
+}
+
+TEST_F(ApiServerTest, ChatCompletionWholeAndStreamed) {
+  StartServer();
+  json body{{"messages", {{{"role", "user"}, {"content", "Hey"}}}},
+            {"max_tokens", 4},
+            {"logprobs", true},
+            {"top_logprobs", 2}};
+  auto r = Post("/v1/chat/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  const std::string prompt = "<|user|>\nHey\n<|assistant|>\n";
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], Expected(prompt, 4, 0));
+  const json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  EXPECT_EQ(content[0]["token"], Expected(prompt, 1, 0));
+  EXPECT_EQ(content[0]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(content[0]["bytes"].size(), 1u);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], static_cast<int>(prompt.size()));
+
+  body["stream"] = true;
+  r = Post("/v1/chat/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  bool done = false;
+  auto events = SseEvents(r->body, &done);
+  EXPECT_TRUE(done);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events[0]["object"], "chat.completion.chunk");
+  EXPECT_EQ(events[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  for (const json& e : events) text += e["choices"][0]["delta"].value("content", "");
+  EXPECT_EQ(text, Expected(prompt, 4, 0));
+  EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(Drained());
+}
+
+TEST_F(ApiServerTest, ModelsHealthAndMetrics) {
+  StartServer();
+  auto r = Client().Get("/v1/models");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["data"][0]["id"], "tiny");
+  EXPECT_EQ(j["data"][0]["max_model_len"], 256);
+  r = Client().Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  std::string m = Metrics();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_active"), 0.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_requests_total", "code=\"200\""), 2.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_generation_requests_in_flight"), 0.0);
+}
+
+TEST_F(ApiServerTest, BadInputsGetOpenAiErrorsAndLeaveTheEngineAlone) {
+  StartServer();
+  auto post_raw = [&](const char* path, const std::string& body) {
+    return Client().Post(path, body, "application/json");
+  };
+  ExpectOpenAiError(post_raw("/v1/completions", "{not json"), 400);
+  ExpectOpenAiError(post_raw("/v1/chat/completions", ""), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"n", 0}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"n", 1000}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", -1}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", "x"}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", std::string(300, 'a')}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"temperature", -1}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"top_p", 2}}), 400);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}, {"model", "nope"}}), 404);
+  ExpectOpenAiError(Post("/v1/chat/completions", {{"messages", 3}}), 400);
+  ExpectOpenAiError(Client().Get("/v1/nothing"), 404);
+  ExpectOpenAiError(Client().Get("/v1/completions"), 404);
+  auto r = Post("/v1/completions", {{"prompt", "a"}, {"model", "nope"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(json::parse(r->body)["error"]["param"], "model");
+  EXPECT_EQ(engine_->requests_added(), 0);
+  EXPECT_EQ(engine_->Stats().kv_blocks_active, 0);
+  std::string m = Metrics();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_requests_total", "code=\"400\""), 10.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_requests_total", "code=\"404\""), 4.0);
+  // The engine still serves.
+  r = Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", 2}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+TEST_F(ApiServerTest, ApiKeyGuardsV1Routes) {
+  ServerConfig cfg;
+  cfg.api_key = "s3cret";
+  StartServer({}, cfg);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}}), 401);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "a"}}, {{"Authorization", "Bearer nope"}}),
+                    401);
+  ExpectOpenAiError(Client().Get("/v1/models"), 401);
+  auto r = Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", 1}},
+                {{"Authorization", "Bearer s3cret"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  r = Client().Get("/health");  // probes need no key
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(engine_->requests_added(), 1);
+}
+
+TEST_F(ApiServerTest, FullEngineQueueIs503) {
+  FakeEngineOptions eo;
+  eo.max_waiting_requests = 1;
+  StartServer(eo);
+  engine_->SetPaused(true);
+  std::thread first([&] {
+    auto r = Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", 2}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+  });
+  for (int i = 0; i < 500 && engine_->requests_added() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  // Two prompts: the first is queued, the second refused; the first must be aborted too.
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", "b"}}), 503);
+  ExpectOpenAiError(Post("/v1/completions", {{"prompt", json::array({"c", "d"})}}), 503);
+  engine_->SetPaused(false);
+  first.join();
+  EXPECT_TRUE(Drained());
+  EXPECT_EQ(ScrapeMetric(Metrics(), "kvbridge_http_engine_rejections_total"), 2.0);
+}
+
+TEST_F(ApiServerTest, KvTransferParamsNeedTheHookAndTheClusterToken) {
+  StartServer();
+  auto r = Post(
+      "/v1/completions",
+      {{"prompt", "a"}, {"max_tokens", 1}, {"kv_transfer_params", {{"do_remote_decode", true}}}});
+  ExpectOpenAiError(r, 400);
+  EXPECT_EQ(json::parse(r->body)["error"]["message"], "P/D is not configured on this engine");
+  server_->Stop();
+  server_.reset();
+
+  ServerConfig cfg;
+  cfg.cluster_token = "tok";
+  cfg.validate_kv_transfer_params = [](json& p) -> Status {
+    if (!p.contains("transfer_id")) return InvalidArgumentError("transfer_id is required");
+    p["validated"] = true;
+    return OkStatus();
+  };
+  engine_->Shutdown();
+  StartServer({}, cfg);
+  json body{{"prompt", "a"}, {"max_tokens", 1}, {"kv_transfer_params", {{"transfer_id", "t1"}}}};
+  ExpectOpenAiError(Post("/v1/completions", body), 403);
+  ExpectOpenAiError(Post("/v1/completions", body, {{"X-KVBridge-Cluster-Token", "bad"}}), 403);
+  json bad = body;
+  bad["kv_transfer_params"] = {{"x", 1}};
+  r = Post("/v1/completions", bad, {{"X-KVBridge-Cluster-Token", "tok"}});
+  ExpectOpenAiError(r, 400);
+  EXPECT_EQ(json::parse(r->body)["error"]["message"], "transfer_id is required");
+  EXPECT_EQ(engine_->requests_added(), 0);
+  r = Post("/v1/completions", body, {{"X-KVBridge-Cluster-Token", "tok"}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  // FakeEngine answers {"echo": <what it got>}: the hook's normalization reached the engine.
+  EXPECT_EQ(j["kv_transfer_params"],
+            json({{"echo", {{"transfer_id", "t1"}, {"validated", true}}}}));
+  EXPECT_TRUE(
+      server_->CheckClusterToken(HttpRequest{.headers = {{"x-kvbridge-cluster-token", "tok"}}}));
+  EXPECT_FALSE(server_->CheckClusterToken(HttpRequest{}));
+}
+
+TEST_F(ApiServerTest, ExtraRoutesFromOtherModules) {
+  ServerConfig cfg;
+  cfg.api_key = "k";
+  engine_ = std::make_unique<FakeEngine>();
+  cfg.port = 0;
+  auto created = ApiServer::Create(cfg, engine_.get(), std::make_shared<ByteCodec>());
+  ASSERT_TRUE(created.ok());
+  server_ = std::move(created).value();
+  ASSERT_TRUE(
+      server_
+          ->RegisterRoute("POST", R"(/v1/kv/release/(\w+))",
+                          [](const HttpRequest& r) {
+                            return HttpResponse{
+                                200, json{{"id", r.path_matches.at(1)}, {"body", r.body}}.dump()};
+                          })
+          .ok());
+  EXPECT_FALSE(server_->RegisterRoute("PATCHY", "/x", nullptr).ok());
+  EXPECT_FALSE(server_->RegisterRoute("GET", "([", nullptr).ok());
+  ASSERT_TRUE(server_->Start().ok());
+  EXPECT_EQ(server_->RegisterRoute("GET", "/late", nullptr).code(),
+            StatusCode::kFailedPrecondition);
+  ExpectOpenAiError(Client().Post("/v1/kv/release/abc", "hi", "text/plain"), 401);
+  auto r = Client().Post("/v1/kv/release/abc", {{"Authorization", "Bearer k"}}, "hi", "text/plain");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  EXPECT_EQ(json::parse(r->body), json({{"id", "abc"}, {"body", "hi"}}));
+}
+
+TEST_F(ApiServerTest, DisconnectMidStreamAbortsAndFreesBlocks) {
+  FakeEngineOptions eo;
+  eo.step_interval_ms = 10;
+  StartServer(eo);
+  RawClient c(server_->port());
+  ASSERT_TRUE(c.connected());
+  c.Post("/v1/completions",
+         json{{"prompt", "abcdefgh"}, {"n", 4}, {"max_tokens", 200}, {"stream", true}}.dump());
+  std::string got = c.ReadUntil("data: {");
+  ASSERT_NE(got.find("data: {"), std::string::npos) << got;
+  EXPECT_GT(engine_->Stats().kv_blocks_active, 0);
+  c.Close();
+  // 200 tokens at 10 ms would take 2 s; the abort must free the blocks long before.
+  EXPECT_TRUE(Drained(1000));
+  for (int i = 0;
+       i < 100 && ScrapeMetric(Metrics(), "kvbridge_http_generation_requests_in_flight") != 0;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string m = Metrics();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_client_disconnects_total"), 1.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_generation_requests_in_flight"), 0.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_active"), 0.0);
+}
+
+TEST_F(ApiServerTest, DisconnectWhileWaitingForAWholeAnswerAborts) {
+  StartServer();
+  engine_->SetPaused(true);  // the request is queued and never progresses on its own
+  RawClient c(server_->port());
+  ASSERT_TRUE(c.connected());
+  c.Post("/v1/completions", json{{"prompt", "abcdefgh"}, {"max_tokens", 5}}.dump());
+  for (int i = 0; i < 500 && engine_->requests_added() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(engine_->Stats().running, 1);
+  c.Close();
+  EXPECT_TRUE(Drained(2000));
+  for (int i = 0;
+       i < 100 && ScrapeMetric(Metrics(), "kvbridge_http_generation_requests_in_flight") != 0;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(ScrapeMetric(Metrics(), "kvbridge_http_client_disconnects_total"), 1.0);
+}
+
+TEST_F(ApiServerTest, SixtyFourConcurrentMixedRequests) {
+  StartServer();
+  constexpr int kClients = 64;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(kClients);
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      std::string prompt = "p" + std::to_string(t);
+      httplib::Client c("127.0.0.1", server_->port());
+      c.set_read_timeout(30, 0);
+      std::string want;
+      auto r = [&] {
+        switch (t % 4) {
+          case 0:
+            return c.Post("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 8}}.dump(),
+                          "application/json");
+          case 1:
+            return c.Post("/v1/completions",
+                          json{{"prompt", prompt}, {"max_tokens", 8}, {"stream", true}}.dump(),
+                          "application/json");
+          case 2:
+            return c.Post(
+                "/v1/chat/completions",
+                json{{"messages", {{{"role", "user"}, {"content", prompt}}}}, {"max_tokens", 8}}
+                    .dump(),
+                "application/json");
+          default:
+            return c.Post("/v1/completions",
+                          json{{"prompt", prompt}, {"max_tokens", 8}, {"n", 4}}.dump(),
+                          "application/json");
+        }
+      }();
+      switch (t % 4) {
+        case 0:
+        case 1:
+          want = Expected(prompt, 8, 0);
+          break;
+        case 2:
+          want = Expected("<|user|>\n" + prompt + "\n<|assistant|>\n", 8, 0);
+          break;
+        default:
+          want = Expected(prompt, 8, 3);
+          break;
+      }
+      if (!r || r->status != 200) {
+        failures[t] = r ? r->body : "no response: " + httplib::to_string(r.error());
+        return;
+      }
+      std::string text;
+      if (t % 4 == 1) {
+        bool done = false;
+        for (const json& e : SseEvents(r->body, &done))
+          text += e["choices"][0]["text"].get<std::string>();
+        if (!done) failures[t] = "no [DONE]";
+      } else {
+        json j = json::parse(r->body);
+        const json& c = j["choices"].back();
+        text =
+            t % 4 == 2 ? c["message"]["content"].get<std::string>() : c["text"].get<std::string>();
+      }
+      if (text != want) failures[t] = "text " + text + " != " + want;
+      if (failures[t].empty()) ++ok;
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kClients; ++t) EXPECT_EQ(failures[t], "") << "client " << t;
+  EXPECT_EQ(ok.load(), kClients);
+  EXPECT_TRUE(Drained());
+  EXPECT_EQ(ScrapeMetric(Metrics(), "kvbridge_http_requests_total", "code=\"200\""), kClients);
+}
+
+TEST_F(ApiServerTest, StopEndsAStreamPromptly) {
+  FakeEngineOptions eo;
+  eo.step_interval_ms = 20;
+  StartServer(eo);
+  std::thread client([&] {
+    auto r = Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", 200}, {"stream", true}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    // Either the abort reached the stream (finish_reason "abort", then [DONE]) or the server
+    // closed it first; never the full 200 tokens.
+    bool done = false;
+    auto events = SseEvents(r->body, &done);
+    std::string text;
+    for (const json& e : events) text += e["choices"][0]["text"].get<std::string>();
+    EXPECT_LT(text.size(), 200u);
+    if (done) {
+      EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "abort");
+    }
+  });
+  for (int i = 0; i < 500 && engine_->requests_added() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(engine_->requests_added(), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto t0 = std::chrono::steady_clock::now();
+  server_->Stop();
+  client.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_TRUE(Drained());
+}
+
+}  // namespace
+}  // namespace kvbridge::server

@@ -1,0 +1,719 @@
+#include "server/openai_protocol.h"
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string_view>
+
+namespace kvbridge::server {
+namespace {
+
+using nlohmann::json;
+
+ApiError BadRequest(std::string message, std::string param) {
+  return ApiError{400, std::move(message), std::move(param)};
+}
+
+std::string_view JsonTypeName(const json& v) { return v.type_name(); }
+
+// Optional integer field: absent or null leaves *out unset. Booleans and floats are wrong types.
+std::optional<ApiError> GetInt(const json& body, const char* key, std::optional<int64_t>* out) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number_integer()) {
+    return BadRequest(
+        std::string("'") + key + "' must be an integer, got " + std::string(JsonTypeName(*it)),
+        key);
+  }
+  if (it->is_number_unsigned()) {
+    uint64_t u = it->get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return BadRequest(std::string("'") + key + "' is out of range", key);
+    }
+    *out = static_cast<int64_t>(u);
+  } else {
+    *out = it->get<int64_t>();
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetNumber(const json& body, const char* key, std::optional<double>* out) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) {
+    return BadRequest(
+        std::string("'") + key + "' must be a number, got " + std::string(JsonTypeName(*it)), key);
+  }
+  *out = it->get<double>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetBool(const json& body, const char* key, std::optional<bool>* out) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) {
+    return BadRequest(
+        std::string("'") + key + "' must be a boolean, got " + std::string(JsonTypeName(*it)), key);
+  }
+  *out = it->get<bool>();
+  return std::nullopt;
+}
+
+#define KVB_API_TRY(expr)                  \
+  do {                                     \
+    auto kvb_api_err_ = (expr);            \
+    if (kvb_api_err_) return kvb_api_err_; \
+  } while (0)
+
+std::optional<ApiError> CheckModel(const json& body, const ProtocolLimits& limits) {
+  auto it = body.find("model");
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_string()) return BadRequest("'model' must be a string", "model");
+  const std::string& name = it->get_ref<const std::string&>();
+  if (name != limits.served_model_name) {
+    return ApiError{404, "The model `" + name + "` does not exist.", "model"};
+  }
+  return std::nullopt;
+}
+
+bool IsZeroNumber(const json& v) { return v.is_number() && v.get<double>() == 0.0; }
+
+// Fields of both endpoints that kvbridge does not implement: accepted only at their no-op values.
+std::optional<ApiError> CheckUnsupported(const json& body) {
+  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
+    auto it = body.find(key);
+    if (it != body.end() && !it->is_null() && !IsZeroNumber(*it)) {
+      return BadRequest(std::string("'") + key + "' is not supported (only 0)", key);
+    }
+  }
+  if (auto it = body.find("repetition_penalty");
+      it != body.end() && !it->is_null() && !(it->is_number() && it->get<double>() == 1.0)) {
+    return BadRequest("'repetition_penalty' is not supported (only 1)", "repetition_penalty");
+  }
+  if (auto it = body.find("logit_bias"); it != body.end() && !it->is_null() && !it->empty()) {
+    return BadRequest("'logit_bias' is not supported", "logit_bias");
+  }
+  if (auto it = body.find("echo"); it != body.end() && it->is_boolean() && it->get<bool>()) {
+    return BadRequest("'echo' is not supported", "echo");
+  }
+  if (auto it = body.find("suffix"); it != body.end() && !it->is_null()) {
+    return BadRequest("'suffix' is not supported", "suffix");
+  }
+  return std::nullopt;
+}
+
+// Sampling fields shared by both endpoints (everything except max_tokens defaults and logprobs).
+std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limits,
+                                    ParsedRequest* out) {
+  KVB_API_TRY(CheckModel(body, limits));
+  KVB_API_TRY(CheckUnsupported(body));
+  SamplingParams& s = out->sampling;
+
+  std::optional<int64_t> n;
+  KVB_API_TRY(GetInt(body, "n", &n));
+  if (n) {
+    if (*n < 1) return BadRequest("'n' must be at least 1, got " + std::to_string(*n), "n");
+    if (*n > limits.max_n) {
+      return BadRequest(
+          "'n' must be at most " + std::to_string(limits.max_n) + ", got " + std::to_string(*n),
+          "n");
+    }
+    s.n = static_cast<int>(*n);
+  }
+  std::optional<int64_t> best_of;
+  KVB_API_TRY(GetInt(body, "best_of", &best_of));
+  if (best_of && *best_of != s.n) {
+    return BadRequest("'best_of' other than n is not supported", "best_of");
+  }
+
+  std::optional<double> temperature;
+  KVB_API_TRY(GetNumber(body, "temperature", &temperature));
+  if (temperature) {
+    if (!(*temperature >= 0.0) || *temperature > 100.0) {
+      return BadRequest("'temperature' must be in [0, 100], got " + std::to_string(*temperature),
+                        "temperature");
+    }
+    s.temperature = static_cast<float>(*temperature);
+  }
+  std::optional<double> top_p;
+  KVB_API_TRY(GetNumber(body, "top_p", &top_p));
+  if (top_p) {
+    if (!(*top_p > 0.0 && *top_p <= 1.0)) {
+      return BadRequest("'top_p' must be in (0, 1], got " + std::to_string(*top_p), "top_p");
+    }
+    s.top_p = static_cast<float>(*top_p);
+  }
+  std::optional<int64_t> top_k;
+  KVB_API_TRY(GetInt(body, "top_k", &top_k));
+  if (top_k) {
+    if (*top_k < -1) {
+      return BadRequest(
+          "'top_k' must be -1 (off), 0 (off) or positive, got " + std::to_string(*top_k), "top_k");
+    }
+    s.top_k = *top_k <= 0 ? 0 : static_cast<int>(std::min<int64_t>(*top_k, 1 << 30));
+  }
+  std::optional<int64_t> seed;
+  KVB_API_TRY(GetInt(body, "seed", &seed));
+  if (seed) s.seed = static_cast<uint64_t>(*seed);
+
+  if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
+    if (it->is_string()) {
+      if (!it->get_ref<const std::string&>().empty()) s.stop.push_back(it->get<std::string>());
+    } else if (it->is_array()) {
+      for (const json& v : *it) {
+        if (!v.is_string())
+          return BadRequest("'stop' must be a string or a list of strings", "stop");
+        if (!v.get_ref<const std::string&>().empty()) s.stop.push_back(v.get<std::string>());
+      }
+    } else {
+      return BadRequest("'stop' must be a string or a list of strings", "stop");
+    }
+  }
+  if (auto it = body.find("stop_token_ids"); it != body.end() && !it->is_null()) {
+    if (!it->is_array())
+      return BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids");
+    for (const json& v : *it) {
+      if (!v.is_number_integer()) {
+        return BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids");
+      }
+      s.stop_token_ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+    }
+  }
+  std::optional<bool> ignore_eos;
+  KVB_API_TRY(GetBool(body, "ignore_eos", &ignore_eos));
+  if (ignore_eos) s.ignore_eos = *ignore_eos;
+
+  std::optional<bool> stream;
+  KVB_API_TRY(GetBool(body, "stream", &stream));
+  out->stream = stream.value_or(false);
+  if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
+    if (!it->is_object()) return BadRequest("'stream_options' must be an object", "stream_options");
+    if (!out->stream) {
+      return BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options");
+    }
+    std::optional<bool> include_usage;
+    KVB_API_TRY(GetBool(*it, "include_usage", &include_usage));
+    out->include_usage = include_usage.value_or(false);
+  }
+  if (auto it = body.find("kv_transfer_params"); it != body.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return BadRequest("'kv_transfer_params' must be an object", "kv_transfer_params");
+    }
+    out->kv_transfer_params = *it;
+  }
+  return std::nullopt;
+}
+
+// max_tokens, min_tokens, truncation and the context-length check, once prompts are known.
+std::optional<ApiError> FinishLengths(const json& body, const ProtocolLimits& limits, bool chat,
+                                      ParsedRequest* out) {
+  SamplingParams& s = out->sampling;
+  std::optional<int64_t> truncate;
+  KVB_API_TRY(GetInt(body, "truncate_prompt_tokens", &truncate));
+  if (truncate) {
+    if (*truncate < 1) {
+      return BadRequest("'truncate_prompt_tokens' must be at least 1", "truncate_prompt_tokens");
+    }
+    for (auto& p : out->prompts) {
+      if (static_cast<int64_t>(p.size()) > *truncate) {
+        p.erase(p.begin(), p.end() - *truncate);  // keep the last k tokens
+      }
+    }
+  }
+  size_t longest = 0;
+  for (const auto& p : out->prompts) {
+    if (p.empty()) return BadRequest("the prompt is empty", chat ? "messages" : "prompt");
+    longest = std::max(longest, p.size());
+  }
+  const char* max_key = "max_tokens";
+  std::optional<int64_t> max_tokens;
+  KVB_API_TRY(GetInt(body, "max_tokens", &max_tokens));
+  if (chat && !max_tokens) {
+    KVB_API_TRY(GetInt(body, "max_completion_tokens", &max_tokens));
+    if (max_tokens) max_key = "max_completion_tokens";
+  }
+  if (max_tokens && *max_tokens < 1) {
+    return BadRequest(
+        std::string("'") + max_key + "' must be at least 1, got " + std::to_string(*max_tokens),
+        max_key);
+  }
+  const int64_t len_limit = limits.max_model_len;
+  if (len_limit > 0) {
+    if (static_cast<int64_t>(longest) > len_limit) {
+      return BadRequest("This model's maximum context length is " + std::to_string(len_limit) +
+                            " tokens. However, your prompt has " + std::to_string(longest) +
+                            " tokens.",
+                        chat ? "messages" : "prompt");
+    }
+    if (static_cast<int64_t>(longest) == len_limit) {
+      return BadRequest("This model's maximum context length is " + std::to_string(len_limit) +
+                            " tokens and your prompt fills it: no room for a completion.",
+                        chat ? "messages" : "prompt");
+    }
+    const int64_t room = len_limit - static_cast<int64_t>(longest);
+    if (max_tokens && *max_tokens > room) {
+      return BadRequest("This model's maximum context length is " + std::to_string(len_limit) +
+                            " tokens. However, you requested " +
+                            std::to_string(static_cast<int64_t>(longest) + *max_tokens) +
+                            " tokens (" + std::to_string(longest) + " in the prompt, " +
+                            std::to_string(*max_tokens) + " for the completion).",
+                        max_key);
+    }
+    // OpenAI defaults: completions 16 tokens, chat the rest of the context.
+    s.max_tokens =
+        static_cast<int>(max_tokens ? *max_tokens : (chat ? room : std::min<int64_t>(16, room)));
+  } else {
+    if (max_tokens && *max_tokens > (1 << 30))
+      return BadRequest("'max_tokens' is too large", max_key);
+    s.max_tokens = static_cast<int>(max_tokens.value_or(16));
+  }
+  std::optional<int64_t> min_tokens;
+  KVB_API_TRY(GetInt(body, "min_tokens", &min_tokens));
+  if (min_tokens) {
+    if (*min_tokens < 0 || *min_tokens > s.max_tokens) {
+      return BadRequest(
+          "'min_tokens' must be in [0, max_tokens], got " + std::to_string(*min_tokens),
+          "min_tokens");
+    }
+    s.min_tokens = static_cast<int>(*min_tokens);
+  }
+  if (!out->kv_transfer_params.is_null() && out->prompts.size() != 1) {
+    return BadRequest("'kv_transfer_params' needs exactly one prompt", "kv_transfer_params");
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> TokenIdsFromJson(const json& arr, const TextCodec& codec,
+                                         std::vector<int32_t>* ids) {
+  for (const json& v : arr) {
+    if (!v.is_number_integer()) {
+      return BadRequest("'prompt' token lists must hold integers", "prompt");
+    }
+    int64_t t = v.get<int64_t>();
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)) t = -1;
+    if (t < 0 || t >= codec.vocab_size()) {
+      return BadRequest("token id " + v.dump() + " is out of range [0, " +
+                            std::to_string(codec.vocab_size()) + ")",
+                        "prompt");
+    }
+    ids->push_back(static_cast<int32_t>(t));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> ParseCompletionRequest(const json& body, const TextCodec& codec,
+                                               const ProtocolLimits& limits, ParsedRequest* out) {
+  *out = ParsedRequest{};
+  out->endpoint = Endpoint::kCompletions;
+  if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
+  KVB_API_TRY(ParseCommon(body, limits, out));
+
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return BadRequest("'prompt' is required", "prompt");
+  const json& prompt = *it;
+  if (prompt.is_string()) {
+    out->prompts.push_back(codec.Encode(prompt.get_ref<const std::string&>()));
+  } else if (prompt.is_array()) {
+    if (prompt.empty()) return BadRequest("'prompt' must not be an empty list", "prompt");
+    if (prompt[0].is_number_integer()) {  // one prompt as token ids
+      out->prompts.emplace_back();
+      KVB_API_TRY(TokenIdsFromJson(prompt, codec, &out->prompts.back()));
+    } else {  // several prompts: strings or token lists
+      for (const json& p : prompt) {
+        if (p.is_string()) {
+          out->prompts.push_back(codec.Encode(p.get_ref<const std::string&>()));
+        } else if (p.is_array()) {
+          if (p.empty()) return BadRequest("a token-id prompt must not be empty", "prompt");
+          out->prompts.emplace_back();
+          KVB_API_TRY(TokenIdsFromJson(p, codec, &out->prompts.back()));
+        } else {
+          return BadRequest("'prompt' must be a string, a list of token ids, or a list of either",
+                            "prompt");
+        }
+      }
+    }
+  } else {
+    return BadRequest("'prompt' must be a string, a list of token ids, or a list of either",
+                      "prompt");
+  }
+  if (static_cast<int64_t>(out->prompts.size()) * out->sampling.n > limits.max_n) {
+    return BadRequest("prompts x n must be at most " + std::to_string(limits.max_n), "n");
+  }
+
+  std::optional<int64_t> logprobs;
+  KVB_API_TRY(GetInt(body, "logprobs", &logprobs));
+  if (logprobs) {
+    if (*logprobs < 0 || *logprobs > limits.max_logprobs) {
+      return BadRequest("'logprobs' must be in [0, " + std::to_string(limits.max_logprobs) +
+                            "], got " + std::to_string(*logprobs),
+                        "logprobs");
+    }
+    out->sampling.logprobs = static_cast<int>(*logprobs);
+  }
+  return FinishLengths(body, limits, /*chat=*/false, out);
+}
+
+std::optional<ApiError> ParseChatRequest(const json& body, const TextCodec& codec,
+                                         const ProtocolLimits& limits, ParsedRequest* out) {
+  *out = ParsedRequest{};
+  out->endpoint = Endpoint::kChatCompletions;
+  if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
+  KVB_API_TRY(ParseCommon(body, limits, out));
+
+  auto it = body.find("messages");
+  if (it == body.end() || !it->is_array() || it->empty()) {
+    return BadRequest("'messages' must be a non-empty list", "messages");
+  }
+  std::vector<TextCodec::ChatMessage> messages;
+  for (const json& m : *it) {
+    if (!m.is_object()) return BadRequest("each message must be an object", "messages");
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string()) {
+      return BadRequest("each message needs a string 'role'", "messages");
+    }
+    const std::string& r = role->get_ref<const std::string&>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "developer") {
+      return BadRequest("unknown message role '" + r + "'", "messages");
+    }
+    std::string content;
+    auto c = m.find("content");
+    if (c == m.end() || c->is_null()) {
+      content = "";
+    } else if (c->is_string()) {
+      content = c->get<std::string>();
+    } else if (c->is_array()) {  // content parts: only text
+      for (const json& part : *c) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          return BadRequest("only text content parts are supported", "messages");
+        }
+        content += part["text"].get<std::string>();
+      }
+    } else {
+      return BadRequest("message 'content' must be a string or a list of text parts", "messages");
+    }
+    messages.push_back({r == "developer" ? "system" : r, std::move(content)});
+  }
+  out->prompts.push_back(codec.Encode(codec.ApplyChatTemplate(messages)));
+
+  std::optional<bool> logprobs;
+  KVB_API_TRY(GetBool(body, "logprobs", &logprobs));
+  std::optional<int64_t> top_logprobs;
+  KVB_API_TRY(GetInt(body, "top_logprobs", &top_logprobs));
+  if (top_logprobs) {
+    if (!logprobs.value_or(false)) {
+      return BadRequest("'top_logprobs' needs 'logprobs' to be true", "top_logprobs");
+    }
+    if (*top_logprobs < 0 || *top_logprobs > limits.max_logprobs) {
+      return BadRequest("'top_logprobs' must be in [0, " + std::to_string(limits.max_logprobs) +
+                            "], got " + std::to_string(*top_logprobs),
+                        "top_logprobs");
+    }
+  }
+  if (logprobs.value_or(false)) out->sampling.logprobs = static_cast<int>(top_logprobs.value_or(0));
+  return FinishLengths(body, limits, /*chat=*/true, out);
+}
+
+std::string DumpJson(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+size_t CompleteUtf8Prefix(const std::string& s) {
+  // Look back at most 3 bytes for a lead byte whose sequence is not complete yet.
+  size_t n = s.size();
+  for (size_t back = 1; back <= 3 && back <= n; ++back) {
+    unsigned char c = static_cast<unsigned char>(s[n - back]);
+    if ((c & 0xC0) == 0x80) continue;  // continuation byte: keep looking for the lead
+    size_t need = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
+    return need > back ? n - back : n;
+  }
+  return n;
+}
+
+namespace {
+bool IsValidUtf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    size_t need = c < 0x80             ? 1
+                  : (c & 0xE0) == 0xC0 ? 2
+                  : (c & 0xF0) == 0xE0 ? 3
+                  : (c & 0xF8) == 0xF0 ? 4
+                                       : 0;
+    if (need == 0 || i + need > s.size()) return false;
+    if (need == 2 && c < 0xC2) return false;  // overlong
+    for (size_t k = 1; k < need; ++k) {
+      if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
+    }
+    i += need;
+  }
+  return true;
+}
+}  // namespace
+
+std::string TokenDisplayText(const TextCodec& codec, int32_t token) {
+  std::string text = codec.Decode(std::span<const int32_t>(&token, 1));
+  if (IsValidUtf8(text)) return text;
+  std::string out = "bytes:";
+  char buf[8];
+  for (unsigned char c : text) {
+    std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+    out += buf;
+  }
+  return out;
+}
+
+ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const TextCodec& codec,
+                                 std::string id, std::string model, int64_t created)
+    : endpoint_(request.endpoint),
+      n_(request.sampling.n),
+      logprobs_(request.sampling.logprobs),
+      include_usage_(request.include_usage),
+      codec_(codec),
+      id_(std::move(id)),
+      model_(std::move(model)),
+      created_(created),
+      prompts_(request.prompts.size()) {
+  for (size_t p = 0; p < prompts_.size(); ++p) {
+    prompts_[p].choices.resize(n_);
+    prompts_[p].num_prompt_tokens = static_cast<int>(request.prompts[p].size());
+  }
+}
+
+void ResponseBuilder::Apply(size_t prompt_index, const RequestOutput& out) {
+  if (prompt_index >= prompts_.size()) return;
+  Prompt& p = prompts_[prompt_index];
+  if (p.finished) return;
+  if (out.num_prompt_tokens > 0) p.num_prompt_tokens = out.num_prompt_tokens;
+  p.num_cached_tokens = std::max(p.num_cached_tokens, out.num_cached_tokens);
+  for (const CompletionOutput& o : out.outputs) {
+    if (o.index < 0 || o.index >= n_) continue;
+    Choice& c = p.choices[o.index];
+    if (c.finished) continue;
+    c.token_ids.insert(c.token_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    if (logprobs_ >= 0) {
+      c.logprobs.insert(c.logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
+    }
+    if (o.finished) {
+      c.finished = true;
+      c.finish_reason = o.finish_reason.empty() ? "stop" : o.finish_reason;
+    }
+  }
+  if (!out.kv_transfer_params.is_null()) p.kv_transfer_params = out.kv_transfer_params;
+  if (!out.error.ok() && p.error.ok()) p.error = out.error;
+  if (out.finished) {
+    p.finished = true;
+    for (Choice& c : p.choices) {
+      if (!c.finished) {
+        c.finished = true;
+        c.finish_reason = out.error.ok() ? "abort" : "error";
+      }
+    }
+  }
+}
+
+void ResponseBuilder::FinishAll(const std::string& reason) {
+  for (Prompt& p : prompts_) {
+    if (p.finished) continue;
+    p.finished = true;
+    for (Choice& c : p.choices) {
+      if (!c.finished) {
+        c.finished = true;
+        c.finish_reason = reason;
+      }
+    }
+  }
+}
+
+bool ResponseBuilder::AllFinished() const {
+  for (const Prompt& p : prompts_) {
+    if (!p.finished) return false;
+  }
+  return true;
+}
+
+Status ResponseBuilder::FirstError() const {
+  for (const Prompt& p : prompts_) {
+    if (!p.error.ok()) return p.error;
+  }
+  return OkStatus();
+}
+
+json ResponseBuilder::Usage() const {
+  int64_t prompt_tokens = 0, completion_tokens = 0, cached = 0;
+  for (const Prompt& p : prompts_) {
+    prompt_tokens += p.num_prompt_tokens;
+    cached += p.num_cached_tokens;
+    for (const Choice& c : p.choices) completion_tokens += static_cast<int64_t>(c.token_ids.size());
+  }
+  return json{{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion_tokens},
+              {"total_tokens", prompt_tokens + completion_tokens},
+              {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+}
+
+json ResponseBuilder::KvTransferParams() const {
+  for (const Prompt& p : prompts_) {
+    if (!p.kv_transfer_params.is_null()) return p.kv_transfer_params;
+  }
+  return nullptr;
+}
+
+json ResponseBuilder::LogprobsJson(const Choice& c, size_t from, size_t to,
+                                   size_t* text_offset) const {
+  if (endpoint_ == Endpoint::kCompletions) {
+    json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+         offsets = json::array();
+    for (size_t k = from; k < to && k < c.logprobs.size(); ++k) {
+      const TokenLogprob& lp = c.logprobs[k];
+      std::string text = TokenDisplayText(codec_, lp.token);
+      tokens.push_back(text);
+      token_logprobs.push_back(lp.logprob);
+      json entry = json::object();
+      for (const TopLogprob& t : lp.top) {
+        std::string key = TokenDisplayText(codec_, t.token);
+        if (!entry.contains(key)) entry[key] = t.logprob;
+      }
+      if (!entry.contains(text)) entry[text] = lp.logprob;  // the sampled token is always listed
+      top.push_back(std::move(entry));
+      offsets.push_back(*text_offset);
+      *text_offset += codec_.Decode(std::span<const int32_t>(&lp.token, 1)).size();
+    }
+    return json{{"tokens", tokens},
+                {"token_logprobs", token_logprobs},
+                {"top_logprobs", top},
+                {"text_offset", offsets}};
+  }
+  auto entry = [&](int32_t token, float logprob) {
+    std::string raw = codec_.Decode(std::span<const int32_t>(&token, 1));
+    json bytes = json::array();
+    for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
+    return json{{"token", TokenDisplayText(codec_, token)}, {"logprob", logprob}, {"bytes", bytes}};
+  };
+  json content = json::array();
+  for (size_t k = from; k < to && k < c.logprobs.size(); ++k) {
+    const TokenLogprob& lp = c.logprobs[k];
+    json e = entry(lp.token, lp.logprob);
+    json top = json::array();
+    for (const TopLogprob& t : lp.top) top.push_back(entry(t.token, t.logprob));
+    e["top_logprobs"] = std::move(top);
+    content.push_back(std::move(e));
+  }
+  return json{{"content", content}};
+}
+
+json ResponseBuilder::FinalBody() const {
+  const bool chat = endpoint_ == Endpoint::kChatCompletions;
+  json choices = json::array();
+  for (size_t p = 0; p < prompts_.size(); ++p) {
+    for (int i = 0; i < n_; ++i) {
+      const Choice& c = prompts_[p].choices[i];
+      json choice{{"index", static_cast<int64_t>(p) * n_ + i}};
+      std::string text = codec_.Decode(c.token_ids);
+      if (chat) {
+        choice["message"] = json{{"role", "assistant"}, {"content", text}};
+      } else {
+        choice["text"] = text;
+      }
+      if (logprobs_ >= 0) {
+        size_t offset = 0;
+        choice["logprobs"] = LogprobsJson(c, 0, c.logprobs.size(), &offset);
+      } else {
+        choice["logprobs"] = nullptr;
+      }
+      choice["finish_reason"] = c.finished ? json(c.finish_reason) : json(nullptr);
+      choices.push_back(std::move(choice));
+    }
+  }
+  json body{{"id", id_},
+            {"object", chat ? "chat.completion" : "text_completion"},
+            {"created", created_},
+            {"model", model_},
+            {"choices", std::move(choices)},
+            {"usage", Usage()}};
+  json kv = KvTransferParams();
+  if (!kv.is_null()) body["kv_transfer_params"] = kv;
+  return body;
+}
+
+json ResponseBuilder::ChunkBase() const {
+  const bool chat = endpoint_ == Endpoint::kChatCompletions;
+  json chunk{{"id", id_},
+             {"object", chat ? "chat.completion.chunk" : "text_completion"},
+             {"created", created_},
+             {"model", model_},
+             {"choices", json::array()}};
+  if (include_usage_) chunk["usage"] = nullptr;
+  return chunk;
+}
+
+std::string ResponseBuilder::TakeStreamFrames() {
+  if (done_sent_) return "";
+  const bool chat = endpoint_ == Endpoint::kChatCompletions;
+  std::string frames;
+  auto emit = [&](const json& j) { frames += "data: " + DumpJson(j) + "\n\n"; };
+  for (size_t p = 0; p < prompts_.size(); ++p) {
+    for (int i = 0; i < n_; ++i) {
+      Choice& c = prompts_[p].choices[i];
+      if (c.finish_sent) continue;
+      const int64_t index = static_cast<int64_t>(p) * n_ + i;
+      std::string text = codec_.Decode(c.token_ids);
+      size_t stable = c.finished ? text.size() : CompleteUtf8Prefix(text);
+      bool has_text = stable > c.streamed_text_bytes;
+      bool has_tokens = c.token_ids.size() > c.streamed_tokens;
+      if (chat && !c.role_sent) {
+        json chunk = ChunkBase();
+        chunk["choices"].push_back(json{{"index", index},
+                                        {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                        {"logprobs", nullptr},
+                                        {"finish_reason", nullptr}});
+        emit(chunk);
+        c.role_sent = true;
+      }
+      if (!has_text && !has_tokens && !c.finished) continue;
+      std::string delta =
+          has_text ? text.substr(c.streamed_text_bytes, stable - c.streamed_text_bytes) : "";
+      json choice{{"index", index}};
+      if (chat) {
+        choice["delta"] =
+            c.finished && delta.empty() && !has_tokens ? json::object() : json{{"content", delta}};
+      } else {
+        choice["text"] = delta;
+      }
+      if (logprobs_ >= 0) {
+        choice["logprobs"] = LogprobsJson(c, c.streamed_tokens, c.token_ids.size(), &c.text_offset);
+      } else {
+        choice["logprobs"] = nullptr;
+      }
+      choice["finish_reason"] = c.finished ? json(c.finish_reason) : json(nullptr);
+      json chunk = ChunkBase();
+      chunk["choices"].push_back(std::move(choice));
+      if (c.finished) {
+        json kv = prompts_[p].kv_transfer_params;
+        if (!kv.is_null()) chunk["kv_transfer_params"] = kv;
+        c.finish_sent = true;
+      }
+      emit(chunk);
+      c.streamed_tokens = c.token_ids.size();
+      c.streamed_text_bytes = stable;
+    }
+  }
+  if (AllFinished()) {
+    Status err = FirstError();
+    if (!err.ok()) {
+      frames += "data: " + OpenAiErrorBody(HttpStatusFromStatus(err), err.message()) + "\n\n";
+    }
+    if (include_usage_) {
+      json chunk = ChunkBase();
+      chunk["usage"] = Usage();
+      emit(chunk);
+    }
+    frames += "data: [DONE]\n\n";
+    done_sent_ = true;
+  }
+  return frames;
+}
+
+}  // namespace kvbridge::server
