@@ -333,7 +333,8 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
   while (!parser.is_done()) {
     parser.get().body().data = chunk;
     parser.get().body().size = sizeof(chunk);
-    co_await http::async_read(*stream, buf, parser, net::redirect_error(kAwait, ec));
+    // read_some, not read: an SSE event must reach the client as soon as it arrives.
+    co_await http::async_read_some(*stream, buf, parser, net::redirect_error(kAwait, ec));
     if (ec == http::error::need_buffer) ec = {};
     size_t got = sizeof(chunk) - parser.get().body().size;
     if (got > 0)
@@ -618,7 +619,7 @@ awaitable<void> ProxyServer::Impl::Accept() {
 awaitable<void> ProxyServer::Impl::Housekeeping() {
   auto ex = co_await net::this_coro::executor;
   net::steady_timer timer(ex);
-  TimePoint next_probe = 0;
+  TimePoint next_probe = SteadyNow() + options.health_probe_interval;
   for (;;) {
     timer.expires_after(std::chrono::milliseconds(200));
     beast::error_code ec;
