@@ -367,22 +367,32 @@ TEST(EngineCore, StopConditions) {
   EXPECT_EQ(o.tokens.at(0).size(), 12u);
   for (int32_t t : o.tokens.at(0)) EXPECT_NE(t, g[3]);
 
-  // Stop string made of bytes 5..6 of the continuation (byte tokenizer: token = byte).
-  bool bytes = true;
-  for (int i = 5; i < 7; ++i) bytes &= g[i] < 256;
-  if (bytes) {
-    std::string s = {static_cast<char>(g[5]), static_cast<char>(g[6])};
-    EngineRequest ss = Req("stop_str", Prompt(12, 5), 12);
-    ss.sampling.stop = {s};
-    ASSERT_TRUE(core->AddRequest(ss, now).ok());
-    o = RunAll(*core, &now)["stop_str"];
-    std::string text;
-    for (int32_t t : g) text.push_back(static_cast<char>(t));
-    size_t pos = text.find(s);
-    ASSERT_NE(pos, std::string::npos);
-    EXPECT_EQ(o.tokens.at(0), std::vector<int32_t>(g.begin(), g.begin() + pos));
-    EXPECT_EQ(o.reasons.at(0), "stop");
+  // Stop string made of two consecutive byte tokens of the continuation (byte tokenizer:
+  // token id = byte), starting after the first token so some output precedes it.
+  size_t k = 1;
+  while (k + 1 < g.size() && !(g[k] < 256 && g[k + 1] < 256)) ++k;
+  ASSERT_LT(k + 1, g.size()) << "no two consecutive byte tokens in the greedy continuation";
+  std::string s = {static_cast<char>(g[k]), static_cast<char>(g[k + 1])};
+  std::string text;
+  for (int32_t t : g) {
+    if (t < 256) text.push_back(static_cast<char>(t));
   }
+  EngineRequest ss = Req("stop_str", Prompt(12, 5), 12);
+  ss.sampling.stop = {s};
+  ASSERT_TRUE(core->AddRequest(ss, now).ok());
+  o = RunAll(*core, &now)["stop_str"];
+  // Expected: the tokens whose text ends before the first occurrence of the stop string.
+  const size_t pos = text.find(s);
+  std::vector<int32_t> expect;
+  size_t bytes = 0;
+  for (int32_t t : g) {
+    size_t next = bytes + (t < 256 ? 1 : 0);
+    if (next > pos) break;
+    expect.push_back(t);
+    bytes = next;
+  }
+  EXPECT_EQ(o.tokens.at(0), expect);
+  EXPECT_EQ(o.reasons.at(0), "stop");
   EXPECT_EQ(core->pool().NumActive(), 0);
 }
 
