@@ -1,0 +1,109 @@
+// kvbridge/bench/bench.h — `kvbridge bench`: a load generator for /v1/completions that proves
+// the KV drains.
+//
+// For each concurrency level in `batches`, sends `samples` requests with that many in flight
+// (prompts from a JSONL file's `model_input` field, or built here), then reports latency
+// percentiles, throughput, token means and the prefix-cache hit rate; with drain checking on, it
+// then polls every instance's /metrics until kvbridge_kv_blocks_active and
+// kvbridge_kv_blocks_held_for_transfer are 0 (bounded by drain_timeout_s after the batch's last
+// response) and reads kvbridge_kv_lease_expired_total / kvbridge_kv_notifications_ignored_total,
+// which must be 0 in a fault-free run (DESIGN.md invariants).
+//
+//   BenchOptions o;
+//   o.host = "http://127.0.0.1:10001";
+//   o.batches = {4, 8};
+//   o.samples = 32;
+//   o.best_of_n = 8;
+//   o.check_drain = true;  // instances from GET {host}/instances
+//   ASSIGN_OR_RETURN(BenchReport r, RunBench(o, [](const std::string& line) { ... }));
+//   std::puts(FormatTable(r).c_str());
+//   return r.ok ? 0 : 1;
+//
+// Thread-safety: RunBench is reentrant (it starts and joins its own worker threads).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvbridge/common/status.h"
+
+namespace kvbridge::bench {
+
+struct BenchOptions {
+  std::string host = "http://127.0.0.1:10001";  // base URL of the proxy (or an engine)
+  std::string path = "/v1/completions";
+  std::string prompts_file;           // JSONL rows with "model_input"; empty = built prompts
+  std::string model;                  // "model" field; empty = the first id of GET /v1/models
+  int samples = 32;                   // requests per batch
+  std::vector<int> batches = {1, 4};  // concurrency levels, one batch each
+  int input_tokens = 0;               // > 0: sent as truncate_prompt_tokens, jittered ±100 (min 1)
+  int output_tokens = 32;             // max_tokens, jittered ±10 (min 1)
+  int best_of_n = 1;                  // sent as n
+  double max_latency_s = 0;           // > 0: stop the sweep once a batch's mean and p50 exceed it
+  bool shuffle = true;
+  uint64_t seed = 0;
+  bool stream = false;
+  double request_timeout_s = 600;
+  bool check_drain = false;
+  std::vector<std::string> drain_urls;  // empty with check_drain: every instance of /instances
+  double drain_timeout_s = 5;
+  int synthetic_prompts = 64;  // how many prompts to build without prompts_file
+};
+
+/// One instance's drain after a batch.
+struct DrainReport {
+  std::string url;
+  bool drained = false;
+  double drain_s = -1;  // from the batch's last response to both gauges at 0
+  double blocks_active = -1;
+  double blocks_held = -1;
+  double lease_expired = -1;          // kvbridge_kv_lease_expired_total (-1: absent)
+  double notifications_ignored = -1;  // kvbridge_kv_notifications_ignored_total
+  std::string error;                  // why it failed, empty when ok
+};
+
+struct BatchReport {
+  int concurrency = 0;
+  int requests = 0;
+  int errors = 0;
+  double duration_s = 0;
+  double requests_per_s = 0;
+  double latency_mean_s = 0, latency_p50_s = 0, latency_p75_s = 0, latency_p90_s = 0,
+         latency_p95_s = 0;
+  double mean_input_tokens = 0;            // usage.prompt_tokens per request
+  double mean_output_tokens = 0;           // usage.completion_tokens per request (all n choices)
+  double cache_hit_rate = 0;               // sum cached_tokens / sum prompt_tokens
+  std::vector<std::string> error_samples;  // the first few errors, "HTTP 400: body"
+  std::vector<DrainReport> drains;
+};
+
+struct BenchReport {
+  std::vector<BatchReport> batches;
+  std::string stop_reason;  // non-empty when --max-latency ended the sweep early
+  bool ok = true;           // no request error, every drain within bound, no lease/notification
+};
+
+/// Runs the sweep. `progress` (may be empty) gets a one-line status every ~200 ms while a batch
+/// runs. InvalidArgument for bad options or an unreadable/empty prompts file; Unavailable when
+/// the instance list for drain checking cannot be fetched. Request errors are not a Status: they
+/// are counted in the report (and make ok false).
+Result<BenchReport> RunBench(const BenchOptions& options,
+                             const std::function<void(const std::string&)>& progress);
+
+/// A human-readable table (one row per batch, then drain lines).
+std::string FormatTable(const BenchReport& report);
+/// The machine-readable summary (`--json`).
+std::string ReportJson(const BenchReport& report);
+
+/// Reads prompts from JSONL rows with a string "model_input". InvalidArgument naming the line.
+Result<std::vector<std::string>> LoadPrompts(const std::string& path);
+/// `count` deterministic prompts of a few hundred words each from `seed`.
+std::vector<std::string> MakeSyntheticPrompts(int count, uint64_t seed);
+/// The q-quantile (0..1) of `values` by linear interpolation between closest ranks; 0 when empty.
+double Percentile(std::vector<double> values, double q);
+/// Parses "3,4,8" into {3,4,8}; InvalidArgument for empty, non-numeric or < 1 entries.
+Result<std::vector<int>> ParseBatches(const std::string& text);
+
+}  // namespace kvbridge::bench

@@ -1,0 +1,86 @@
+// `kvbridge bench`: drive /v1/completions over concurrency levels and check the KV drains.
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "apps/command_registry.h"
+#include "kvbridge/bench/bench.h"
+
+namespace {
+
+struct BenchCli {
+  kvbridge::bench::BenchOptions o;
+  std::string batches = "1,4";
+  bool no_shuffle = false;
+  bool json = false;
+};
+
+int RunBenchCommand(BenchCli& cli, bool check_drain) {
+  auto batches = kvbridge::bench::ParseBatches(cli.batches);
+  if (!batches.ok()) {
+    std::fprintf(stderr, "error: %s\n", batches.status().ToString().c_str());
+    return 2;
+  }
+  cli.o.batches = *batches;
+  cli.o.shuffle = !cli.no_shuffle;
+  cli.o.check_drain = check_drain;
+  // `--check-drain` given without URLs leaves one empty entry: that means "ask /instances".
+  std::erase(cli.o.drain_urls, std::string());
+  const bool tty = ::isatty(2);
+  auto progress = [tty](const std::string& line) {
+    std::fprintf(stderr, tty ? "\r%-78s" : "%s\n", line.c_str());
+  };
+  auto report = kvbridge::bench::RunBench(cli.o, progress);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!report.ok()) {
+    std::fprintf(stderr, "error: %s\n", report.status().ToString().c_str());
+    return 2;
+  }
+  if (cli.json) {
+    std::printf("%s\n", kvbridge::bench::ReportJson(*report).c_str());
+  } else {
+    std::printf("%s", kvbridge::bench::FormatTable(*report).c_str());
+  }
+  return report->ok ? 0 : 1;
+}
+
+const bool kRegistered = kvbridge::apps::RegisterCommand(
+    "bench", "Drive /v1/completions over concurrency levels; report latency and KV drain",
+    [](CLI::App& sub) -> kvbridge::apps::CommandMain {
+      auto c = std::make_shared<BenchCli>();
+      auto& o = c->o;
+      sub.add_option("--host", o.host, "Base URL (proxy or engine)")->capture_default_str();
+      sub.add_option("--path", o.path, "Endpoint")->capture_default_str();
+      sub.add_option("--prompts", o.prompts_file, "JSONL file with a model_input field per row");
+      sub.add_option("--model", o.model, "model field (default: first of GET /v1/models)");
+      sub.add_option("--samples", o.samples, "Requests per batch")->capture_default_str();
+      sub.add_option("--batches", c->batches, "Concurrency levels, one batch each: 3,4,8")
+          ->capture_default_str();
+      sub.add_option("--input-tokens", o.input_tokens,
+                     "Sent as truncate_prompt_tokens (±100 jitter); 0 = not sent")
+          ->capture_default_str();
+      sub.add_option("--output-tokens", o.output_tokens, "max_tokens (±10 jitter)")
+          ->capture_default_str();
+      sub.add_option("--best-of-n", o.best_of_n, "Sent as n")->capture_default_str();
+      sub.add_option("--max-latency", o.max_latency_s,
+                     "Stop the sweep when a batch's mean and p50 latency exceed this (s)");
+      sub.add_flag("--no-shuffle-input", c->no_shuffle, "Keep the prompts' order");
+      sub.add_option("--seed", o.seed, "Seed for shuffling and jitter")->capture_default_str();
+      sub.add_flag("--stream", o.stream, "Request SSE streams");
+      sub.add_flag("--json", c->json, "Print a JSON summary instead of the table");
+      auto* drain = sub.add_option("--check-drain", o.drain_urls,
+                                   "After each batch, wait for these instances' KV to drain "
+                                   "(no URL: every instance GET {host}/instances lists)")
+                        ->expected(0, -1);
+      sub.add_option("--drain-timeout", o.drain_timeout_s,
+                     "Seconds after a batch's last response for the drain")
+          ->capture_default_str();
+      sub.add_option("--request-timeout", o.request_timeout_s, "Seconds per request")
+          ->capture_default_str();
+      return [c, drain] { return RunBenchCommand(*c, drain->count() > 0); };
+    });
+
+}  // namespace
