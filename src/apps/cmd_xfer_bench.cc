@@ -1,0 +1,29 @@
+// `kvbridge xfer-bench`: the transfer engine's two-process benchmark (docs/transfer.md).
+#include <memory>
+
+#include "apps/command_registry.h"
+#include "transfer/xfer_bench.h"
+
+namespace {
+const bool kRegistered = kvbridge::apps::RegisterCommand(
+    "xfer-bench", "Benchmark KV block READ/WRITE between two processes",
+    [](CLI::App& sub) -> kvbridge::apps::CommandMain {
+      auto o = std::make_shared<kvbridge::transfer::XferBenchOptions>();
+      sub.add_option("--backend", o->backend, "shm | tcp | ucx")->capture_default_str();
+      sub.add_option("--op", o->op, "read | write")->capture_default_str();
+      sub.add_option("--block-size", o->block_size, "bytes per block (K+V, one layer)")
+          ->capture_default_str();
+      sub.add_option("--blocks", o->blocks, "blocks per transfer")->capture_default_str();
+      sub.add_option("--layers", o->layers, "layers per transfer")->capture_default_str();
+      sub.add_option("--iters", o->iters, "timed transfers")->capture_default_str();
+      sub.add_option("--peer", o->peer, "HOST:PORT of a running `xfer-bench --serve`");
+      sub.add_flag("--json", o->json, "print one JSON object as the last line");
+      sub.add_option("--copy-threads", o->copy_threads, "shm copy threads")->capture_default_str();
+      sub.add_option("--connections", o->tcp_connections, "tcp connections per peer")
+          ->capture_default_str();
+      sub.add_flag("--serve", o->serve, "run as the peer process");
+      sub.add_option("--listen", o->listen, "peer mode: HOST:PORT to listen on")
+          ->capture_default_str();
+      return [o]() { return kvbridge::transfer::RunXferBench(*o); };
+    });
+}  // namespace
