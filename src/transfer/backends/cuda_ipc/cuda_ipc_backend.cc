@@ -39,18 +39,19 @@ constexpr auto kAgentMsg = static_cast<MsgType>(103);  // opaque agent message
 
 void PutU32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
 void PutU64(std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
-bool GetU32(std::string_view s, size_t& at, uint32_t& v) {
-  if (s.size() < at + 4) return false;
-  std::memcpy(&v, s.data() + at, 4);
-  at += 4;
+// Little-endian reads (byte-wise: GCC 12 -O2 flags a memcpy out of a moved-into string).
+template <typename T>
+bool GetLe(std::string_view s, size_t& at, T& v) {
+  if (s.size() < at + sizeof(T)) return false;
+  T x = 0;
+  for (size_t i = 0; i < sizeof(T); ++i)
+    x |= static_cast<T>(static_cast<uint8_t>(s[at + i])) << (8 * i);
+  v = x;
+  at += sizeof(T);
   return true;
 }
-bool GetU64(std::string_view s, size_t& at, uint64_t& v) {
-  if (s.size() < at + 8) return false;
-  std::memcpy(&v, s.data() + at, 8);
-  at += 8;
-  return true;
-}
+bool GetU32(std::string_view s, size_t& at, uint32_t& v) { return GetLe(s, at, v); }
+bool GetU64(std::string_view s, size_t& at, uint64_t& v) { return GetLe(s, at, v); }
 
 Result<sockaddr_un> AbstractAddr(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
