@@ -654,11 +654,18 @@ void Scheduler::FinishSeq(Seq* s, RequestState state, TimePoint now) {
   MarkDirty(g);
 }
 
-void Scheduler::FailGroup(Group* g, const Status& error, TimePoint now) {
+void Scheduler::FailGroup(Group* g, const Status& error, TimePoint now, bool tell_connector) {
   g->error = error;
   for (auto& s : g->seqs) {
     if (IsFinishedState(s->state)) continue;
     RemoveFromQueues(s.get());
+    // A failure the connector did not report itself reaches it as an abort, so it can drop its
+    // state; it may keep the blocks like an abort (a send may still read them).
+    if (tell_connector && connector_ != nullptr && connector_->RequestAborted(Info(*s), now)) {
+      std::vector<int32_t>& d = draining_[s->id];
+      d.insert(d.end(), s->blocks.begin(), s->blocks.end());
+      s->blocks.clear();
+    }
     ReleaseBlocks(&s->blocks);
     s->state = RequestState::kFinishedError;  // from any live state (see the table)
     s->finish_reason = "error";
@@ -826,7 +833,7 @@ void Scheduler::FailBatch(const ScheduledBatch& batch, const Status& error, Time
     if (std::find(gs.begin(), gs.end(), s->group) == gs.end()) gs.push_back(s->group);
   }
   scheduled_.clear();
-  for (Group* g : gs) FailGroup(g, error, now);
+  for (Group* g : gs) FailGroup(g, error, now, /*tell_connector=*/true);
   graveyard_.clear();
   FlushOutputs();
 }

@@ -150,7 +150,8 @@ class Scheduler {
   /// Errors: InvalidArgument when logits has the wrong size (then FailBatch is applied).
   Status UpdateFromOutput(const ScheduledBatch& batch, std::span<const float> logits,
                           TimePoint now);
-  /// Ends every request with a chunk in `batch` with `error` (forward failure).
+  /// Ends every request with a chunk in `batch` with `error` (forward failure); the connector
+  /// hears of each live sequence through RequestAborted (and may keep its blocks).
   void FailBatch(const ScheduledBatch& batch, const Status& error, TimePoint now);
   /// Outputs produced since the last call, in production order.
   std::vector<RequestOutput> TakeOutputs();
@@ -197,7 +198,9 @@ class Scheduler {
   void Fork(Seq* parent);
   void AppendToken(Seq* s, int32_t token, std::span<const float> logits_row, TimePoint now);
   void FinishSeq(Seq* s, RequestState state, TimePoint now);
-  void FailGroup(Group* g, const Status& error, TimePoint now);
+  // Ends every live sequence of `g` with `error`. `tell_connector`: call RequestAborted for each
+  // (failures the connector did not originate, e.g. a forward error).
+  void FailGroup(Group* g, const Status& error, TimePoint now, bool tell_connector = false);
   void ReleaseBlocks(std::vector<int32_t>* blocks);
   void RemoveFromQueues(Seq* s);
   void MarkDirty(Group* g);
