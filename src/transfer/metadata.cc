@@ -2,7 +2,10 @@
 
 #include <xxhash.h>
 
+#include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 
 namespace kvbridge::transfer {
 
@@ -17,6 +20,69 @@ const char* DtypeStr(KvDtype d) {
       return "fp8";
   }
   return "?";
+}
+
+// Typed getters that refuse what nlohmann would convert with undefined behaviour (a float or
+// out-of-range number read as an integer, a double out of float range).
+uint64_t GetU64(const nlohmann::json& j, const char* key) {
+  const auto& v = j.at(key);
+  if (!v.is_number_unsigned())
+    throw std::invalid_argument(std::string(key) + " is not an unsigned integer");
+  return v.get<uint64_t>();
+}
+int GetInt(const nlohmann::json& j, const char* key) {
+  const auto& v = j.at(key);
+  if (!v.is_number_integer()) throw std::invalid_argument(std::string(key) + " is not an integer");
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int>::max()))
+      throw std::invalid_argument(std::string(key) + " out of range");
+    return static_cast<int>(u);
+  }
+  int64_t x = v.get<int64_t>();
+  if (x < std::numeric_limits<int>::min() || x > std::numeric_limits<int>::max())
+    throw std::invalid_argument(std::string(key) + " out of range");
+  return static_cast<int>(x);
+}
+std::vector<uint64_t> GetU64s(const nlohmann::json& j, const char* key) {
+  const auto& v = j.at(key);
+  if (!v.is_array()) throw std::invalid_argument(std::string(key) + " is not an array");
+  std::vector<uint64_t> out;
+  for (const auto& e : v) {
+    if (!e.is_number_unsigned())
+      throw std::invalid_argument(std::string(key) + " has a non-integer");
+    out.push_back(e.get<uint64_t>());
+  }
+  return out;
+}
+std::vector<float> GetFloats(const nlohmann::json& j, const char* key) {
+  const auto& v = j.at(key);
+  if (!v.is_array()) throw std::invalid_argument(std::string(key) + " is not an array");
+  std::vector<float> out;
+  for (const auto& e : v) {
+    if (!e.is_number()) throw std::invalid_argument(std::string(key) + " has a non-number");
+    double d = e.get<double>();
+    if (!(std::fabs(d) <= std::numeric_limits<float>::max()))
+      throw std::invalid_argument(std::string(key) + " out of float range");
+    out.push_back(static_cast<float>(d));
+  }
+  return out;
+}
+std::map<std::string, std::string> GetStrMap(const nlohmann::json& j, const char* key) {
+  const auto& v = j.at(key);
+  if (!v.is_object()) throw std::invalid_argument(std::string(key) + " is not an object");
+  std::map<std::string, std::string> out;
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (!it.value().is_string())
+      throw std::invalid_argument(std::string(key) + " has a non-string");
+    out[it.key()] = it.value().get<std::string>();
+  }
+  return out;
+}
+std::string GetStr(const nlohmann::json& j, const char* key) {
+  const auto& v = j.at(key);
+  if (!v.is_string()) throw std::invalid_argument(std::string(key) + " is not a string");
+  return v.get<std::string>();
 }
 }  // namespace
 
@@ -62,22 +128,23 @@ Result<AgentMetadata> DecodeMetadata(std::string_view text) {
   AgentMetadata m;
   uint64_t block_bytes = 0;
   try {
-    m.version = j.at("version").get<uint32_t>();
-    m.agent_name = j.at("agent_name").get<std::string>();
-    m.incarnation = j.at("incarnation").get<uint64_t>();
-    m.host_id = j.at("host_id").get<std::string>();
-    m.endpoints = j.at("endpoints").get<std::map<std::string, std::string>>();
-    m.tp_size = j.at("tp_size").get<int>();
-    m.tp_rank = j.at("tp_rank").get<int>();
-    m.head_begin = j.at("head_begin").get<int>();
-    m.head_count = j.at("head_count").get<int>();
+    m.version = static_cast<uint32_t>(GetInt(j, "version"));
+    m.agent_name = GetStr(j, "agent_name");
+    m.incarnation = GetU64(j, "incarnation");
+    m.host_id = GetStr(j, "host_id");
+    m.endpoints = GetStrMap(j, "endpoints");
+    m.tp_size = GetInt(j, "tp_size");
+    m.tp_rank = GetInt(j, "tp_rank");
+    m.head_begin = GetInt(j, "head_begin");
+    m.head_count = GetInt(j, "head_count");
     const auto& l = j.at("layout");
-    m.layout.num_layers = l.at("num_layers").get<int>();
-    m.layout.num_kv_heads = l.at("num_kv_heads").get<int>();
-    m.layout.head_dim = l.at("head_dim").get<int>();
-    m.layout.block_size = l.at("block_size").get<int>();
-    m.layout.num_blocks = l.at("num_blocks").get<int>();
-    std::string dt = l.at("dtype").get<std::string>();
+    if (!l.is_object()) return InvalidArgumentError("metadata: layout is not an object");
+    m.layout.num_layers = GetInt(l, "num_layers");
+    m.layout.num_kv_heads = GetInt(l, "num_kv_heads");
+    m.layout.head_dim = GetInt(l, "head_dim");
+    m.layout.block_size = GetInt(l, "block_size");
+    m.layout.num_blocks = GetInt(l, "num_blocks");
+    std::string dt = GetStr(l, "dtype");
     if (dt == "fp32") {
       m.layout.dtype = KvDtype::kFp32;
     } else if (dt == "bf16") {
@@ -87,9 +154,9 @@ Result<AgentMetadata> DecodeMetadata(std::string_view text) {
     } else {
       return InvalidArgumentError("metadata: unknown dtype '" + dt + "'");
     }
-    m.layer_base = j.at("layer_base").get<std::vector<uint64_t>>();
-    m.layer_bytes = j.at("layer_bytes").get<std::vector<uint64_t>>();
-    std::string mk = j.at("memory_kind").get<std::string>();
+    m.layer_base = GetU64s(j, "layer_base");
+    m.layer_bytes = GetU64s(j, "layer_bytes");
+    std::string mk = GetStr(j, "memory_kind");
     if (mk == "host") {
       m.memory_kind = MemoryKind::kHost;
     } else if (mk == "cuda") {
@@ -97,12 +164,12 @@ Result<AgentMetadata> DecodeMetadata(std::string_view text) {
     } else {
       return InvalidArgumentError("metadata: unknown memory_kind '" + mk + "'");
     }
-    m.k_scale = j.at("k_scale").get<std::vector<float>>();
-    m.v_scale = j.at("v_scale").get<std::vector<float>>();
-    m.model_fingerprint = j.at("model_fingerprint").get<std::string>();
-    m.compat_hash = j.at("compat_hash").get<uint64_t>();
-    m.backend_blobs = j.at("backend_blobs").get<std::map<std::string, std::string>>();
-    block_bytes = j.at("block_bytes").get<uint64_t>();
+    m.k_scale = GetFloats(j, "k_scale");
+    m.v_scale = GetFloats(j, "v_scale");
+    m.model_fingerprint = GetStr(j, "model_fingerprint");
+    m.compat_hash = GetU64(j, "compat_hash");
+    m.backend_blobs = GetStrMap(j, "backend_blobs");
+    block_bytes = GetU64(j, "block_bytes");
   } catch (const std::exception& e) {
     return InvalidArgumentError(std::string("metadata: ") + e.what());
   }
