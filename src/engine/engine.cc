@@ -112,12 +112,13 @@ class EngineImpl final : public Engine {
       auto it = callbacks_.find(out.request_id);
       if (it == callbacks_.end()) continue;
       OutputCallback cb = it->second;
-      if (out.finished) callbacks_.erase(it);
-      if (cb) cb(out);
       if (out.finished) {
+        callbacks_.erase(it);
+        // The id is free before the final callback runs, so the callback's owner may reuse it.
         std::lock_guard<std::mutex> lock(mu_);
         live_ids_.erase(out.request_id);
       }
+      if (cb) cb(out);
     }
   }
 
@@ -130,9 +131,11 @@ class EngineImpl final : public Engine {
     co.finished = true;
     co.finish_reason = reason;
     out.outputs.push_back(co);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_ids_.erase(id);
+    }
     if (cb) cb(out);
-    std::lock_guard<std::mutex> lock(mu_);
-    live_ids_.erase(id);
   }
 
   void Apply(Command& cmd, TimePoint now) {
