@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <set>
 
 #include "engine/engine_test_util.h"
@@ -81,6 +82,33 @@ TEST(EngineCore, ChunkedPrefillEqualsUnchunkedBitwise) {
     EXPECT_TRUE(BitwiseEqual(row, chunked[key])) << "position " << key.second;
   }
   EXPECT_EQ(t_whole, t_chunked);
+}
+
+TEST(EngineCore, Bf16AndFp8KvCachesChunkBitwiseToo) {
+  for (KvDtype dtype : {KvDtype::kBf16, KvDtype::kFp8E4M3}) {
+    SCOPED_TRACE(std::string(KvDtypeName(dtype)));
+    auto run = [&](int budget) {
+      EngineConfig c = SmallConfig();
+      c.kv_dtype = dtype;
+      c.max_num_batched_tokens = budget;
+      auto core = MakeCore(c);
+      EXPECT_EQ(core->storage().layout().dtype, dtype);
+      LogitsLog log;
+      log.Attach(*core);
+      TimePoint now = 0;
+      EXPECT_TRUE(core->AddRequest(Req("x", Prompt(37, 2), 4), now).ok());
+      RunAll(*core, &now);
+      EXPECT_EQ(core->pool().NumActive(), 0);
+      return log.rows;
+    };
+    auto whole = run(2048);
+    auto chunked = run(5);
+    ASSERT_EQ(whole.size(), 4u);
+    for (auto& [key, row] : whole) {
+      for (float v : row) ASSERT_FALSE(std::isnan(v));
+      EXPECT_TRUE(BitwiseEqual(row, chunked.at(key))) << key.second;
+    }
+  }
 }
 
 TEST(EngineCore, PrefixCacheHitServesBlocksAndKeepsLogitsBitwise) {
