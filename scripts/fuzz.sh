@@ -15,7 +15,7 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVBRIDGE_FUZ
   -DKVBRIDGE_BUILD_TESTS=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DKVBRIDGE_WITH_CUDA=OFF \
   -DCMAKE_C_FLAGS="-fsanitize=fuzzer-no-link $SAN" -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link $SAN" \
   >/dev/null
-mapfile -t TARGETS < <(ninja -C "$BUILD" -t targets all | sed -n 's/^\([A-Za-z0-9_]*_fuzz\): phony$/\1/p' | sort -u)
+mapfile -t TARGETS < <(ninja -C "$BUILD" -t targets all | sed -n 's/^\([A-Za-z0-9_]*_fuzz\): phony$/\1/p' | grep -v '^cmake_' | sort -u)
 if ((${#TARGETS[@]} == 0)); then
   echo "fuzz: no *_fuzz targets found"; exit 1
 fi

@@ -294,12 +294,12 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
               cmax = std::max(cmax, sj[t]);
             }
             const float new_max = std::max(mx[j], cmax);
-            const float corr = std::exp(mx[j] - new_max);
+            const float corr = model_internal::Exp(mx[j] - new_max);
             float* aj = acc.data() + static_cast<size_t>(j) * hd;
             den[j] *= corr;
             for (int d = 0; d < hd; ++d) aj[d] *= corr;
             for (int t = 0; t < n; ++t) {
-              const float pr = std::exp(sj[t] - new_max);
+              const float pr = model_internal::Exp(sj[t] - new_max);
               den[j] += pr;
               const float* vt = vbuf.data() + static_cast<size_t>(t) * hd;
               for (int d = 0; d < hd; ++d) aj[d] += pr * vt[d];
@@ -323,7 +323,7 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     linear(h.data(), hsz, w.w_up, im, {}, up.data());
     for (size_t e = 0; e < gate.size(); ++e) {
       const float g = gate[e];
-      gate[e] = g / (1.0f + std::exp(-g)) * up[e];
+      gate[e] = g / (1.0f + model_internal::Exp(-g)) * up[e];
     }
     row_parallel(gate.data(), im, w.w_down, hsz, {}, tmp.data());
     for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];

@@ -34,4 +34,9 @@ float Fp8E4M3ToFloat(uint8_t b);
 /// Encodes to fp8 e4m3, round to nearest even, saturating to +-448; NaN -> 0x7F.
 uint8_t FloatToFp8E4M3(float f);
 
+/// exp(x) in fp32 from IEEE +, -, * only (Cody-Waite reduction + Cephes polynomial, ~1 ulp),
+/// so softmax and SiLU give the same bits on every x86-64 whatever libm's CPU dispatch picks.
+/// exp(-inf) = 0, exp(+large) = inf, NaN -> NaN.
+float Exp(float x);
+
 }  // namespace kvbridge::model_internal

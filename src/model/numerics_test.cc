@@ -39,6 +39,23 @@ TEST(Fp8E4M3, KnownValuesAndRounding) {
   EXPECT_EQ(FloatToFp8E4M3(-0.0f), 0x80);
 }
 
+TEST(Exp, WithinTwoUlpOfLibmAndExactAtTheEdges) {
+  EXPECT_EQ(Exp(0.0f), 1.0f);
+  EXPECT_EQ(Exp(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_TRUE(std::isinf(Exp(100.0f)));
+  EXPECT_TRUE(std::isnan(Exp(std::nanf(""))));
+  EXPECT_EQ(Exp(-200.0f), 0.0f);
+  for (float x = -87.0f; x < 88.5f; x += 0.0123f) {
+    const double want = std::exp(static_cast<double>(x));
+    const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+    ASSERT_LE(std::fabs(Exp(x) - want), 2 * ulp) << x;
+  }
+  for (float x = -103.0f; x < -87.0f; x += 0.31f) {  // subnormal results
+    const double want = std::exp(static_cast<double>(x));
+    ASSERT_LE(std::fabs(Exp(x) - want), std::ldexp(1.0, -149) + want * 1e-6) << x;
+  }
+}
+
 TEST(Bf16, RoundsToNearestEven) {
   EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
   EXPECT_EQ(Bf16ToFloat(0x3f80), 1.0f);
