@@ -1,0 +1,471 @@
+#include "transfer/backends/ucx/ucx_backend.h"
+
+#include <poll.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <thread>
+
+#include "kvbridge/common/logging.h"
+
+namespace kvbridge::transfer {
+namespace {
+
+constexpr unsigned kAmHello = 10;
+constexpr unsigned kAmMsg = 11;
+
+Status UcsError(ucs_status_t s, const std::string& what) {
+  return UnavailableError(what + ": " + ucs_status_string(s));
+}
+
+std::string Hex(const void* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  s.reserve(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t b = static_cast<const uint8_t*>(p)[i];
+    s.push_back(d[b >> 4]);
+    s.push_back(d[b & 15]);
+  }
+  return s;
+}
+
+bool Unhex(std::string_view h, std::string* out) {
+  if (h.size() % 2) return false;
+  out->clear();
+  auto v = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < h.size(); i += 2) {
+    int a = v(h[i]), b = v(h[i + 1]);
+    if (a < 0 || b < 0) return false;
+    out->push_back(static_cast<char>(a * 16 + b));
+  }
+  return true;
+}
+
+class UcxBackend;
+
+// One endpoint to a peer: outbound (with rkeys, moves data) or inbound (messages only).
+class UcxPeer : public BackendPeer, public std::enable_shared_from_this<UcxPeer> {
+ public:
+  UcxPeer(UcxBackend* b, std::string name) : b_(b), name_(std::move(name)) {}
+  ~UcxPeer() override;
+  void Submit(std::shared_ptr<TransferJob> job) override;
+  void Post(const std::shared_ptr<TransferJob>& job);  // on the progress thread, mu_ held
+  Status SendMessage(std::string_view bytes) override;
+  bool alive() const override { return alive_.load(); }
+  void Close() override;
+
+  UcxBackend* b_;
+  std::string name_;
+  ucp_ep_h ep_ = nullptr;
+  std::vector<ucp_rkey_h> rkeys_;
+  std::vector<uint64_t> base_, bytes_;
+  std::atomic<bool> alive_{true};
+  bool inbound_ = false;
+};
+
+class UcxBackend : public Backend {
+ public:
+  explicit UcxBackend(const BackendContext& ctx) : ctx_(ctx) {}
+  ~UcxBackend() override { Shutdown(); }
+
+  Status Init() {
+    ucp_config_t* cfg;
+    ucs_status_t s = ucp_config_read(nullptr, nullptr, &cfg);
+    if (s != UCS_OK) return UcsError(s, "ucp_config_read");
+    if (!std::getenv("UCX_TLS")) ucp_config_modify(cfg, "TLS", "sm,self,tcp");
+    ucp_params_t p{};
+    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    s = ucp_init(&p, cfg, &context_);
+    ucp_config_release(cfg);
+    if (s != UCS_OK) return UcsError(s, "ucp_init");
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_MULTI;
+    s = ucp_worker_create(context_, &wp, &worker_);
+    if (s != UCS_OK) return UcsError(s, "ucp_worker_create");
+    s = ucp_worker_get_efd(worker_, &efd_);
+    if (s != UCS_OK) return UcsError(s, "ucp_worker_get_efd");
+    for (unsigned id : {kAmHello, kAmMsg}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = id == kAmHello ? &UcxBackend::OnHello : &UcxBackend::OnMsg;
+      hp.arg = this;
+      s = ucp_worker_set_am_recv_handler(worker_, &hp);
+      if (s != UCS_OK) return UcsError(s, "ucp_worker_set_am_recv_handler");
+    }
+    ucp_address_t* addr;
+    size_t len;
+    s = ucp_worker_get_address(worker_, &addr, &len);
+    if (s != UCS_OK) return UcsError(s, "ucp_worker_get_address");
+    address_.assign(reinterpret_cast<char*>(addr), len);
+    ucp_worker_release_address(worker_, addr);
+    progress_ = std::thread([this] { ProgressLoop(); });
+    return OkStatus();
+  }
+
+  std::string_view name() const override { return "ucx"; }
+  bool one_sided() const override { return true; }
+  bool Supports(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
+
+  Result<std::string> Start(const KvRegistration& reg) override {
+    std::lock_guard<std::recursive_mutex> l(mu_);
+    blob_ = std::to_string(ctx_.incarnation) + ":" + Hex(address_.data(), address_.size());
+    for (const MemoryRegion& r : reg.layers) {
+      ucp_mem_map_params_t mp{};
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+      mp.address = r.base;
+      mp.length = r.bytes;
+      ucp_mem_h memh;
+      ucs_status_t s = ucp_mem_map(context_, &mp, &memh);
+      if (s != UCS_OK) return UcsError(s, "ucp_mem_map");
+      memh_.push_back(memh);
+      void* rk;
+      size_t rk_len;
+      s = ucp_rkey_pack(context_, memh, &rk, &rk_len);
+      if (s != UCS_OK) return UcsError(s, "ucp_rkey_pack");
+      blob_ += ";" + Hex(rk, rk_len) + "," + std::to_string(r.bytes);
+      ucp_rkey_buffer_release(rk);
+    }
+    return std::string("ucp");
+  }
+
+  void Describe(AgentMetadata& m) const override { m.backend_blobs["ucx"] = blob_; }
+
+  bool CanReach(const AgentMetadata&, const AgentMetadata& peer) const override {
+    return peer.backend_blobs.count("ucx") > 0;
+  }
+
+  Result<std::shared_ptr<BackendPeer>> Connect(const AgentMetadata& peer) override {
+    auto it = peer.backend_blobs.find("ucx");
+    if (it == peer.backend_blobs.end()) return UnavailableError("peer has no ucx blob");
+    std::vector<std::string> parts;
+    size_t pos = 0;
+    const std::string& blob = it->second;
+    for (;;) {
+      size_t e = blob.find(';', pos);
+      parts.push_back(blob.substr(pos, e == std::string::npos ? std::string::npos : e - pos));
+      if (e == std::string::npos) break;
+      pos = e + 1;
+    }
+    if (parts.size() != peer.layer_base.size() + 1) {
+      return InvalidArgumentError("ucx blob does not have one rkey per layer");
+    }
+    std::string addr;
+    size_t colon = parts[0].find(':');
+    if (colon == std::string::npos) return InvalidArgumentError("bad ucx address");
+    if (parts[0].substr(0, colon) != std::to_string(peer.incarnation)) {
+      return FailedPreconditionError("stale metadata: agent incarnation changed");
+    }
+    if (!Unhex(parts[0].substr(colon + 1), &addr) || addr.empty()) {
+      return InvalidArgumentError("bad ucx address");
+    }
+    auto p = std::make_shared<UcxPeer>(this, peer.agent_name);
+    std::lock_guard<std::recursive_mutex> l(mu_);
+    RETURN_IF_ERROR(CreateEp(p.get(), addr));
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      std::string rk;
+      size_t comma = parts[i + 1].find(',');
+      if (comma == std::string::npos || !Unhex(parts[i + 1].substr(0, comma), &rk) || rk.empty()) {
+        return InvalidArgumentError("bad ucx rkey");
+      }
+      if (parts[i + 1].substr(comma + 1) != std::to_string(peer.layer_bytes[i])) {
+        return UnavailableError("ucx: region " + std::to_string(i) +
+                                " size disagrees with the peer's metadata");
+      }
+      ucp_rkey_h h;
+      ucs_status_t s = ucp_ep_rkey_unpack(p->ep_, rk.data(), &h);
+      if (s != UCS_OK) return UcsError(s, "ucp_ep_rkey_unpack");
+      p->rkeys_.push_back(h);
+      p->base_.push_back(peer.layer_base[i]);
+      p->bytes_.push_back(peer.layer_bytes[i]);
+    }
+    // Hello: our name + worker address, so the peer can open the reverse path for replies.
+    RETURN_IF_ERROR(AmSend(p.get(), kAmHello, address_));
+    peers_.push_back(p);
+    Wake();
+    return std::shared_ptr<BackendPeer>(p);
+  }
+
+  void Shutdown() override {
+    {
+      std::lock_guard<std::recursive_mutex> l(mu_);
+      if (shut_) return;
+      shut_ = true;
+    }
+    if (progress_.joinable()) {
+      Wake();
+      progress_.join();
+    }
+    std::deque<std::pair<std::shared_ptr<TransferJob>, std::shared_ptr<UcxPeer>>> left;
+    {
+      std::lock_guard<std::mutex> q(queue_mu_);
+      left.swap(queue_);
+    }
+    for (auto& [job, peer] : left) job->finish(UnavailableError("ucx backend shut down"));
+    std::lock_guard<std::recursive_mutex> l(mu_);
+    for (auto& w : peers_) {
+      if (auto p = w.lock()) CloseEp(p.get());
+    }
+    for (auto& p : inbound_) CloseEp(p.get());
+    inbound_.clear();
+    for (auto m : memh_) ucp_mem_unmap(context_, m);
+    memh_.clear();
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+    worker_ = nullptr;
+    context_ = nullptr;
+  }
+
+  // ---- used by UcxPeer (callers hold mu_) ----
+  Status CreateEp(UcxPeer* p, const std::string& addr) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &UcxBackend::OnEpError;
+    ep.err_handler.arg = p;
+    ucs_status_t s = ucp_ep_create(worker_, &ep, &p->ep_);
+    if (s != UCS_OK) return UcsError(s, "ucp_ep_create");
+    return OkStatus();
+  }
+
+  void CloseEp(UcxPeer* p) {
+    p->alive_.store(false);
+    if (!p->ep_ || !worker_) return;
+    for (auto rk : p->rkeys_) ucp_rkey_destroy(rk);
+    p->rkeys_.clear();
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep_, &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      for (int i = 0; i < 1000 && ucp_request_check_status(r) == UCS_INPROGRESS; ++i) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(r);
+    }
+    p->ep_ = nullptr;
+  }
+
+  struct AmBuf {
+    std::string header, data;
+  };
+  static void AmDone(void* req, ucs_status_t, void* user) {
+    delete static_cast<AmBuf*>(user);
+    ucp_request_free(req);
+  }
+  Status AmSend(UcxPeer* p, unsigned id, std::string_view data) {
+    auto* buf = new AmBuf{ctx_.agent_name, std::string(data)};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.cb.send = &UcxBackend::AmDone;
+    rp.user_data = buf;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p->ep_, id, buf->header.data(), buf->header.size(),
+                                         buf->data.data(), buf->data.size(), &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      Wake();
+      return OkStatus();
+    }
+    delete buf;
+    ucs_status_t s = UCS_PTR_STATUS(r);
+    return s == UCS_OK ? OkStatus() : UcsError(s, "ucp_am_send_nbx");
+  }
+
+  struct FlushCtx {
+    std::shared_ptr<TransferJob> job;
+    UcxPeer* peer;
+  };
+  static void FlushDone(void* req, ucs_status_t s, void* user) {
+    auto* f = static_cast<FlushCtx*>(user);
+    if (req) ucp_request_free(req);
+    Status st =
+        s == UCS_OK
+            ? OkStatus()
+            : UnavailableError("ucx peer '" + f->peer->name_ + "': " + ucs_status_string(s));
+    f->job->finish(std::move(st));
+    delete f;
+  }
+
+  void Wake() {
+    if (worker_) ucp_worker_signal(worker_);
+  }
+
+  std::recursive_mutex mu_;
+  BackendContext ctx_;
+  std::mutex queue_mu_;
+  std::deque<std::pair<std::shared_ptr<TransferJob>, std::shared_ptr<UcxPeer>>> queue_;
+
+ private:
+  static void OnEpError(void* arg, ucp_ep_h, ucs_status_t s) {
+    auto* p = static_cast<UcxPeer*>(arg);
+    if (p->alive_.exchange(false) && p->b_->ctx_.on_peer_lost) p->b_->ctx_.on_peer_lost(p->name_);
+  }
+
+  static ucs_status_t OnHello(void* arg, const void* header, size_t hlen, void* data, size_t len,
+                              const ucp_am_recv_param_t* param) {
+    auto* b = static_cast<UcxBackend*>(arg);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || hlen == 0 || hlen > 4096 || len == 0) {
+      return UCS_OK;  // malformed: ignore
+    }
+    b->pending_hellos_.emplace_back(std::string(static_cast<const char*>(header), hlen),
+                                    std::string(static_cast<const char*>(data), len));
+    return UCS_OK;
+  }
+
+  static ucs_status_t OnMsg(void* arg, const void* header, size_t hlen, void* data, size_t len,
+                            const ucp_am_recv_param_t* param) {
+    auto* b = static_cast<UcxBackend*>(arg);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || hlen == 0 || hlen > 4096) return UCS_OK;
+    // Delivered from the progress loop after pending hellos, so a reply path exists.
+    b->pending_msgs_.emplace_back(std::string(static_cast<const char*>(header), hlen),
+                                  std::string(static_cast<const char*>(data), len));
+    return UCS_OK;
+  }
+
+  void ProgressLoop() {
+    for (;;) {
+      ucs_status_t armed;
+      {
+        std::lock_guard<std::recursive_mutex> l(mu_);
+        if (shut_) return;
+        while (ucp_worker_progress(worker_) != 0) {
+        }
+        // Reverse paths for peers that said hello (created outside the AM callback).
+        while (!pending_hellos_.empty()) {
+          auto [name, addr] = std::move(pending_hellos_.front());
+          pending_hellos_.pop_front();
+          auto p = std::make_shared<UcxPeer>(this, name);
+          p->inbound_ = true;
+          if (!CreateEp(p.get(), addr).ok()) continue;
+          inbound_.push_back(p);
+          if (ctx_.on_inbound) ctx_.on_inbound(name, p);
+        }
+        while (!pending_msgs_.empty()) {
+          auto [name, bytes] = std::move(pending_msgs_.front());
+          pending_msgs_.pop_front();
+          if (ctx_.on_message) ctx_.on_message(name, std::move(bytes));
+        }
+        std::deque<std::pair<std::shared_ptr<TransferJob>, std::shared_ptr<UcxPeer>>> jobs;
+        {
+          std::lock_guard<std::mutex> q(queue_mu_);
+          jobs.swap(queue_);
+        }
+        for (auto& [job, peer] : jobs) peer->Post(job);
+        if (!jobs.empty()) continue;
+        armed = ucp_worker_arm(worker_);
+      }
+      if (armed == UCS_ERR_BUSY) continue;
+      pollfd pfd{efd_, POLLIN, 0};
+      ::poll(&pfd, 1, 1);
+    }
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::string address_, blob_;
+  std::vector<ucp_mem_h> memh_;
+  std::list<std::weak_ptr<UcxPeer>> peers_;
+  std::list<std::shared_ptr<UcxPeer>> inbound_;
+  std::deque<std::pair<std::string, std::string>> pending_hellos_;
+  std::deque<std::pair<std::string, std::string>> pending_msgs_;
+  bool shut_ = false;
+  std::thread progress_;
+};
+
+UcxPeer::~UcxPeer() { Close(); }
+
+void UcxPeer::Close() {
+  std::lock_guard<std::recursive_mutex> l(b_->mu_);
+  b_->CloseEp(this);
+}
+
+void UcxPeer::Submit(std::shared_ptr<TransferJob> job) {
+  if (inbound_) {
+    job->finish(FailedPreconditionError("inbound ucx endpoint carries messages only"));
+    return;
+  }
+  if (!alive()) {
+    job->finish(UnavailableError("ucx peer '" + name_ + "' is dead"));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> q(b_->queue_mu_);
+    b_->queue_.emplace_back(job, shared_from_this());
+  }
+  b_->Wake();
+}
+
+void UcxPeer::Post(const std::shared_ptr<TransferJob>& job) {
+  std::lock_guard<std::recursive_mutex> l(b_->mu_);
+  if (!alive() || !ep_) {
+    job->finish(UnavailableError("ucx peer '" + name_ + "' is dead"));
+    return;
+  }
+  // relaxed: advisory flag; operations not yet posted are never posted after it is seen.
+  if (job->cancel.load(std::memory_order_relaxed)) {
+    job->finish(CancelledError("cancelled"));
+    return;
+  }
+  const bool read = job->op == TransferOp::kRead;
+  for (const Segment& s : *job->segments) {
+    if (s.remote_layer >= base_.size() || s.remote_offset > bytes_[s.remote_layer] ||
+        s.length > bytes_[s.remote_layer] - s.remote_offset) {
+      job->finish(InvalidArgumentError("segment outside the peer's registered region"));
+      return;
+    }
+  }
+  ucp_request_param_t rp{};
+  for (const Segment& s : *job->segments) {
+    uint64_t raddr = base_[s.remote_layer] + s.remote_offset;
+    ucs_status_ptr_t r =
+        read ? ucp_get_nbx(ep_, s.local, s.length, raddr, rkeys_[s.remote_layer], &rp)
+             : ucp_put_nbx(ep_, s.local, s.length, raddr, rkeys_[s.remote_layer], &rp);
+    if (UCS_PTR_IS_ERR(r)) break;                // the flush below reports the endpoint's error
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released by UCX when it completes
+  }
+  // Flush: completes when every operation above is complete at the target.
+  auto* f = new UcxBackend::FlushCtx{job, this};
+  ucp_request_param_t fp{};
+  fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  fp.cb.send = &UcxBackend::FlushDone;
+  fp.user_data = f;
+  ucs_status_ptr_t r = ucp_ep_flush_nbx(ep_, &fp);
+  if (UCS_PTR_IS_PTR(r)) {
+    b_->Wake();
+    return;
+  }
+  UcxBackend::FlushDone(nullptr, UCS_PTR_STATUS(r), f);
+}
+
+Status UcxPeer::SendMessage(std::string_view bytes) {
+  std::lock_guard<std::recursive_mutex> l(b_->mu_);
+  if (!alive() || !ep_) return UnavailableError("ucx peer '" + name_ + "' is dead");
+  return b_->AmSend(this, kAmMsg, bytes);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> MakeUcxBackend(const BackendContext& ctx) {
+  auto b = std::make_unique<UcxBackend>(ctx);
+  RETURN_IF_ERROR(b->Init());
+  return std::unique_ptr<Backend>(std::move(b));
+}
+
+}  // namespace kvbridge::transfer
