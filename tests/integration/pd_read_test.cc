@@ -59,7 +59,7 @@ struct Result1 {
 };
 
 // Runs one request to completion on `engine` (bounded wait).
-Result1 Run(Engine& engine, EngineRequest req) {
+Result1 RunOne(Engine& engine, EngineRequest req) {
   auto st = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
   auto out = std::make_shared<Result1>();
   auto done = std::make_shared<bool>(false);
@@ -206,7 +206,7 @@ Result1 PdRequest(PdEngine& p, PdEngine& d, const std::string& id, const std::st
                   json* params_out = nullptr) {
   EngineRequest pre = Req("p-" + id, prompt, 1, 1);
   pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", tid}};
-  Result1 pr = Run(*p.engine, pre);
+  Result1 pr = RunOne(*p.engine, pre);
   EXPECT_TRUE(pr.error.ok()) << pr.error.ToString();
   json params = pr.kv_transfer_params;
   if (params_out) *params_out = params;
@@ -214,7 +214,7 @@ Result1 PdRequest(PdEngine& p, PdEngine& d, const std::string& id, const std::st
   EXPECT_EQ(params.value("remote_engine_id", ""), p.kv->engine_id());
   EngineRequest dec = Req(id, prompt, max_tokens, n);
   dec.kv_transfer_params = params;
-  return Run(*d.engine, dec);
+  return RunOne(*d.engine, dec);
 }
 
 class PdRead : public ::testing::TestWithParam<KvTransport> {};
@@ -231,7 +231,7 @@ TEST_P(PdRead, AnswersEqualColocatedAndEverythingDrains) {
       ++k;
       const std::string id = "req-" + std::to_string(k);
       auto prompt = Prompt(len, k);
-      Result1 ref = Run(**ref_engine, Req(id, prompt, 6, n));
+      Result1 ref = RunOne(**ref_engine, Req(id, prompt, 6, n));
       Result1 pd = PdRequest(*p, *d, id, "xfer-" + std::to_string(k), prompt, 6, n);
       SCOPED_TRACE("n=" + std::to_string(n) + " len=" + std::to_string(len));
       ExpectSameAnswer(pd, ref, n);
@@ -272,7 +272,7 @@ TEST_P(PdRead, PartialPrefixHitReadsOnlyMissingBlocks) {
   auto tail = Prompt(32, 9);
   prompt2.insert(prompt2.end(), tail.begin(), tail.end());
   Result1 b = PdRequest(*p, *d, "b", "xfer-b", prompt2, 4, 1);
-  Result1 ref = Run(**ref_engine, Req("b", prompt2, 4, 1));
+  Result1 ref = RunOne(**ref_engine, Req("b", prompt2, 4, 1));
   ExpectSameAnswer(b, ref, 1);
   ASSERT_TRUE(d->WaitDrained());
   EXPECT_EQ(d->Metric("kvbridge_kv_transfer_bytes_total") - bytes_a, 2 * block_bytes);
@@ -287,7 +287,7 @@ TEST_P(PdRead, CorruptedTransferChangesLogprobs) {
   ASSERT_TRUE(ref_engine.ok());
   auto prompt = Prompt(40, 5);
   Result1 pd = PdRequest(*p, *d, "c", "xfer-c", prompt, 4, 1);
-  Result1 ref = Run(**ref_engine, Req("c", prompt, 4, 1));
+  Result1 ref = RunOne(**ref_engine, Req("c", prompt, 4, 1));
   ASSERT_TRUE(pd.error.ok());
   EXPECT_FALSE(SameLogprobs(pd, ref)) << "a corrupted block must change the answer";
   EXPECT_TRUE(p->WaitDrained());
@@ -299,9 +299,14 @@ TEST_P(PdRead, ExplicitReleaseFreesTheHoldAtOnce) {
   auto p = PdEngine::Start(KvRole::kProducer, GetParam());
   EngineRequest pre = Req("p-r", Prompt(40, 1), 1, 1);
   pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-r"}};
-  Result1 pr = Run(*p->engine, pre);
+  Result1 pr = RunOne(*p->engine, pre);
   ASSERT_TRUE(pr.error.ok());
+  // The engine's stats snapshot trails the final output by up to one step.
+  for (int i = 0; i < 100 && p->engine->Stats().kv_blocks_held_for_transfer != 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(p->engine->Stats().kv_blocks_held_for_transfer, 3);
+  EXPECT_EQ(p->kv->Stats().held_blocks, 3);
   httplib::Client cli("127.0.0.1", p->server->port());
   auto no_token = cli.Post("/v1/kv/release", R"({"transfer_id":"xfer-r"})", "application/json");
   ASSERT_TRUE(no_token);
@@ -330,10 +335,10 @@ TEST_P(PdRead, DecodeAbortedBeforeAdmissionReleasesThePrefill) {
   json params;
   EngineRequest pre = Req("p-x", Prompt(40, 2), 1, 1);
   pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-x"}};
-  Result1 pr = Run(*p->engine, pre);
+  Result1 pr = RunOne(*p->engine, pre);
   EngineRequest dec = Req("x", Prompt(41, 2), 4, 1);
   dec.kv_transfer_params = pr.kv_transfer_params;
-  Result1 dr = Run(*d->engine, dec);
+  Result1 dr = RunOne(*d->engine, dec);
   EXPECT_EQ(dr.error.code(), StatusCode::kInvalidArgument) << dr.error.ToString();
   httplib::Client cli("127.0.0.1", p->server->port());
   httplib::Headers h{{"X-KVBridge-Cluster-Token", "secret"}};
