@@ -24,6 +24,40 @@ struct GenerateOptions {
   int threads = 0;
 };
 
+// Valid UTF-8 and printable ASCII pass through; other bytes print as \xNN (random-weight
+// models emit arbitrary bytes, which must not garble the terminal).
+std::string Printable(const std::string& s) {
+  std::string out;
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int len = 0;
+    if (c >= 0x20 && c < 0x7f) {
+      len = 1;
+    } else if (c == '\n' || c == '\t') {
+      len = 1;
+    } else if (c >= 0xc2 && c <= 0xdf) {
+      len = 2;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      len = 3;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      len = 4;
+    }
+    bool ok = len > 0 && i + len <= s.size();
+    for (int k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
+    if (ok) {
+      out.append(s, i, len);
+      i += len;
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+      ++i;
+    }
+  }
+  return out;
+}
+
 int32_t Sample(const float* logits, int vocab, float temperature, std::mt19937_64& rng) {
   int32_t best = 0;
   for (int i = 1; i < vocab; ++i) {
@@ -120,7 +154,7 @@ int RunGenerate(const GenerateOptions& o) {
   const auto t2 = Clock::now();
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
-  std::printf("%s\n", tok.Decode(out).c_str());
+  std::printf("%s\n", Printable(tok.Decode(out)).c_str());
   std::fprintf(stderr,
                "prompt %zu tokens in %.3f s (%.0f tok/s); generated %zu tokens%s in %.3f s "
                "(%.1f tok/s); kv %s; model %s\n",
