@@ -6,8 +6,10 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -105,8 +107,9 @@ EngineRequest Req(const std::string& id, std::vector<int32_t> prompt, int max_to
   return r;
 }
 
-EngineConfig BaseConfig() {
+EngineConfig BaseConfig(KvDtype dtype = KvDtype::kFp32) {
   EngineConfig c;
+  c.kv_dtype = dtype;
   c.block_size = 16;
   c.num_blocks = 256;
   c.max_num_seqs = 64;
@@ -120,18 +123,21 @@ struct PdEngine {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<server::ApiServer> server;
 
-  static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport, bool corrupt = false) {
+  static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport, bool corrupt = false,
+                                         KvDtype dtype = KvDtype::kFp32,
+                                         LoadFailurePolicy policy = LoadFailurePolicy::kRecompute) {
     auto e = std::make_unique<PdEngine>();
     KvTransferConfig cfg;
     cfg.role = role;
     cfg.transport = transport;
     cfg.lease = 30 * kSecond;
     cfg.reply_timeout = 5 * kSecond;
+    cfg.load_failure_policy = policy;
     auto kv = KvBridgeRuntime::Create(
         {.config = cfg, .cluster_token = "secret", .debug_corrupt_first_read_block = corrupt});
     EXPECT_TRUE(kv.ok()) << kv.status().ToString();
     e->kv = *kv;
-    EngineConfig ec = BaseConfig();
+    EngineConfig ec = BaseConfig(dtype);
     ec.connector_factory = e->kv->Factory();
     auto engine = Engine::Create(ec, TinyModel());
     EXPECT_TRUE(engine.ok()) << engine.status().ToString();
@@ -347,6 +353,94 @@ TEST_P(PdRead, DecodeAbortedBeforeAdmissionReleasesThePrefill) {
   EXPECT_EQ(ok->status, 200);
   EXPECT_TRUE(p->WaitDrained(2000));
   EXPECT_TRUE(d->WaitDrained(2000));
+}
+
+TEST_P(PdRead, Fp8KvAnswersEqualColocated) {
+  auto ref_engine = Engine::Create(BaseConfig(KvDtype::kFp8E4M3), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam(), false, KvDtype::kFp8E4M3);
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam(), false, KvDtype::kFp8E4M3);
+  int k = 100;
+  for (int n : {1, 8}) {
+    for (int len : {17, 40}) {
+      ++k;
+      const std::string id = "f-" + std::to_string(k);
+      auto prompt = Prompt(len, k);
+      Result1 ref = RunOne(**ref_engine, Req(id, prompt, 5, n));
+      Result1 pd = PdRequest(*p, *d, id, "xfer-" + std::to_string(k), prompt, 5, n);
+      SCOPED_TRACE("fp8 n=" + std::to_string(n) + " len=" + std::to_string(len));
+      ExpectSameAnswer(pd, ref, n);
+    }
+  }
+  EXPECT_TRUE(p->WaitDrained());
+  EXPECT_TRUE(d->WaitDrained());
+  EXPECT_EQ(p->Metric("kvbridge_kv_lease_expired_total"), 0);
+  (*ref_engine)->Shutdown();
+}
+
+// The client aborts the decode leg at different moments (queued, reading, awaiting the hold
+// reply, decoding): every block on both engines comes back without waiting for the lease.
+TEST_P(PdRead, DecodeAbortAtAnyMomentDrainsWithoutLease) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  int k = 200;
+  for (int delay_us : {0, 0, 200, 500, 1000, 2000, 5000}) {
+    ++k;
+    const std::string id = "ab-" + std::to_string(k);
+    auto prompt = Prompt(64, k);
+    EngineRequest pre = Req("p-" + id, prompt, 1, 1);
+    pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "x" + id}};
+    Result1 pr = RunOne(*p->engine, pre);
+    ASSERT_TRUE(pr.error.ok());
+    EngineRequest dec = Req(id, prompt, 32, 4);
+    dec.kv_transfer_params = pr.kv_transfer_params;
+    auto finished = std::make_shared<std::atomic<bool>>(false);
+    ASSERT_TRUE(d->engine
+                    ->AddRequest(dec,
+                                 [finished](const RequestOutput& o) {
+                                   if (o.finished) finished->store(true);
+                                 })
+                    .ok());
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    d->engine->Abort(id);
+    for (int i = 0; i < 500 && !finished->load(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(finished->load());
+    EXPECT_TRUE(d->WaitDrained(5000)) << "decode, delay " << delay_us;
+    EXPECT_TRUE(p->WaitDrained(5000)) << "prefill, delay " << delay_us;
+  }
+  EXPECT_EQ(p->Metric("kvbridge_kv_lease_expired_total"), 0);
+  EXPECT_EQ(p->Metric("kvbridge_kv_notifications_ignored_total"), 0);
+  EXPECT_EQ(d->Metric("kvbridge_kv_notifications_ignored_total"), 0);
+}
+
+// The prefill dies after answering: the decode cannot fetch metadata / READ, and applies its
+// policy — recompute (same answer as colocated) or fail the request.
+TEST_P(PdRead, PrefillGoneAfterAnsweringRecomputesOrFails) {
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  for (LoadFailurePolicy policy : {LoadFailurePolicy::kRecompute, LoadFailurePolicy::kFail}) {
+    auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+    auto d = PdEngine::Start(KvRole::kConsumer, GetParam(), false, KvDtype::kFp32, policy);
+    auto prompt = Prompt(40, 77);
+    EngineRequest pre = Req("p-g", prompt, 1, 1);
+    pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-g"}};
+    Result1 pr = RunOne(*p->engine, pre);
+    ASSERT_TRUE(pr.error.ok());
+    p.reset();  // server, engine and agent gone
+    EngineRequest dec = Req("g", prompt, 4, 2);
+    dec.kv_transfer_params = pr.kv_transfer_params;
+    Result1 dr = RunOne(*d->engine, dec);
+    if (policy == LoadFailurePolicy::kRecompute) {
+      ExpectSameAnswer(dr, RunOne(**ref_engine, Req("g", prompt, 4, 2)), 2);
+    } else {
+      EXPECT_FALSE(dr.error.ok());
+    }
+    EXPECT_EQ(d->Metric("kvbridge_kv_load_failures_total"), 1);
+    EXPECT_TRUE(d->WaitDrained(5000));
+  }
+  (*ref_engine)->Shutdown();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PdRead, ::testing::Values(KvTransport::kTcp),
