@@ -1,0 +1,213 @@
+// `kvbridge serve MODEL_DIR`: one engine behind the OpenAI-compatible HTTP API (docs/api.md).
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "apps/command_registry.h"
+#include "kvbridge/common/logging.h"
+#include "kvbridge/connector/kvbridge_connector.h"
+#include "kvbridge/engine/engine.h"
+#include "kvbridge/model/config.h"
+#include "kvbridge/model/model.h"
+#include "kvbridge/server/api_server.h"
+#include "kvbridge/server/tokenizer_codec.h"
+
+namespace kvbridge::apps {
+namespace {
+
+struct ServeOptions {
+  std::string model_dir;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string served_model_name;
+  int max_model_len = 0;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  int block_size = 16;
+  int64_t kv_cache_memory = 256ll << 20;
+  int64_t num_kv_blocks = 0;
+  std::string kv_cache_dtype = "auto";
+  bool enable_prefix_caching = true;
+  uint64_t seed = 0;
+  std::string api_key;
+  int max_waiting_requests = 1024;
+  int http_threads = 128;
+  int model_threads = 0;
+  std::string kv_transfer_config;
+  std::string cluster_token;
+  std::string advertise_host;
+};
+
+Result<KvDtype> ParseKvDtype(const std::string& s) {
+  if (s == "auto" || s == "fp32") return KvDtype::kFp32;
+  if (s == "bf16") return KvDtype::kBf16;
+  if (s == "fp8") return KvDtype::kFp8E4M3;
+  return InvalidArgumentError("--kv-cache-dtype must be auto|fp32|bf16|fp8, got '" + s + "'");
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "kvbridge serve: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+int RunServe(const ServeOptions& o) {
+  // SIGINT/SIGTERM are taken by a watcher thread (sigwait), so blocked in every thread.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto dtype = ParseKvDtype(o.kv_cache_dtype);
+  if (!dtype.ok()) return Fail(dtype.status());
+  auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads});
+  if (!model.ok()) return Fail(model.status());
+  const int model_max_len = (*model)->config().max_position_embeddings;
+  if (o.max_model_len > model_max_len) {
+    return Fail(InvalidArgumentError("--max-model-len " + std::to_string(o.max_model_len) +
+                                     " exceeds the model's max_position_embeddings " +
+                                     std::to_string(model_max_len)));
+  }
+
+  EngineConfig ec;
+  ec.block_size = o.block_size;
+  ec.num_blocks = o.num_kv_blocks;
+  ec.kv_cache_memory_bytes = o.kv_cache_memory;
+  ec.kv_dtype = *dtype;
+  ec.enable_prefix_caching = o.enable_prefix_caching;
+  ec.max_num_seqs = o.max_num_seqs;
+  ec.max_num_batched_tokens = o.max_num_batched_tokens;
+  ec.max_model_len = o.max_model_len;
+  ec.max_waiting_requests = o.max_waiting_requests;
+  ec.seed = o.seed;
+
+  server::ServerConfig sc;
+  sc.host = o.host;
+  sc.port = o.port;
+  sc.served_model_name =
+      o.served_model_name.empty()
+          ? std::filesystem::path(o.model_dir).lexically_normal().filename().string()
+          : o.served_model_name;
+  if (sc.served_model_name.empty()) sc.served_model_name = "kvbridge";
+  sc.max_model_len = o.max_model_len > 0 ? o.max_model_len : model_max_len;
+  sc.api_key = o.api_key;
+  sc.num_http_threads = o.http_threads;
+  sc.cluster_token = o.cluster_token;
+
+  std::shared_ptr<KvBridgeRuntime> kv;
+  if (!o.kv_transfer_config.empty()) {
+    auto cfg = ParseKvTransferConfig(o.kv_transfer_config);
+    if (!cfg.ok()) return Fail(cfg.status().WithPrefix("--kv-transfer-config"));
+    KvBridgeOptions ko;
+    ko.config = *cfg;
+    ko.cluster_token = o.cluster_token;
+    ko.advertise_host = o.advertise_host.empty() ? o.host : o.advertise_host;
+    ko.bind_host = o.host;
+    auto created = KvBridgeRuntime::Create(ko);
+    if (!created.ok()) return Fail(created.status());
+    kv = *created;
+    ec.connector_factory = kv->Factory();
+    sc.validate_kv_transfer_params = kv->ValidateHook();
+  }
+
+  auto engine = Engine::Create(ec, std::shared_ptr<const Model>(*model));
+  if (!engine.ok()) return Fail(engine.status());
+  const EngineStats st = (*engine)->Stats();
+  KVB_LOG_INFO("engine: model '{}' ({}), {} KV blocks of {} tokens ({}), max_model_len {}",
+               o.model_dir, (*model)->fingerprint(), st.kv_blocks_total, o.block_size,
+               KvDtypeName(*dtype), sc.max_model_len);
+
+  auto srv = server::ApiServer::Create(
+      sc, engine->get(), std::make_shared<server::TokenizerCodec>((*model)->tokenizer()));
+  if (!srv.ok()) return Fail(srv.status());
+  if (kv) {
+    Status s = kv->InstallRoutes(**srv);
+    if (!s.ok()) return Fail(s);
+  }
+  Status started = (*srv)->Start();
+  if (!started.ok()) return Fail(started);
+  if (kv)
+    kv->SetAdvertisedEndpoint(o.advertise_host.empty() ? o.host : o.advertise_host, (*srv)->port());
+
+  std::thread watcher([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    KVB_LOG_INFO("kvbridge serve: signal {}, shutting down", sig);
+    (*srv)->Stop();
+  });
+  (*srv)->Wait();
+  watcher.join();
+  (*engine)->Shutdown();
+  srv->reset();
+  KVB_LOG_INFO("kvbridge serve: stopped");
+  return 0;
+}
+
+const bool kRegistered = RegisterCommand(
+    "serve", "Serve one engine with the OpenAI-compatible HTTP API", [](CLI::App& sub) {
+      auto o = std::make_shared<ServeOptions>();
+      sub.add_option("model_dir", o->model_dir,
+                     "Model directory (config.json + model.safetensors), e.g. from make-model")
+          ->required();
+      sub.add_option("--host", o->host, "Address to listen on")->capture_default_str();
+      sub.add_option("--port", o->port, "TCP port to listen on (0: any free port)")
+          ->capture_default_str();
+      sub.add_option("--served-model-name", o->served_model_name,
+                     "Model name clients send in \"model\" (default: the model directory's name)");
+      sub.add_option("--max-model-len", o->max_model_len,
+                     "Most tokens a request may span, prompt + completion (0: the model's "
+                     "max_position_embeddings)")
+          ->capture_default_str();
+      sub.add_option("--max-num-seqs", o->max_num_seqs,
+                     "Most sequences (siblings count one each) scheduled in one step")
+          ->capture_default_str();
+      sub.add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
+                     "Most tokens computed in one step (long prompts are prefilled in chunks)")
+          ->capture_default_str();
+      sub.add_option("--block-size", o->block_size, "Tokens per KV cache block")
+          ->capture_default_str();
+      sub.add_option("--kv-cache-memory", o->kv_cache_memory,
+                     "KV cache size in BYTES (the block count follows); ignored with "
+                     "--num-kv-blocks")
+          ->capture_default_str();
+      sub.add_option("--num-kv-blocks", o->num_kv_blocks,
+                     "Exact number of KV blocks (0: from --kv-cache-memory)")
+          ->capture_default_str();
+      sub.add_option(
+             "--kv-cache-dtype", o->kv_cache_dtype,
+             "KV cache element type: auto (= fp32), fp32, bf16, fp8 (e4m3, per-layer scales)")
+          ->capture_default_str();
+      sub.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->enable_prefix_caching,
+                   "Reuse the KV of full blocks of earlier prompts (on by default)");
+      sub.add_option("--seed", o->seed,
+                     "Default sampling seed for requests that give none (reproducible runs)")
+          ->capture_default_str();
+      sub.add_option(
+          "--api-key", o->api_key,
+          "Require \"Authorization: Bearer KEY\" on /v1/* (health and metrics stay open)");
+      sub.add_option("--max-waiting-requests", o->max_waiting_requests,
+                     "Queued requests beyond which new ones get HTTP 503")
+          ->capture_default_str();
+      sub.add_option("--http-threads", o->http_threads,
+                     "HTTP worker threads = most concurrent connections served")
+          ->capture_default_str();
+      sub.add_option("--model-threads", o->model_threads,
+                     "Threads inside one forward pass (0: hardware concurrency, at most 8)")
+          ->capture_default_str();
+      sub.add_option("--kv-transfer-config", o->kv_transfer_config,
+                     "P/D connector JSON, e.g. '{\"kv_connector\":\"KVBridgeConnector\","
+                     "\"kv_role\":\"kv_both\"}' (docs/protocol.md); absent: no P/D");
+      sub.add_option("--cluster-token", o->cluster_token,
+                     "Secret that P/D callers must send as X-KVBridge-Cluster-Token");
+      sub.add_option("--advertise-host", o->advertise_host,
+                     "Host that prefill answers give decodes as remote_host (default: --host)");
+      return [o]() -> int { return RunServe(*o); };
+    });
+
+}  // namespace
+}  // namespace kvbridge::apps

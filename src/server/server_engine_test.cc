@@ -1,0 +1,290 @@
+// The HTTP layer in front of the real engine and the tiny random-weight model, in process.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "kvbridge/common/metrics.h"
+#include "kvbridge/engine/engine.h"
+#include "kvbridge/model/model.h"
+#include "kvbridge/model/random_model.h"
+#include "kvbridge/server/api_server.h"
+#include "kvbridge/server/tokenizer_codec.h"
+
+namespace kvbridge::server {
+namespace {
+
+using nlohmann::json;
+
+std::shared_ptr<const Model> TinyModel() {
+  static std::shared_ptr<const Model> model = [] {
+    std::string dir = ::testing::TempDir() + "/kvb_server_tiny_" + std::to_string(getpid());
+    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 3);
+    EXPECT_TRUE(spec.ok());
+    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
+    auto m = Model::Load(dir, {.num_threads = 1});
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    return std::shared_ptr<const Model>(std::move(m).value());
+  }();
+  return model;
+}
+
+class ServerEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EngineConfig ec;
+    ec.block_size = 16;
+    ec.num_blocks = 512;
+    ec.max_model_len = 256;
+    ec.debug_poison_kv_nan = true;
+    auto engine = Engine::Create(ec, TinyModel());
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::move(engine).value();
+    ServerConfig sc;
+    sc.port = 0;
+    sc.served_model_name = "tiny";
+    sc.max_model_len = 256;
+    auto srv = ApiServer::Create(sc, engine_.get(),
+                                 std::make_shared<TokenizerCodec>(TinyModel()->tokenizer()));
+    ASSERT_TRUE(srv.ok());
+    server_ = std::move(srv).value();
+    ASSERT_TRUE(server_->Start().ok());
+  }
+  void TearDown() override {
+    if (server_) server_->Stop();
+    if (engine_) {
+      EXPECT_TRUE(Drained()) << "active blocks left: " << engine_->Stats().kv_blocks_active;
+      engine_->Shutdown();
+    }
+  }
+  httplib::Result Post(const std::string& path, const json& body) {
+    httplib::Client c("127.0.0.1", server_->port());
+    c.set_read_timeout(60, 0);
+    return c.Post(path.c_str(), body.dump(), "application/json");
+  }
+  double Metric(const std::string& name, const std::string& labels = "") {
+    httplib::Client c("127.0.0.1", server_->port());
+    auto r = c.Get("/metrics");
+    return r ? ScrapeMetric(r->body, name, labels) : -2;
+  }
+  bool Drained(int timeout_ms = 10000) {
+    for (int i = 0; i < timeout_ms / 10; ++i) {
+      EngineStats s = engine_->Stats();
+      if (s.kv_blocks_active == 0 && s.running == 0 && s.waiting == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  static std::string StreamText(const std::string& body, bool chat, bool* done, int* chunks) {
+    std::string text;
+    *done = false;
+    *chunks = 0;
+    size_t pos = 0;
+    while ((pos = body.find("data: ", pos)) != std::string::npos) {
+      size_t end = body.find("\n\n", pos);
+      std::string payload = body.substr(pos + 6, end - pos - 6);
+      pos = end + 2;
+      if (payload == "[DONE]") {
+        *done = true;
+        continue;
+      }
+      json j = json::parse(payload);
+      if (j["choices"].empty()) continue;
+      ++*chunks;
+      const json& c = j["choices"][0];
+      text += chat ? c["delta"].value("content", "") : c["text"].get<std::string>();
+    }
+    return text;
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ApiServer> server_;
+};
+
+TEST_F(ServerEngineTest, EightChoicesWithConsistentLogprobs) {
+  auto r = Post("/v1/completions", {{"model", "tiny"},
+                                    {"prompt", "The quick brown fox"},
+                                    {"n", 8},
+                                    {"max_tokens", 5},
+                                    {"temperature", 1.0},
+                                    {"seed", 11},
+                                    {"ignore_eos", true},
+                                    {"logprobs", 3}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  ASSERT_EQ(j["choices"].size(), 8u);
+  for (int i = 0; i < 8; ++i) {
+    const json& c = j["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    EXPECT_EQ(c["finish_reason"], "length");
+    const json& lp = c["logprobs"];
+    ASSERT_EQ(lp["tokens"].size(), 5u);
+    std::string joined;
+    for (int k = 0; k < 5; ++k) {
+      const std::string tok = lp["tokens"][k];
+      const double l = lp["token_logprobs"][k];
+      EXPECT_LE(l, 0.0);
+      const json& top = lp["top_logprobs"][k];
+      EXPECT_GE(top.size(), 3u);
+      EXPECT_LE(top.size(), 4u);  // top-3 plus the sampled token when outside them
+      ASSERT_TRUE(top.contains(tok));
+      EXPECT_EQ(top[tok].get<double>(), l);
+      double best = -1e30;
+      for (auto& [k2, v] : top.items()) best = std::max(best, v.get<double>());
+      EXPECT_LE(l, best);
+      EXPECT_EQ(lp["text_offset"][k], static_cast<int>(joined.size()));
+      if (tok.rfind("bytes:", 0) != 0)
+        joined += tok;
+      else
+        joined += "?";  // invalid UTF-8 byte: one byte in the text
+    }
+  }
+  // 4 prompt tokens + BOS; usage counts each sibling's tokens.
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 20);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 40);
+}
+
+TEST_F(ServerEngineTest, GreedyStreamEqualsWholeAnswerAndChatWorks) {
+  json body{
+      {"prompt", "Hello there"}, {"max_tokens", 12}, {"temperature", 0}, {"ignore_eos", true}};
+  auto whole = Post("/v1/completions", body);
+  ASSERT_TRUE(whole);
+  ASSERT_EQ(whole->status, 200) << whole->body;
+  body["stream"] = true;
+  auto streamed = Post("/v1/completions", body);
+  ASSERT_TRUE(streamed);
+  ASSERT_EQ(streamed->status, 200);
+  bool done = false;
+  int chunks = 0;
+  std::string text = StreamText(streamed->body, false, &done, &chunks);
+  EXPECT_TRUE(done);
+  EXPECT_GE(chunks, 2);
+  // Raw bytes may be invalid UTF-8: compare after the same JSON replacement on both sides.
+  EXPECT_EQ(json(text).dump(-1, ' ', false, json::error_handler_t::replace),
+            json::parse(whole->body)["choices"][0]["text"].dump());
+
+  json chat{{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+            {"max_tokens", 6},
+            {"temperature", 0},
+            {"logprobs", true},
+            {"top_logprobs", 2}};
+  auto r = Post("/v1/chat/completions", chat);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  const json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_GE(content.size(), 1u);
+  EXPECT_EQ(content[0]["top_logprobs"].size(), 2u);
+  // Greedy: the chosen token is the most likely one.
+  EXPECT_EQ(content[0]["top_logprobs"][0]["logprob"], content[0]["logprob"]);
+  // "<|user|>\nHi\n<|assistant|>\n" + BOS.
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 27);
+  chat["stream"] = true;
+  r = Post("/v1/chat/completions", chat);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  StreamText(r->body, true, &done, &chunks);
+  EXPECT_TRUE(done);
+}
+
+TEST_F(ServerEngineTest, RepeatedPromptReportsCachedTokens) {
+  json body{{"prompt", std::string(40, 'x')}, {"max_tokens", 2}, {"temperature", 0}};
+  auto a = Post("/v1/completions", body);
+  ASSERT_TRUE(a);
+  ASSERT_EQ(a->status, 200);
+  EXPECT_EQ(json::parse(a->body)["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  auto b = Post("/v1/completions", body);
+  ASSERT_TRUE(b);
+  ASSERT_EQ(b->status, 200);
+  // 41 prompt tokens (BOS + 40): two full blocks of 16 are cached.
+  EXPECT_EQ(json::parse(b->body)["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+  EXPECT_EQ(json::parse(a->body)["choices"][0]["text"], json::parse(b->body)["choices"][0]["text"]);
+}
+
+TEST_F(ServerEngineTest, BadInputsLeaveTheEngineUnharmed) {
+  auto r = Post("/v1/completions", {{"prompt", std::string(300, 'a')}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  r = Post("/v1/completions", {{"prompt", json::array({1, 2, 100000})}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  r = Post("/v1/completions", {{"prompt", "a"}, {"n", 0}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(engine_->Stats().kv_blocks_active, 0);
+  EXPECT_EQ(Metric("kvbridge_http_requests_total", "code=\"400\""), 3);
+  r = Post("/v1/completions", {{"prompt", "ok"}, {"max_tokens", 3}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+TEST_F(ServerEngineTest, DisconnectMidStreamFreesBlocks) {
+  httplib::Client c("127.0.0.1", server_->port());
+  int chunks = 0;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = json{
+      {"prompt", std::string(100, 'q')},
+      {"n", 4},
+      {"max_tokens", 150},
+      {"ignore_eos", true},
+      {"stream",
+       true}}.dump();
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+    return ++chunks < 3;  // go away after a few chunks
+  };
+  auto r = c.send(req);
+  EXPECT_GE(chunks, 3);
+  EXPECT_TRUE(Drained());
+  for (int i = 0; i < 200 && Metric("kvbridge_http_generation_requests_in_flight") != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Metric("kvbridge_kv_blocks_active"), 0);
+  EXPECT_EQ(Metric("kvbridge_http_client_disconnects_total"), 1);
+}
+
+TEST_F(ServerEngineTest, SixtyFourConcurrentMixedRequests) {
+  constexpr int kClients = 64;
+  std::vector<std::string> failures(kClients);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      httplib::Client c("127.0.0.1", server_->port());
+      c.set_read_timeout(120, 0);
+      json body{{"max_tokens", 4 + t % 5}, {"temperature", t % 2 ? 0.8 : 0.0}, {"seed", t}};
+      std::string path = "/v1/completions";
+      if (t % 3 == 2) {
+        path = "/v1/chat/completions";
+        body["messages"] = {{{"role", "user"}, {"content", "client " + std::to_string(t)}}};
+      } else {
+        body["prompt"] = "prompt number " + std::to_string(t % 7);
+      }
+      if (t % 4 == 1) body["stream"] = true;
+      if (t % 5 == 3) body["n"] = 3;
+      auto r = c.Post(path.c_str(), body.dump(), "application/json");
+      if (!r) {
+        failures[t] = "no response: " + httplib::to_string(r.error());
+      } else if (r->status != 200) {
+        failures[t] = r->body;
+      } else if (t % 4 == 1 && r->body.find("data: [DONE]") == std::string::npos) {
+        failures[t] = "stream without [DONE]";
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kClients; ++t) EXPECT_EQ(failures[t], "") << "client " << t;
+  EXPECT_TRUE(Drained());
+  EXPECT_EQ(Metric("kvbridge_http_requests_total", "code=\"200\""), kClients);
+  EXPECT_EQ(Metric("kvbridge_kv_blocks_active"), 0);
+}
+
+}  // namespace
+}  // namespace kvbridge::server

@@ -1,0 +1,113 @@
+// `kvbridge serve` as a user runs it: a separate process on a free port, driven over HTTP.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <csignal>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "kvbridge/common/metrics.h"
+#include "support/free_port.h"
+#include "support/subprocess.h"
+
+namespace kvbridge {
+namespace {
+
+using nlohmann::json;
+using testing::FreePort;
+using testing::KvbridgeBin;
+using testing::MakeTempDir;
+using testing::Subprocess;
+using testing::WaitForHttpOk;
+
+class ServeCliTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_dir_ = new std::string(MakeTempDir("kvb_serve_cli") + "/tiny");
+    Subprocess make(
+        {KvbridgeBin(), "make-model", "--preset", "tiny", "--seed", "5", "--out", *model_dir_});
+    ASSERT_EQ(make.Wait(60'000), 0);
+  }
+  static std::string* model_dir_;
+};
+std::string* ServeCliTest::model_dir_ = nullptr;
+
+TEST_F(ServeCliTest, ServesAnswersErrorsAndStopsOnSigterm) {
+  const int port = FreePort();
+  const std::string log = MakeTempDir("kvb_serve_cli_log") + "/serve.log";
+  Subprocess serve(
+      {KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(port), "--served-model-name",
+       "tiny", "--max-model-len", "128", "--num-kv-blocks", "64", "--api-key", "k1", "--seed", "3"},
+      log);
+  ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << serve.ReadLog();
+  EXPECT_NE(serve.ReadLog().find("listening on http://127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << serve.ReadLog();
+
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(60, 0);
+  httplib::Headers auth{{"Authorization", "Bearer k1"}};
+  auto r = c.Post("/v1/completions", auth,
+                  json{{"model", "tiny"},
+                       {"prompt", "abc"},
+                       {"n", 2},
+                       {"max_tokens", 4},
+                       {"ignore_eos", true},
+                       {"logprobs", 1}}
+                      .dump(),
+                  "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][1]["logprobs"]["tokens"].size(), 4u);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 8);
+
+  r = c.Post("/v1/completions", json{{"prompt", "abc"}}.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 401);
+  r = c.Post("/v1/completions", auth, json{{"prompt", std::string(200, 'a')}}.dump(),
+             "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(json::parse(r->body)["error"]["type"], "invalid_request_error");
+  r = c.Post("/v1/completions", auth, json{{"prompt", "a"}, {"model", "other"}}.dump(),
+             "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+
+  r = c.Post("/v1/chat/completions", auth,
+             json{{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                  {"max_tokens", 3},
+                  {"stream", true}}
+                 .dump(),
+             "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  EXPECT_NE(r->body.find("data: [DONE]\n\n"), std::string::npos);
+
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(ScrapeMetric(m->body, "kvbridge_kv_blocks_total"), 64);
+  EXPECT_EQ(ScrapeMetric(m->body, "kvbridge_kv_blocks_active"), 0);
+  EXPECT_EQ(ScrapeMetric(m->body, "kvbridge_http_requests_total", "code=\"401\""), 1);
+
+  serve.Signal(SIGTERM);
+  EXPECT_EQ(serve.Wait(15'000), 0) << serve.ReadLog();
+}
+
+TEST_F(ServeCliTest, BadFlagsFailClearly) {
+  Subprocess bad({KvbridgeBin(), "serve", *model_dir_, "--kv-cache-dtype", "int4", "--port",
+                  std::to_string(FreePort())},
+                 MakeTempDir("kvb_serve_bad") + "/log");
+  EXPECT_EQ(bad.Wait(30'000), 1);
+  EXPECT_NE(bad.ReadLog().find("--kv-cache-dtype must be auto|fp32|bf16|fp8"), std::string::npos)
+      << bad.ReadLog();
+  Subprocess missing(
+      {KvbridgeBin(), "serve", "/nonexistent/model", "--port", std::to_string(FreePort())},
+      MakeTempDir("kvb_serve_bad") + "/log");
+  EXPECT_EQ(missing.Wait(30'000), 1);
+}
+
+}  // namespace
+}  // namespace kvbridge
