@@ -469,17 +469,27 @@ TEST_P(TransferConformance, ThousandConcurrentTransfers) {
   l.num_layers = 1;
   Pair(l, l);
   b_->FillAll(31);
-  a_->Poison();
+  a_->FillAll(37);
+  std::vector<uint8_t> a_orig(a_->buf.data(), a_->buf.data() + a_->buf.size());
+  std::vector<uint8_t> b_orig(b_->buf.data(), b_->buf.data() + b_->buf.size());
+  for (int i = 0; i < 1000; i += 2) std::memset(a_->Block(0, i), kPoison, 1024);
+  // Even i: READ a[i] <- b[999 - i]; odd i: WRITE a[i] -> b[999 - i]. All blocks disjoint.
   std::vector<TransferHandle> hs;
   for (int i = 0; i < 1000; ++i) {
-    hs.push_back(PostOk({i % 2 ? TransferOp::kRead : TransferOp::kRead, "b", {{i, 999 - i}}}));
+    hs.push_back(PostOk({i % 2 ? TransferOp::kWrite : TransferOp::kRead, "b", {{i, 999 - i}}}));
   }
   for (auto& h : hs) {
     ASSERT_TRUE(h.Wait(20000));
     ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
   }
-  for (int i = 0; i < 1000; ++i)
-    ASSERT_EQ(0, std::memcmp(a_->Block(0, i), b_->Block(0, 999 - i), 1024));
+  for (int i = 0; i < 1000; ++i) {
+    const size_t off_a = static_cast<size_t>(i) * 1024, off_b = static_cast<size_t>(999 - i) * 1024;
+    if (i % 2 == 0) {
+      ASSERT_EQ(0, std::memcmp(a_->Block(0, i), b_orig.data() + off_b, 1024)) << i;
+    } else {
+      ASSERT_EQ(0, std::memcmp(b_->Block(0, 999 - i), a_orig.data() + off_a, 1024)) << i;
+    }
+  }
 }
 
 TEST_P(TransferConformance, GonePeerFailsLaterOpsAtOnce) {
