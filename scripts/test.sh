@@ -19,11 +19,23 @@ stage() {
 ctest_label() {  # ctest_label BUILD_DIR LABEL
   ctest --test-dir "$1" -L "$2" -j"$JOBS" --output-on-failure --timeout 900
 }
+# ASan+UBSan build of the `unit` label only: builds just the unit test binaries (a test's
+# name is its target's name), then runs them.
+sanitizer_unit() {
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVBRIDGE_SANITIZE=ON \
+    -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DKVBRIDGE_WITH_CUDA=OFF >/dev/null
+  local targets
+  mapfile -t targets < <(ctest --test-dir build-asan -N -L unit | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p')
+  echo "sanitizer: ${#targets[@]} unit test binaries"
+  cmake --build build-asan -j"$JOBS" --target "${targets[@]}"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build-asan -L unit -j"$JOBS" --output-on-failure --timeout 900
+}
 stage deps scripts/install-deps.sh
 stage build bash -c "cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build -j$JOBS"
 stage unit ctest_label build unit
 if ((QUICK == 0)); then
-  stage sanitizer bash -c "cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVBRIDGE_SANITIZE=ON -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DKVBRIDGE_WITH_CUDA=OFF >/dev/null && cmake --build build-asan -j$JOBS && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir build-asan -L unit -j$JOBS --output-on-failure --timeout 900"
+  stage sanitizer sanitizer_unit
   stage integration ctest_label build integration
   stage sim ctest_label build sim
   if [[ -x scripts/fuzz.sh ]]; then stage fuzz scripts/fuzz.sh; fi
