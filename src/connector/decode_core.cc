@@ -4,6 +4,8 @@
 #include <set>
 #include <utility>
 
+#include "kvbridge/sim/planted_faults.h"  // test-only switches; empty unless KVBRIDGE_PLANTED_FAULTS
+
 namespace kvbridge {
 
 DecodeCore::DecodeCore(Options options) : options_(std::move(options)) {
@@ -30,6 +32,9 @@ void DecodeCore::SendReadDone(const std::string& request_id, const Request& r, c
                 .decode_tp_size = options_.tp_size,
                 .outcome = outcome,
                 .want_reply = want_reply};
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  if (sim::Planted().notify_with_local_request_id) m.transfer_id = request_id;
+#endif
   actions_.push_back(SendMessageAction{.to = Peer(r.params, pair.prefill_rank), .msg = m});
 }
 
@@ -162,7 +167,19 @@ bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) 
   }
   if (!in_flight) r.reported = true;  // the engine frees now; nothing more to report
   Advance(request_id);
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  if (sim::Planted().free_decode_blocks_on_abort_during_load) return false;
+#endif
   return in_flight;
+}
+
+void DecodeCore::OnAbortedBeforeAdmission(const KvTransferParams& params) {
+  if (!params.do_remote_prefill || params.mode != KvTransferMode::kRead) return;
+  Request r;
+  r.params = params;
+  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
+    SendReadDone("", r, Pair{.decode_rank = d, .prefill_rank = p}, ReadOutcome::kAborted, false);
+  }
 }
 
 void DecodeCore::OnReadCompleted(uint64_t read_id, const Status& status, TimePoint now) {

@@ -306,6 +306,19 @@ TEST(DecodeCore, RefusesInconsistentParamsWithNoEffect) {
             StatusCode::kAlreadyExists);
 }
 
+TEST(DecodeCore, AbortBeforeAdmissionTellsEveryPrefillRank) {
+  DecodeCore core = MakeCore();
+  core.OnAbortedBeforeAdmission(Params(40, 2));
+  auto dones = ReadDones(core.TakeActions());
+  ASSERT_EQ(dones.size(), 2u);
+  EXPECT_EQ(dones[0].prefill_rank, 0);
+  EXPECT_EQ(dones[1].prefill_rank, 1);
+  EXPECT_EQ(dones[0].outcome, ReadOutcome::kAborted);
+  EXPECT_FALSE(dones[0].want_reply);
+  EXPECT_EQ(dones[0].transfer_id, "xfer-1");
+  EXPECT_TRUE(core.Idle());
+}
+
 TEST(DecodeCore, CompletionForUnknownReadIsIgnoredAndCounted) {
   DecodeCore core = MakeCore();
   core.OnReadCompleted(77, OkStatus(), 0);

@@ -242,6 +242,7 @@ class KvBridgeConnector final : public KvConnector {
       ASSIGN_OR_RETURN(DecodeCore::Match dm,
                        decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
                                               num_local_computed, now));
+      asked_.insert(req.parent_id);
       m.num_external_tokens = dm.num_external_tokens;
       m.load_async = dm.load_async;
       for (int r = 0; r < p.tp_size; ++r) {
@@ -262,6 +263,7 @@ class KvBridgeConnector final : public KvConnector {
                                  std::span<const int32_t> block_ids, std::string_view finish_reason,
                                  TimePoint now) override {
     FinishDecision d;
+    asked_.erase(req.parent_id);
     if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return d;
     auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
     if (!p.ok() || !p->do_remote_decode) return d;
@@ -290,6 +292,14 @@ class KvBridgeConnector final : public KvConnector {
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override {
     bool keep = prefill_.OnRequestAborted(req.request_id, now);
     keep = decode_.OnRequestAborted(req.request_id, now) || keep;
+    if (req.request_id == req.parent_id && !asked_.count(req.parent_id) &&
+        req.kv_transfer_params != nullptr && !req.kv_transfer_params->is_null()) {
+      // Aborted while still queued (the connector never saw it): the prefill must not wait
+      // for its lease.
+      auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
+      if (p.ok() && p->do_remote_prefill) decode_.OnAbortedBeforeAdmission(*p);
+    }
+    asked_.erase(req.parent_id);
     PerformAll(now);
     return keep;
   }
@@ -746,6 +756,7 @@ class KvBridgeConnector final : public KvConnector {
   std::map<std::string, PeerState> peers_;  // "<engine>/rank<r>" -> state (engine thread)
   std::map<uint64_t, Posted> handles_;      // read id -> posted READ (engine thread)
   std::vector<uint64_t> unused_tokens_;
+  std::set<std::string> asked_;  // parents with do_remote_prefill seen by GetNumNewMatchedTokens
   StepReport report_;
   double bytes_read_ = 0;
   int64_t synced_lease_ = 0, synced_ignored_ = 0, synced_fail_ = 0;

@@ -88,6 +88,11 @@ class DecodeCore {
   /// (a READ may still land); false when it may free them now (or the request is unknown).
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
 
+  /// A request with do_remote_prefill `params` was aborted before OnRequestAdded (still queued
+  /// in the engine): tells each prefill rank (ReadDone "aborted", no reply) so it releases now
+  /// instead of at lease end. Keeps no state.
+  void OnAbortedBeforeAdmission(const KvTransferParams& params);
+
   /// READ `read_id` ended: OK (all bytes landed) or an error / Cancelled (no more bytes land).
   void OnReadCompleted(uint64_t read_id, const Status& status, TimePoint now);
   /// A prefill rank's answer to our ReadDone.
