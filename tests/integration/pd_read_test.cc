@@ -443,6 +443,71 @@ TEST_P(PdRead, PrefillGoneAfterAnsweringRecomputesOrFails) {
   (*ref_engine)->Shutdown();
 }
 
+// The proxy's view over HTTP: token and validation at the door, params returned in the body,
+// decode text equal to a colocated engine's.
+TEST_P(PdRead, OverHttpTokenValidationAndSameText) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  server::ServerConfig rc;
+  rc.port = 0;
+  rc.num_http_threads = 2;
+  auto ref = server::ApiServer::Create(rc, ref_engine->get(), std::make_shared<ByteCodec>());
+  ASSERT_TRUE(ref.ok());
+  ASSERT_TRUE((*ref)->Start().ok());
+
+  const std::string prompt =
+      "kvbridge moves the prompt's KV from prefill to decode, block by block.";
+  json body{{"model", "kvbridge"}, {"prompt", prompt}, {"max_tokens", 1}, {"temperature", 0}};
+  body["kv_transfer_params"] = {{"do_remote_decode", true}, {"transfer_id", "http-1"}};
+  httplib::Client pc("127.0.0.1", p->server->port());
+  httplib::Headers tok{{"X-KVBridge-Cluster-Token", "secret"}};
+  auto r403 = pc.Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(r403);
+  EXPECT_EQ(r403->status, 403);
+  json bad = body;
+  bad["kv_transfer_params"]["transfer_id"] = "";
+  auto r400 = pc.Post("/v1/completions", tok, bad.dump(), "application/json");
+  ASSERT_TRUE(r400);
+  EXPECT_EQ(r400->status, 400) << r400->body;
+  json wrong_role = body;
+  wrong_role["kv_transfer_params"] = {{"do_remote_prefill", true}, {"transfer_id", "x"},
+                                      {"remote_engine_id", "e"},   {"remote_host", "h"},
+                                      {"remote_port", 1},          {"remote_block_ids", {0}},
+                                      {"remote_num_tokens", 3}};
+  auto r400b = pc.Post("/v1/completions", tok, wrong_role.dump(), "application/json");
+  ASSERT_TRUE(r400b);
+  EXPECT_EQ(r400b->status, 400) << r400b->body;
+  EXPECT_TRUE(p->WaitDrained(2000));  // refused requests had no effect
+
+  auto pr = pc.Post("/v1/completions", tok, body.dump(), "application/json");
+  ASSERT_TRUE(pr);
+  ASSERT_EQ(pr->status, 200) << pr->body;
+  json params = json::parse(pr->body).at("kv_transfer_params");
+  EXPECT_EQ(params.at("remote_engine_id"), p->kv->engine_id());
+  EXPECT_EQ(params.at("remote_port"), p->server->port());
+
+  json dbody{{"model", "kvbridge"}, {"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0}};
+  dbody["kv_transfer_params"] = params;
+  httplib::Client dc("127.0.0.1", d->server->port());
+  auto dr = dc.Post("/v1/completions", tok, dbody.dump(), "application/json");
+  ASSERT_TRUE(dr);
+  ASSERT_EQ(dr->status, 200) << dr->body;
+  json rbody{{"model", "kvbridge"}, {"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0}};
+  httplib::Client cc("127.0.0.1", (*ref)->port());
+  auto cr = cc.Post("/v1/completions", rbody.dump(), "application/json");
+  ASSERT_TRUE(cr);
+  ASSERT_EQ(cr->status, 200) << cr->body;
+  EXPECT_EQ(json::parse(dr->body)["choices"][0]["text"],
+            json::parse(cr->body)["choices"][0]["text"]);
+  EXPECT_TRUE(p->WaitDrained());
+  EXPECT_TRUE(d->WaitDrained());
+  EXPECT_EQ(d->kv->Stats().loads_done, 1);
+  (*ref)->Stop();
+  (*ref_engine)->Shutdown();
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, PdRead, ::testing::Values(KvTransport::kTcp),
                          [](const auto& info) { return std::string(KvTransportName(info.param)); });
 
