@@ -4,7 +4,9 @@
 #include <set>
 #include <utility>
 
-#include "kvbridge/sim/planted_faults.h"  // test-only switches; empty unless KVBRIDGE_PLANTED_FAULTS
+#ifdef KVBRIDGE_PLANTED_FAULTS
+#include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
+#endif
 
 namespace kvbridge {
 
