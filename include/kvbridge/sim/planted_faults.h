@@ -1,0 +1,51 @@
+// kvbridge/sim/planted_faults.h — test-only switches that plant known P/D protocol bugs into the
+// real connector cores, so the simulator's tests can prove that it finds them.
+//
+// This header compiles to nothing unless KVBRIDGE_PLANTED_FAULTS is defined, and only the sim
+// test targets define it (they build their own copy of the connector core,
+// `kvbridge_connector_core_faults`, in src/sim/CMakeLists.txt). Production libraries and the
+// `kvbridge` binary never see these switches, so they cannot be turned on outside tests.
+//
+//   #ifdef KVBRIDGE_PLANTED_FAULTS
+//   kvbridge::sim::Planted().ignore_early_notifications = true;   // this thread only
+//   #endif
+//
+// Each switch mirrors one of DESIGN.md's known failure modes; the hook sites are one-line
+// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in src/connector/{prefill,decode}_core.cc.
+//
+// Thread-safety: thread_local; each test thread sets its own.
+#pragma once
+
+#ifdef KVBRIDGE_PLANTED_FAULTS
+
+namespace kvbridge::sim {
+
+struct PlantedFaults {
+  /// PrefillCore: a completion frees only one sibling of the transfer (a 1:1 transfer_id ->
+  /// request map keeps only the last sibling; DESIGN.md pitfall 1).
+  bool one_to_one_transfer_map = false;
+  /// DecodeCore: ReadDone names the decode's local request id instead of the shared transfer_id
+  /// (DESIGN.md pitfall 2).
+  bool notify_with_local_request_id = false;
+  /// PrefillCore: a transfer that ends frees siblings the engine has not finished (no gating on
+  /// the engine's finished signal; DESIGN.md pitfall 3).
+  bool release_without_finished_signal = false;
+  /// PrefillCore: a message for a transfer not registered yet is dropped instead of parked.
+  bool ignore_early_notifications = false;
+  /// PrefillCore: a ReadDone arriving after the lease fired is answered "hold valid" (the decode
+  /// then uses bytes read from blocks that were freed and possibly reused during the read).
+  bool reuse_blocks_on_lease_during_read = false;
+  /// DecodeCore: an abort during a load lets the engine free the destination blocks at once,
+  /// while the READ may still land in them.
+  bool free_decode_blocks_on_abort_during_load = false;
+};
+
+/// This thread's switches (all off by default).
+inline PlantedFaults& Planted() {
+  static thread_local PlantedFaults faults;
+  return faults;
+}
+
+}  // namespace kvbridge::sim
+
+#endif  // KVBRIDGE_PLANTED_FAULTS

@@ -1,0 +1,1488 @@
+// The deterministic P/D simulator (include/kvbridge/sim/simulator.h, docs/sim.md).
+//
+// Layout of this file:
+//   Knobs        every seeded choice of a run (topology, workload, fault rates)
+//   SimConnector the KvConnector adapter around the REAL PrefillCore/DecodeCore (the same hook
+//                mapping as src/connector/kvbridge_connector.cc), with a release ledger
+//   Sim          the event loop: engines (real Scheduler + BlockPool), proxy flows (real PdFlow),
+//                HTTP legs, control network, transfer layer, crashes, client aborts, invariants
+#include "kvbridge/sim/simulator.h"
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "kvbridge/connector/decode_core.h"
+#include "kvbridge/connector/kv_transfer_config.h"
+#include "kvbridge/connector/messages.h"
+#include "kvbridge/connector/prefill_core.h"
+#include "kvbridge/engine/block_pool.h"
+#include "kvbridge/engine/kv_connector.h"
+#include "kvbridge/engine/scheduler.h"
+#include "kvbridge/proxy/flow.h"
+
+namespace kvbridge::sim {
+
+std::string_view ViolationKindName(ViolationKind kind) {
+  switch (kind) {
+    case ViolationKind::kNone:
+      return "none";
+    case ViolationKind::kLeak:
+      return "leak";
+    case ViolationKind::kHang:
+      return "hang";
+    case ViolationKind::kEarlyFree:
+      return "early_free";
+    case ViolationKind::kStaleKvUsed:
+      return "stale_kv_used";
+    case ViolationKind::kExactlyOnce:
+      return "exactly_once";
+    case ViolationKind::kSiblingAccounting:
+      return "sibling_accounting";
+    case ViolationKind::kPoolAccounting:
+      return "pool_accounting";
+    case ViolationKind::kLeaseExpired:
+      return "lease_expired";
+    case ViolationKind::kNotificationIgnored:
+      return "notification_ignored";
+    case ViolationKind::kLoadFailed:
+      return "load_failed";
+    case ViolationKind::kBadAnswer:
+      return "bad_answer";
+    case ViolationKind::kCrash:
+      return "crash";
+  }
+  return "unknown";
+}
+
+namespace {
+constexpr std::pair<Workload, std::string_view> kWorkloadNames[] = {
+    {Workload::kMixed, "mixed"},          {Workload::kClean, "clean"},
+    {Workload::kFaults, "faults"},        {Workload::kPrefillN, "prefill-n"},
+    {Workload::kEarlyRace, "early-race"}, {Workload::kLeaseRead, "lease-read"},
+    {Workload::kAbortLoad, "abort-load"},
+};
+}  // namespace
+
+std::string_view WorkloadName(Workload w) {
+  for (const auto& [k, name] : kWorkloadNames) {
+    if (k == w) return name;
+  }
+  return "unknown";
+}
+
+Result<Workload> ParseWorkload(std::string_view name) {
+  for (const auto& [k, n] : kWorkloadNames) {
+    if (n == name) return k;
+  }
+  return InvalidArgumentError("unknown workload '" + std::string(name) +
+                              "' (mixed|clean|faults|prefill-n|early-race|lease-read|abort-load)");
+}
+
+std::string SimResult::Summary() const {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "seed %llu: %s%s%s faults=%d requests=%d ok=%d aborts=%d reads=%d crashes=%d "
+                "lease_expired=%d events=%lld t=%.3fs",
+                static_cast<unsigned long long>(seed), ok ? "PASS" : "FAIL ",
+                ok ? "" : std::string(ViolationKindName(violation)).c_str(), ok ? "" : ":",
+                faults ? 1 : 0, requests, answered_ok, client_aborts, reads, crashes, lease_expired,
+                static_cast<long long>(events), static_cast<double>(at) / kSecond);
+  std::string s = buf;
+  if (!ok) s += " — " + message;
+  return s;
+}
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr int kVocab = 32;
+constexpr int32_t kEos = 0;
+constexpr int kPortBase = 1000;
+const char kFingerprint[] = "sim-model-fingerprint";
+
+// ------------------------------------------------------------------------------------------
+// Knobs: every seeded choice of one run.
+struct Knobs {
+  bool faults = false;
+  int num_prefill = 1;
+  int num_decode = 1;
+  int block_size = 4;
+  std::vector<bool> prefix_caching;  // per engine (prefills first)
+  int64_t prefill_blocks = 128;
+  int64_t decode_blocks = 256;
+  int max_batched_tokens = 64;
+  bool prefill_forward_n = false;
+  int num_requests = 8;
+  DurationUs arrival_window = 300 * kMillisecond;
+  double abort_prob = 0.15;
+  DurationUs abort_window = 30 * kMillisecond;
+  // Control network and HTTP.
+  DurationUs msg_delay_lo = 50, msg_delay_hi = 1000;
+  double msg_loss = 0, msg_dup = 0, msg_tail = 0;
+  DurationUs msg_tail_hi = 0;
+  DurationUs http_delay_lo = 100, http_delay_hi = 2000;
+  // Transfers.
+  double read_fail = 0, read_slow = 0;
+  DurationUs read_slow_lo = 0, read_slow_hi = 0;
+  // Connector timing.
+  DurationUs lease = 10 * kSecond;
+  DurationUs reply_timeout = 2 * kSecond;
+  DurationUs read_timeout = 8 * kSecond;
+  // Crashes and junk.
+  int crashes = 0;
+  int junk = 0;
+  DurationUs hang_bound = 120 * kSecond;
+};
+
+// ------------------------------------------------------------------------------------------
+class Sim;
+
+struct InMsg {
+  ControlMessage msg;
+  uint64_t reply_token = 0;
+};
+struct InReadEnded {
+  uint64_t read_id = 0;
+  Status status;
+};
+using InEvent = std::variant<InMsg, InReadEnded>;
+
+// The engine-side adapter: the real cores behind the engine's KvConnector hooks. The mapping of
+// hooks to core calls follows KvBridgeConnector (src/connector/kvbridge_connector.cc); the
+// transport is the simulator. It also keeps a ledger of what the engine holds, drains and loads,
+// to check that every report names a request in the right state, exactly once.
+class SimConnector final : public KvConnector {
+ public:
+  SimConnector(Sim* sim, int engine, const std::string& engine_id, int port, const Knobs& k)
+      : sim_(sim),
+        engine_(engine),
+        engine_id_(engine_id),
+        port_(port),
+        block_size_(k.block_size),
+        prefill_({.engine_id = engine_id, .rank = 0, .tp_size = 1, .lease = k.lease}),
+        decode_({.engine_id = engine_id,
+                 .tp_size = 1,
+                 .block_size = k.block_size,
+                 .reply_timeout = k.reply_timeout,
+                 .read_timeout = k.read_timeout,
+                 .heartbeat_interval = k.lease / 4}) {}
+
+  Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req, int num_local_computed,
+                                       TimePoint now) override;
+  void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
+                             int num_local_computed, int num_external, TimePoint now) override {
+    decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+    Perform(now);
+  }
+  FinishDecision RequestFinished(const ConnectorRequestInfo& req,
+                                 std::span<const int32_t> block_ids, std::string_view finish_reason,
+                                 TimePoint now) override;
+  bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override;
+  StepReport Poll(TimePoint now) override;
+  std::optional<TimePoint> NextDeadline() const override {
+    auto a = prefill_.NextDeadline();
+    auto b = decode_.NextDeadline();
+    if (a && b) return std::min(*a, *b);
+    return a ? a : b;
+  }
+  bool Idle() const override { return prefill_.Idle() && decode_.Idle() && inbox_.empty(); }
+
+  void Push(InEvent e) { inbox_.push_back(std::move(e)); }
+  const PrefillCore& prefill() const { return prefill_; }
+  const DecodeCore& decode() const { return decode_; }
+  size_t num_ledger_held() const { return held_.size(); }
+  size_t num_ledger_draining() const { return draining_.size(); }
+  size_t num_ledger_loading() const { return loading_.size(); }
+  size_t inbox_size() const { return inbox_.size(); }
+
+ private:
+  void Perform(TimePoint now);
+
+  Sim* sim_;
+  int engine_;
+  std::string engine_id_;
+  int port_;
+  int block_size_;
+  PrefillCore prefill_;
+  DecodeCore decode_;
+  std::vector<InEvent> inbox_;
+  StepReport report_;
+  std::set<std::string> held_;      // finished, blocks held for a transfer
+  std::set<std::string> draining_;  // aborted, blocks kept until a report
+  std::set<std::string> loading_;   // waiting for remote KV
+};
+
+// ------------------------------------------------------------------------------------------
+struct LegRef {
+  int flow = -1;
+  int leg = 0;
+  friend bool operator<(const LegRef& a, const LegRef& b) {
+    return std::tie(a.flow, a.leg) < std::tie(b.flow, b.leg);
+  }
+};
+
+struct Engine {
+  int index = 0;
+  bool prefill = true;
+  bool up = true;
+  int incarnation = 1;
+  std::string engine_id;
+  std::string name;  // "p0", "d1": the proxy's instance id
+  int port = 0;
+  bool prefix_caching = true;
+  std::unique_ptr<BlockPool> pool;
+  std::unique_ptr<SimConnector> conn;
+  std::unique_ptr<Scheduler> sched;
+  bool in_step = false;
+  bool step_scheduled = false;
+  TimePoint timer_at = -1;
+  ScheduledBatch batch;
+  std::vector<std::function<void()>> deferred;  // scheduler calls held back during a step
+  std::map<std::string, LegRef> leg_of;         // engine request id -> leg (until answered)
+  std::map<LegRef, std::string> req_of;
+  struct Accum {
+    int n = 1;
+    std::map<int, std::vector<int32_t>> tokens;
+    std::map<int, std::string> finish;
+  };
+  std::map<std::string, Accum> accum;
+  int64_t next_request = 0;
+};
+
+struct FlowState {
+  int id = 0;
+  std::unique_ptr<proxy::PdFlow> flow;
+  TimePoint arrival = 0;
+  int n = 1;
+  bool client_aborted = false;
+  int responses = 0;
+  bool finished = false;  // flow.done() seen
+};
+
+struct Read {
+  int dst = 0;
+  int dst_inc = 0;
+  uint64_t read_id = 0;
+  std::string request_id;
+  int src = -1;
+  int src_inc = 0;
+  std::vector<int32_t> src_blocks, dst_blocks;
+  bool tainted = false;
+  bool cancelled = false;
+  Status status;  // how it will end
+  TimePoint end_at = 0;
+  uint64_t version = 0;
+};
+
+class Sim {
+ public:
+  Sim(uint64_t seed, const SimOptions& opts) : seed_(seed), opts_(opts), rng_(seed) {}
+
+  SimResult Run();
+
+  // Used by SimConnector.
+  void Violate(ViolationKind kind, const std::string& message);
+  void PostRead(int engine, const PostReadAction& a);
+  void CancelRead(int engine, uint64_t read_id);
+  void SendFromEngine(int engine, const SendMessageAction& a);
+  void CheckLoadTaint(int engine, const std::string& request_id);
+  void OnLoadFailed(int engine, const std::string& request_id, const Status& status);
+  void Trace(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+  bool tracing() const { return opts_.trace; }
+  TimePoint now() const { return now_; }
+
+ private:
+  // Randomness.
+  int64_t Uniform(int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng_);
+  }
+  bool Chance(double p) { return p > 0 && std::uniform_real_distribution<double>(0, 1)(rng_) < p; }
+
+  void DrawKnobs();
+  void At(TimePoint t, std::function<void()> fn) {
+    events_.emplace(std::make_pair(std::max(t, now_), next_seq_++), std::move(fn));
+  }
+
+  // Engines.
+  void StartEngine(Engine& e);
+  void CrashEngine(int ei);
+  void Wake(int ei);
+  void EngineStep(int ei, int inc);
+  void StepDone(int ei, int inc);
+  void DrainOutputs(Engine& e);
+  void ArmTimer(Engine& e);
+  void Defer(Engine& e, std::function<void()> fn) {
+    e.deferred.push_back(std::move(fn));
+    Wake(e.index);
+  }
+  int EngineByName(const std::string& name) const;
+
+  // HTTP legs and flows.
+  void StartFlow(int fid);
+  void Exec(int fid, std::vector<proxy::Action> actions);
+  void LegArrive(int ei, int inc, LegRef ref, std::string body);
+  void AnswerLeg(Engine& e, LegRef ref, int status, std::string body);
+  void LegError(LegRef ref, proxy::LegFailure f, const std::string& why);
+  void CheckAnswer(FlowState& f, int status, const std::string& body);
+
+  // Control network.
+  void SendControl(int to_engine, const ControlMessage& msg, uint64_t reply_token_route,
+                   const std::string& from);
+  void Deliver(int to_engine, const std::string& wire, int reply_to);
+  void InjectJunk();
+
+  // Transfers.
+  void EndRead(uint64_t key, uint64_t version);
+
+  // Invariants.
+  void CheckAll();
+  void CheckQuiescence();
+  int64_t SumLeaseExpired() const;
+  int64_t SumIgnored() const;
+  int64_t SumLoadFailures() const;
+
+  uint64_t seed_;
+  SimOptions opts_;
+  std::mt19937_64 rng_;
+  Knobs k_;
+  TimePoint now_ = 0;
+  uint64_t next_seq_ = 0;
+  std::map<std::pair<TimePoint, uint64_t>, std::function<void()>> events_;
+  std::vector<Engine> engines_;
+  std::vector<FlowState> flows_;
+  std::map<uint64_t, Read> reads_;
+  std::map<std::tuple<int, int, uint64_t>, uint64_t> read_key_;  // (dst, inc, read_id) -> key
+  std::set<std::tuple<int, int, std::string>> tainted_loads_;
+  std::map<uint64_t, int> reply_routes_;  // reply token -> decode engine
+  uint64_t next_read_key_ = 1;
+  uint64_t next_token_ = 1;
+  std::vector<std::string> minted_;
+  // Counters of crashed incarnations (their cores are gone).
+  int64_t dead_lease_expired_ = 0, dead_ignored_ = 0, dead_load_failures_ = 0;
+  SimResult result_;
+  std::string trace_;
+};
+
+// ------------------------------------------------------------------------------------------
+// SimConnector
+
+Result<KvConnector::Match> SimConnector::GetNumNewMatchedTokens(const ConnectorRequestInfo& req,
+                                                                int num_local_computed,
+                                                                TimePoint now) {
+  if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return Match{};
+  ASSIGN_OR_RETURN(KvTransferParams p,
+                   ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_}));
+  Match m;
+  if (p.do_remote_decode) {
+    RETURN_IF_ERROR(prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
+  } else {
+    ASSIGN_OR_RETURN(
+        DecodeCore::Match dm,
+        decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
+    m.num_external_tokens = dm.num_external_tokens;
+    m.load_async = dm.load_async;
+    if (dm.load_async && !loading_.insert(req.request_id).second) {
+      sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " loads twice");
+    }
+  }
+  Perform(now);
+  return m;
+}
+
+KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequestInfo& req,
+                                                          std::span<const int32_t> block_ids,
+                                                          std::string_view finish_reason,
+                                                          TimePoint now) {
+  FinishDecision d;
+  if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return d;
+  auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
+  if (!p.ok() || !p->do_remote_decode) return d;
+  const size_t nb = static_cast<size_t>((req.num_prompt_tokens + block_size_ - 1) / block_size_);
+  std::vector<int32_t> prompt_blocks(block_ids.begin(),
+                                     block_ids.begin() + std::min(nb, block_ids.size()));
+  d.hold_blocks = prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
+  if (d.hold_blocks && !held_.insert(req.request_id).second) {
+    sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " held twice");
+  }
+  KvTransferParams out;
+  out.do_remote_prefill = true;
+  out.transfer_id = p->transfer_id;
+  out.remote_engine_id = engine_id_;
+  out.remote_host = "sim";
+  out.remote_port = port_;
+  out.remote_block_ids = prompt_blocks;
+  out.remote_num_tokens = req.num_prompt_tokens;
+  out.tp_size = 1;
+  d.kv_transfer_params = KvTransferParamsToJson(out);
+  Perform(now);
+  return d;
+}
+
+bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now) {
+  bool keep = prefill_.OnRequestAborted(req.request_id, now);
+  keep = decode_.OnRequestAborted(req.request_id, now) || keep;
+  loading_.erase(req.request_id);
+  if (keep && !draining_.insert(req.request_id).second) {
+    sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " drained twice");
+  }
+  Perform(now);
+  return keep;
+}
+
+KvConnector::StepReport SimConnector::Poll(TimePoint now) {
+  std::vector<InEvent> in;
+  in.swap(inbox_);
+  for (InEvent& e : in) {
+    if (auto* r = std::get_if<InReadEnded>(&e)) {
+      decode_.OnReadCompleted(r->read_id, r->status, now);
+    } else {
+      InMsg& m = std::get<InMsg>(e);
+      if (auto* rd = std::get_if<ReadDoneMsg>(&m.msg)) {
+        prefill_.OnReadDone(*rd, m.reply_token, now);
+      } else if (auto* hr = std::get_if<HoldReplyMsg>(&m.msg)) {
+        decode_.OnHoldReply(*hr, now);
+      } else if (auto* hb = std::get_if<HeartbeatMsg>(&m.msg)) {
+        prefill_.OnHeartbeat(*hb, now);
+      } else if (auto* rl = std::get_if<ReleaseMsg>(&m.msg)) {
+        prefill_.OnRelease(*rl, now).IgnoreError();  // another incarnation: the proxy's 404
+      }
+    }
+    Perform(now);
+  }
+  prefill_.OnTick(now);
+  decode_.OnTick(now);
+  Perform(now);
+  StepReport out = std::move(report_);
+  report_ = StepReport{};
+  // The ledger: every report names a request in the matching state, once.
+  for (const std::string& id : out.finished_sending) {
+    if (!held_.erase(id) && !draining_.erase(id)) {
+      sim_->Violate(ViolationKind::kExactlyOnce,
+                    engine_id_ + " reports blocks of " + id +
+                        " free, but the engine neither finished-and-held nor drains it");
+    }
+  }
+  for (const std::string& id : out.finished_recving) {
+    if (draining_.erase(id)) continue;
+    if (!loading_.erase(id)) {
+      sim_->Violate(ViolationKind::kExactlyOnce,
+                    engine_id_ + " reports load done for " + id + ", which is not loading");
+      continue;
+    }
+    sim_->CheckLoadTaint(engine_, id);
+  }
+  for (const LoadFailure& f : out.failed_recving) {
+    if (draining_.erase(f.request_id)) continue;
+    if (!loading_.erase(f.request_id)) {
+      sim_->Violate(ViolationKind::kExactlyOnce, engine_id_ + " reports load failed for " +
+                                                     f.request_id + ", which is not loading");
+      continue;
+    }
+    sim_->OnLoadFailed(engine_, f.request_id, f.status);
+  }
+  return out;
+}
+
+void SimConnector::Perform(TimePoint now) {
+  for (int round = 0; round < 16; ++round) {
+    std::vector<ConnectorAction> acts = prefill_.TakeActions();
+    std::vector<ConnectorAction> more = decode_.TakeActions();
+    acts.insert(acts.end(), std::make_move_iterator(more.begin()),
+                std::make_move_iterator(more.end()));
+    if (acts.empty()) return;
+    for (ConnectorAction& a : acts) {
+      if (auto* pr = std::get_if<PostReadAction>(&a)) {
+        sim_->PostRead(engine_, *pr);
+      } else if (auto* cr = std::get_if<CancelReadAction>(&a)) {
+        sim_->CancelRead(engine_, cr->read_id);
+      } else if (auto* sm = std::get_if<SendMessageAction>(&a)) {
+        sim_->SendFromEngine(engine_, *sm);
+      } else if (auto* ld = std::get_if<ReportLoadDoneAction>(&a)) {
+        if (sim_->tracing())
+          sim_->Trace("  %s: load done %s", engine_id_.c_str(), ld->request_id.c_str());
+        report_.finished_recving.push_back(ld->request_id);
+      } else if (auto* lf = std::get_if<ReportLoadFailedAction>(&a)) {
+        if (sim_->tracing()) {
+          sim_->Trace("  %s: load failed %s (%s)", engine_id_.c_str(), lf->request_id.c_str(),
+                      lf->status.ToString().c_str());
+        }
+        report_.failed_recving.push_back({lf->request_id, lf->recompute, lf->status});
+      } else if (auto* bf = std::get_if<ReportBlocksFreeAction>(&a)) {
+        if (sim_->tracing())
+          sim_->Trace("  %s: blocks free %s", engine_id_.c_str(), bf->request_id.c_str());
+        report_.finished_sending.push_back(bf->request_id);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Sim: setup
+
+void Sim::Trace(const char* fmt, ...) {
+  if (!opts_.trace) return;
+  char buf[1024];
+  int n = std::snprintf(buf, sizeof(buf), "%12.3fms  ", static_cast<double>(now_) / kMillisecond);
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf + n, sizeof(buf) - static_cast<size_t>(n), fmt, ap);
+  va_end(ap);
+  trace_ += buf;
+  trace_ += '\n';
+}
+
+void Sim::Violate(ViolationKind kind, const std::string& message) {
+  if (!result_.ok) return;  // the first violation is the one reported
+  result_.ok = false;
+  result_.violation = kind;
+  result_.message = message;
+  result_.at = now_;
+  Trace("VIOLATION %s: %s", std::string(ViolationKindName(kind)).c_str(), message.c_str());
+}
+
+void Sim::DrawKnobs() {
+  Workload w = opts_.workload;
+  switch (w) {
+    case Workload::kMixed:
+      k_.faults = seed_ % 2 == 1;
+      break;
+    case Workload::kFaults:
+    case Workload::kLeaseRead:
+      k_.faults = true;
+      break;
+    default:
+      k_.faults = false;
+  }
+  k_.num_prefill = static_cast<int>(Uniform(1, 3));
+  k_.num_decode = static_cast<int>(Uniform(1, 3));
+  const int sizes[] = {1, 2, 4, 16};
+  k_.block_size = sizes[Uniform(1, 3)];  // 2, 4 or 16
+  for (int i = 0; i < k_.num_prefill + k_.num_decode; ++i) {
+    k_.prefix_caching.push_back(opts_.prefix_caching ? *opts_.prefix_caching : Chance(0.6));
+  }
+  k_.prefill_blocks = 64 * 16 / k_.block_size + Uniform(0, 32);
+  k_.decode_blocks = 160 * 16 / k_.block_size + Uniform(0, 64);
+  k_.max_batched_tokens = static_cast<int>(Uniform(16, 256));
+  k_.prefill_forward_n = w == Workload::kPrefillN ? true : Chance(0.3);
+  k_.num_requests = opts_.num_requests ? *opts_.num_requests : static_cast<int>(Uniform(4, 24));
+  k_.arrival_window = Uniform(1, 300) * kMillisecond;
+  k_.abort_prob = Chance(0.5) ? 0.0 : 0.2;
+  k_.abort_window = Uniform(1, 40) * kMillisecond;
+  if (w == Workload::kEarlyRace) {
+    k_.abort_prob = 0.6;
+    k_.abort_window = 3 * kMillisecond;
+    k_.http_delay_hi = 3000;
+    k_.msg_delay_hi = 200;
+  }
+  if (w == Workload::kAbortLoad) {
+    k_.abort_prob = 0.7;
+    k_.abort_window = 20 * kMillisecond;
+  }
+  if (k_.faults) {
+    k_.msg_loss = Uniform(0, 10) / 100.0;
+    k_.msg_dup = Uniform(0, 10) / 100.0;
+    k_.msg_tail = 0.05;
+    k_.msg_tail_hi = 500 * kMillisecond;
+    k_.read_fail = Uniform(0, 8) / 100.0;
+    k_.read_slow = Uniform(0, 5) / 100.0;
+    k_.lease = 2 * kSecond;
+    k_.reply_timeout = 500 * kMillisecond;
+    k_.read_timeout = 4 * kSecond;
+    k_.read_slow_lo = 500 * kMillisecond;
+    k_.read_slow_hi = 6 * kSecond;
+    k_.crashes = static_cast<int>(Uniform(0, 2));
+    k_.junk = static_cast<int>(Uniform(0, 6));
+    k_.hang_bound = 900 * kSecond;
+  }
+  if (w == Workload::kLeaseRead) {
+    k_.msg_loss = 0.6;
+    k_.read_slow = 0.5;
+    k_.read_fail = 0;
+    k_.crashes = 0;
+    k_.read_slow_lo = 2 * kSecond;
+    k_.read_slow_hi = 3500 * kMillisecond;
+    k_.reply_timeout = 2 * kSecond;
+  }
+  if (opts_.hang_bound > 0) k_.hang_bound = opts_.hang_bound;
+}
+
+void Sim::StartEngine(Engine& e) {
+  e.up = true;
+  e.engine_id = e.name + "-i" + std::to_string(e.incarnation);
+  auto pool = BlockPool::Create({.num_blocks = e.prefill ? k_.prefill_blocks : k_.decode_blocks,
+                                 .block_size = k_.block_size,
+                                 .enable_prefix_caching = e.prefix_caching});
+  e.pool = std::move(pool.value());
+  e.conn = std::make_unique<SimConnector>(this, e.index, e.engine_id, e.port, k_);
+  SchedulerConfig sc;
+  sc.max_num_seqs = 32;
+  sc.max_num_batched_tokens = k_.max_batched_tokens;
+  sc.max_model_len = 256;
+  sc.vocab_size = kVocab;
+  sc.eos_token_ids = {kEos};
+  sc.model_fingerprint = kFingerprint;
+  sc.default_seed = seed_;
+  e.sched = std::make_unique<Scheduler>(sc, e.pool.get(), e.conn.get(), nullptr);
+  e.in_step = false;
+  e.step_scheduled = false;
+  e.timer_at = -1;
+  e.batch = ScheduledBatch{};
+  e.deferred.clear();
+  e.leg_of.clear();
+  e.req_of.clear();
+  e.accum.clear();
+  Trace("engine %s up (incarnation %d, %lld blocks of %d, prefix caching %s)", e.engine_id.c_str(),
+        e.incarnation, static_cast<long long>(e.pool->num_blocks()), k_.block_size,
+        e.prefix_caching ? "on" : "off");
+}
+
+int Sim::EngineByName(const std::string& name) const {
+  for (const Engine& e : engines_) {
+    if (e.name == name) return e.index;
+  }
+  return -1;
+}
+
+// ------------------------------------------------------------------------------------------
+// Engines
+
+void Sim::Wake(int ei) {
+  Engine& e = engines_[ei];
+  if (!e.up || e.in_step || e.step_scheduled) return;
+  e.step_scheduled = true;
+  const int inc = e.incarnation;
+  At(now_, [this, ei, inc] { EngineStep(ei, inc); });
+}
+
+void Sim::EngineStep(int ei, int inc) {
+  Engine& e = engines_[ei];
+  if (!e.up || e.incarnation != inc) return;
+  e.step_scheduled = false;
+  if (e.in_step) return;
+  std::vector<std::function<void()>> deferred;
+  deferred.swap(e.deferred);
+  for (auto& fn : deferred) fn();
+  e.sched->PollConnector(now_);
+  DrainOutputs(e);
+  e.batch = e.sched->Schedule(now_);
+  DrainOutputs(e);
+  if (e.batch.empty()) {
+    if (!e.deferred.empty()) Wake(ei);
+    ArmTimer(e);
+    return;
+  }
+  e.in_step = true;
+  const DurationUs dur = 500 + 20 * e.batch.num_tokens + Uniform(0, 1000);
+  if (opts_.trace) {
+    std::string ids;
+    for (const ScheduledChunk& c : e.batch.chunks) {
+      ids += " " + c.request_id + "[" + std::to_string(c.start_pos) + "+" +
+             std::to_string(c.num_tokens) + "]";
+    }
+    Trace("%s step:%s (%.3fms)", e.engine_id.c_str(), ids.c_str(),
+          static_cast<double>(dur) / kMillisecond);
+  }
+  At(now_ + dur, [this, ei, inc] { StepDone(ei, inc); });
+}
+
+void Sim::StepDone(int ei, int inc) {
+  Engine& e = engines_[ei];
+  if (!e.up || e.incarnation != inc) return;
+  // The stand-in model: seeded logits, no forward pass.
+  std::vector<float> logits(static_cast<size_t>(e.batch.num_logit_rows) * kVocab);
+  for (float& x : logits) x = static_cast<float>(Uniform(0, 1000)) / 100.0f;
+  Status st = e.sched->UpdateFromOutput(e.batch, logits, now_);
+  if (!st.ok()) Violate(ViolationKind::kCrash, "UpdateFromOutput: " + st.ToString());
+  e.in_step = false;
+  e.batch = ScheduledBatch{};
+  DrainOutputs(e);
+  Wake(ei);
+}
+
+void Sim::ArmTimer(Engine& e) {
+  std::optional<TimePoint> d = e.conn->NextDeadline();
+  if (!d) return;
+  const TimePoint at = std::max(*d, now_ + 1);
+  if (e.timer_at >= 0 && e.timer_at <= at && e.timer_at > now_) return;  // an earlier one is armed
+  e.timer_at = at;
+  const int ei = e.index, inc = e.incarnation;
+  At(at, [this, ei, inc, at] {
+    Engine& x = engines_[ei];
+    if (!x.up || x.incarnation != inc || x.timer_at != at) return;
+    x.timer_at = -1;
+    Wake(ei);
+  });
+}
+
+void Sim::DrainOutputs(Engine& e) {
+  for (RequestOutput& out : e.sched->TakeOutputs()) {
+    Engine::Accum& acc = e.accum[out.request_id];
+    for (CompletionOutput& co : out.outputs) {
+      auto& toks = acc.tokens[co.index];
+      toks.insert(toks.end(), co.new_token_ids.begin(), co.new_token_ids.end());
+      if (co.finished) acc.finish[co.index] = co.finish_reason;
+    }
+    if (!out.finished) continue;
+    auto lit = e.leg_of.find(out.request_id);
+    Engine::Accum done = std::move(acc);
+    e.accum.erase(out.request_id);
+    if (lit == e.leg_of.end()) continue;
+    const LegRef ref = lit->second;
+    e.leg_of.erase(lit);
+    e.req_of.erase(ref);
+    bool aborted = false;
+    for (const auto& [i, r] : done.finish) aborted |= r == "abort";
+    if (!out.error.ok()) {
+      json err = {{"error", {{"message", out.error.ToString()}, {"type", "engine_error"}}}};
+      AnswerLeg(e, ref, out.error.code() == StatusCode::kInvalidArgument ? 400 : 500, err.dump());
+      continue;
+    }
+    if (!aborted && static_cast<int>(done.finish.size()) != done.n) {
+      Violate(ViolationKind::kSiblingAccounting, e.engine_id + " finished " + out.request_id +
+                                                     " with " + std::to_string(done.finish.size()) +
+                                                     " of " + std::to_string(done.n) + " siblings");
+    }
+    json choices = json::array();
+    for (const auto& [i, r] : done.finish) {
+      choices.push_back({{"index", i}, {"token_ids", done.tokens[i]}, {"finish_reason", r}});
+    }
+    json body = {{"id", out.request_id}, {"object", "text_completion"}, {"choices", choices}};
+    if (!out.kv_transfer_params.is_null()) body["kv_transfer_params"] = out.kv_transfer_params;
+    AnswerLeg(e, ref, 200, body.dump());
+  }
+}
+
+void Sim::CrashEngine(int ei) {
+  Engine& e = engines_[ei];
+  if (!e.up) return;
+  ++result_.crashes;
+  Trace("CRASH %s", e.engine_id.c_str());
+  dead_lease_expired_ += e.conn->prefill().counters().lease_expired;
+  dead_ignored_ += e.conn->prefill().counters().notifications_ignored +
+                   e.conn->decode().counters().notifications_ignored;
+  dead_load_failures_ += e.conn->decode().counters().load_failures;
+  // Open legs break.
+  for (const auto& [id, ref] : e.leg_of) {
+    const LegRef r = ref;
+    At(now_ + Uniform(k_.http_delay_lo, k_.http_delay_hi),
+       [this, r] { LegError(r, proxy::LegFailure::kBroken, "connection reset"); });
+  }
+  // Transfers: reads into this engine vanish with its memory; reads from it fail promptly.
+  for (auto it = reads_.begin(); it != reads_.end();) {
+    Read& r = it->second;
+    if (r.dst == ei) {
+      read_key_.erase({r.dst, r.dst_inc, r.read_id});
+      it = reads_.erase(it);
+      continue;
+    }
+    if (r.src == ei) {
+      r.tainted = true;
+      r.status = UnavailableError("peer " + e.engine_id + " lost");
+      r.end_at = std::min(r.end_at, now_ + Uniform(100, 3000));
+      const uint64_t key = it->first, v = ++r.version;
+      At(r.end_at, [this, key, v] { EndRead(key, v); });
+    }
+    ++it;
+  }
+  e.up = false;
+  e.sched.reset();
+  e.conn.reset();
+  e.pool.reset();
+  e.deferred.clear();
+  e.leg_of.clear();
+  e.req_of.clear();
+  e.accum.clear();
+  At(now_ + Uniform(20, 300) * kMillisecond, [this, ei] {
+    Engine& x = engines_[ei];
+    ++x.incarnation;
+    StartEngine(x);
+  });
+}
+
+// ------------------------------------------------------------------------------------------
+// Proxy flows and HTTP legs
+
+void Sim::StartFlow(int fid) {
+  FlowState& f = flows_[fid];
+  json body;
+  const int bs = k_.block_size;
+  // Prompt: 1 token, below one block, exact multiples, shared prefixes, random.
+  std::vector<int32_t> prompt;
+  const int shape = static_cast<int>(Uniform(0, 6));
+  int len = 1;
+  switch (shape) {
+    case 0:
+      len = 1;
+      break;
+    case 1:
+      len = std::max(1, bs - 1);
+      break;
+    case 2:
+      len = bs * static_cast<int>(Uniform(1, 3));
+      break;
+    default:
+      len = static_cast<int>(Uniform(1, 48));
+  }
+  if (shape >= 5) {
+    // A shared prefix: one of three fixed bases (seeded per run), then a short suffix.
+    const int base = static_cast<int>(Uniform(0, 2));
+    std::mt19937_64 base_rng(seed_ * 31 + static_cast<uint64_t>(base));
+    const int blen = bs * (1 + base) + base;  // a multiple of bs for base 0, off by one others
+    for (int i = 0; i < blen; ++i) prompt.push_back(1 + static_cast<int32_t>(base_rng() % 31));
+    const int suffix = static_cast<int>(Uniform(0, bs + 1));
+    for (int i = 0; i < suffix; ++i) prompt.push_back(static_cast<int32_t>(Uniform(1, kVocab - 1)));
+  } else {
+    for (int i = 0; i < len; ++i) prompt.push_back(static_cast<int32_t>(Uniform(1, kVocab - 1)));
+  }
+  const int r = static_cast<int>(Uniform(0, 9));
+  f.n = r < 5 ? 1 : r < 8 ? static_cast<int>(Uniform(2, 4)) : static_cast<int>(Uniform(5, 16));
+  body["model"] = "sim";
+  body["prompt"] = prompt;
+  body["n"] = f.n;
+  body["max_tokens"] = Uniform(1, 8);
+  body["temperature"] = Chance(0.5) ? 0.0 : 1.0;
+  body["stream"] = false;
+  if (Chance(0.1)) body["kv_transfer_params"] = {{"do_remote_decode", true}};  // stripped
+  std::string tid = "sim-" + std::to_string(seed_) + "-" + std::to_string(fid);
+  minted_.push_back(tid);
+  proxy::FlowOptions fo;
+  fo.prefill_forward_n = k_.prefill_forward_n;
+  proxy::InstancePicker picker =
+      [this](proxy::Role role,
+             const std::vector<std::string>& exclude) -> std::optional<proxy::Endpoint> {
+    std::vector<int> cands;
+    for (const Engine& e : engines_) {
+      if (!e.up || e.prefill != (role == proxy::Role::kPrefill)) continue;
+      if (std::find(exclude.begin(), exclude.end(), e.name) != exclude.end()) continue;
+      cands.push_back(e.index);
+    }
+    if (cands.empty()) return std::nullopt;
+    const Engine& e = engines_[cands[Uniform(0, static_cast<int64_t>(cands.size()) - 1)]];
+    return proxy::Endpoint{.id = e.name,
+                           .url = "sim://" + e.name,
+                           .engine_id = e.engine_id,
+                           .transfer_host = "sim",
+                           .transfer_port = e.port};
+  };
+  f.flow = std::make_unique<proxy::PdFlow>(fo, tid, std::move(picker));
+  Trace("client %d: request n=%d prompt=%zu tokens max_tokens=%d transfer %s", fid, f.n,
+        prompt.size(), body["max_tokens"].get<int>(), tid.c_str());
+  Exec(fid, f.flow->OnClientRequest({"/v1/completions", body.dump()}, now_));
+  if (Chance(k_.abort_prob)) {
+    ++result_.client_aborts;
+    At(now_ + Uniform(0, k_.abort_window), [this, fid] {
+      FlowState& x = flows_[fid];
+      if (x.flow->client_done()) return;
+      x.client_aborted = true;
+      Trace("client %d: disconnects", fid);
+      Exec(fid, x.flow->OnClientDisconnect(now_));
+    });
+  }
+}
+
+void Sim::Exec(int fid, std::vector<proxy::Action> actions) {
+  FlowState& f = flows_[fid];
+  for (proxy::Action& a : actions) {
+    if (auto* s = std::get_if<proxy::SendLeg>(&a)) {
+      const int ei = EngineByName(s->instance.id);
+      const LegRef ref{fid, s->leg_id};
+      Trace("proxy %d: send %s leg %d to %s", fid, std::string(proxy::RoleName(s->role)).c_str(),
+            s->leg_id, s->instance.id.c_str());
+      const DurationUs d = Uniform(k_.http_delay_lo, k_.http_delay_hi);
+      if (ei < 0 || !engines_[ei].up) {
+        At(now_ + d, [this, ref] { LegError(ref, proxy::LegFailure::kUnreachable, "refused"); });
+        continue;
+      }
+      const int inc = engines_[ei].incarnation;
+      At(now_ + d, [this, ei, inc, ref, body = s->body] { LegArrive(ei, inc, ref, body); });
+    } else if (auto* c = std::get_if<proxy::CancelLeg>(&a)) {
+      Trace("proxy %d: cancel leg %d", fid, c->leg_id);
+      const LegRef ref{fid, c->leg_id};
+      for (Engine& e : engines_) {
+        auto it = e.req_of.find(ref);
+        if (it == e.req_of.end()) continue;
+        const int ei = e.index, inc = e.incarnation;
+        const std::string id = it->second;
+        At(now_ + Uniform(k_.http_delay_lo, k_.http_delay_hi), [this, ei, inc, id] {
+          Engine& x = engines_[ei];
+          if (!x.up || x.incarnation != inc) return;
+          Trace("%s: connection closed, abort %s", x.engine_id.c_str(), id.c_str());
+          Defer(x, [this, ei, id] { engines_[ei].sched->Abort(id, now_); });
+        });
+      }
+      // A leg still travelling is cancelled on arrival (LegArrive checks the flow).
+    } else if (auto* rh = std::get_if<proxy::ReleaseHold>(&a)) {
+      Trace("proxy %d: release hold %s at %s", fid, rh->transfer_id.c_str(),
+            rh->prefill.id.c_str());
+      const int ei = EngineByName(rh->prefill.id);
+      if (ei >= 0) SendControl(ei, ReleaseMsg{.transfer_id = rh->transfer_id}, 0, "proxy");
+    } else if (auto* rs = std::get_if<proxy::Respond>(&a)) {
+      Trace("proxy %d: respond %d %s", fid, rs->status, rs->body.substr(0, 160).c_str());
+      CheckAnswer(f, rs->status, rs->body);
+    } else if (std::get_if<proxy::EndStream>(&a)) {
+      CheckAnswer(f, 200, "");
+    }
+  }
+  if (!f.finished && f.flow->done()) {
+    f.finished = true;
+    Trace("proxy %d: flow done (%s)", fid,
+          std::string(proxy::OutcomeName(f.flow->outcome())).c_str());
+  }
+}
+
+void Sim::CheckAnswer(FlowState& f, int status, const std::string& body) {
+  if (++f.responses > 1) {
+    Violate(ViolationKind::kBadAnswer, "client " + std::to_string(f.id) + " answered twice");
+    return;
+  }
+  if (status == 200) ++result_.answered_ok;
+  if (k_.faults || f.client_aborted) return;
+  if (status != 200) {
+    Violate(ViolationKind::kBadAnswer, "client " + std::to_string(f.id) + " got " +
+                                           std::to_string(status) +
+                                           " in a fault-free run: " + body.substr(0, 300));
+    return;
+  }
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.contains("choices") || !j["choices"].is_array() ||
+      static_cast<int>(j["choices"].size()) != f.n) {
+    Violate(ViolationKind::kSiblingAccounting, "client " + std::to_string(f.id) +
+                                                   " asked n=" + std::to_string(f.n) +
+                                                   " and got: " + body.substr(0, 300));
+  }
+}
+
+void Sim::LegArrive(int ei, int inc, LegRef ref, std::string body) {
+  Engine& e = engines_[ei];
+  if (!e.up) {
+    LegError(ref, proxy::LegFailure::kUnreachable, "refused");
+    return;
+  }
+  if (e.incarnation != inc) {
+    LegError(ref, proxy::LegFailure::kBroken, "connection reset");
+    return;
+  }
+  json j = json::parse(body, nullptr, false);
+  auto bad = [&](const std::string& why) {
+    json err = {{"error", {{"message", why}, {"type", "invalid_request_error"}}}};
+    AnswerLeg(e, ref, 400, err.dump());
+  };
+  if (j.is_discarded() || !j.is_object() || !j.contains("prompt") || !j["prompt"].is_array()) {
+    bad("bad body");
+    return;
+  }
+  EngineRequest r;
+  r.request_id =
+      "r" + std::to_string(ei) + "." + std::to_string(inc) + "." + std::to_string(e.next_request++);
+  r.prompt_token_ids = j["prompt"].get<std::vector<int32_t>>();
+  r.sampling.n = j.value("n", 1);
+  r.sampling.max_tokens = j.value("max_tokens", 16);
+  r.sampling.temperature = j.value("temperature", 1.0f);
+  if (j.contains("kv_transfer_params")) {
+    auto p = ParseKvTransferParams(j["kv_transfer_params"], {.block_size = k_.block_size});
+    if (!p.ok()) {
+      bad(p.status().ToString());
+      return;
+    }
+    if (p->do_remote_decode != e.prefill) {
+      bad("kv_transfer_params do not fit this engine's role");
+      return;
+    }
+    r.kv_transfer_params = KvTransferParamsToJson(*p);
+  }
+  Status v = e.sched->ValidateRequest(r);
+  if (!v.ok()) {
+    bad(v.ToString());
+    return;
+  }
+  Trace("%s: accepts %s for client %d leg %d (n=%d, %zu prompt tokens)", e.engine_id.c_str(),
+        r.request_id.c_str(), ref.flow, ref.leg, r.sampling.n, r.prompt_token_ids.size());
+  const std::string id = r.request_id;
+  e.leg_of[id] = ref;
+  e.req_of[ref] = id;
+  e.accum[id].n = r.sampling.n;
+  Defer(e, [this, ei, id, r = std::move(r)]() mutable {
+    Engine& x = engines_[ei];
+    Status st = x.sched->AddRequest(std::move(r), now_);
+    if (!st.ok()) {
+      auto it = x.leg_of.find(id);
+      if (it == x.leg_of.end()) return;
+      const LegRef lr = it->second;
+      x.leg_of.erase(it);
+      x.req_of.erase(lr);
+      x.accum.erase(id);
+      AnswerLeg(x, lr, 400, json({{"error", {{"message", st.ToString()}}}}).dump());
+    }
+  });
+  // A cancel that raced ahead of the leg: the connection is already closed.
+  const FlowState& f = flows_[ref.flow];
+  for (const proxy::LegRecord& rec : f.flow->legs()) {
+    if (rec.leg_id == ref.leg && rec.cancelled) {
+      Defer(e, [this, ei, id] { engines_[ei].sched->Abort(id, now_); });
+    }
+  }
+}
+
+void Sim::AnswerLeg(Engine& e, LegRef ref, int status, std::string body) {
+  Trace("%s: answers client %d leg %d: %d", e.engine_id.c_str(), ref.flow, ref.leg, status);
+  At(now_ + Uniform(k_.http_delay_lo, k_.http_delay_hi),
+     [this, ref, status, body = std::move(body)] {
+       FlowState& f = flows_[ref.flow];
+       std::vector<proxy::Action> acts =
+           f.flow->OnLegStatus(ref.leg, status, "application/json", now_);
+       auto more = f.flow->OnLegData(ref.leg, body, now_);
+       acts.insert(acts.end(), more.begin(), more.end());
+       more = f.flow->OnLegDone(ref.leg, now_);
+       acts.insert(acts.end(), more.begin(), more.end());
+       Exec(ref.flow, std::move(acts));
+     });
+}
+
+void Sim::LegError(LegRef ref, proxy::LegFailure failure, const std::string& why) {
+  FlowState& f = flows_[ref.flow];
+  Trace("proxy %d: leg %d error (%s)", ref.flow, ref.leg, why.c_str());
+  Exec(ref.flow, f.flow->OnLegError(ref.leg, failure, UnavailableError(why), now_));
+}
+
+// ------------------------------------------------------------------------------------------
+// Control network
+
+void Sim::SendFromEngine(int engine, const SendMessageAction& a) {
+  const Engine& e = engines_[engine];
+  if (a.reply_token != 0) {
+    auto it = reply_routes_.find(a.reply_token);
+    if (it == reply_routes_.end()) return;
+    const int to = it->second;
+    reply_routes_.erase(it);
+    SendControl(to, a.msg, 0, e.engine_id);
+    return;
+  }
+  if (std::holds_alternative<HoldReplyMsg>(a.msg)) return;  // a reply without a path: dropped
+  const int to = a.to.port - kPortBase;
+  if (to < 0 || to >= static_cast<int>(engines_.size())) {
+    Violate(ViolationKind::kCrash,
+            e.engine_id + " sends to unknown port " + std::to_string(a.to.port));
+    return;
+  }
+  // A ReadDone that wants a reply carries its sender as the reply path.
+  uint64_t route = 0;
+  if (auto* rd = std::get_if<ReadDoneMsg>(&a.msg); rd != nullptr && rd->want_reply) {
+    route = static_cast<uint64_t>(engine) + 1;
+  }
+  SendControl(to, a.msg, route, e.engine_id);
+}
+
+void Sim::SendControl(int to_engine, const ControlMessage& msg, uint64_t route,
+                      const std::string& from) {
+  const std::string wire = EncodeMessage(msg);
+  int copies = 1;
+  if (k_.faults) {
+    if (Chance(k_.msg_loss)) {
+      Trace("net: LOST %s -> %s: %s", from.c_str(), engines_[to_engine].name.c_str(), wire.c_str());
+      return;
+    }
+    if (Chance(k_.msg_dup)) copies = 2;
+  }
+  Trace("net: %s -> %s%s: %s", from.c_str(), engines_[to_engine].name.c_str(),
+        copies > 1 ? " (duplicated)" : "", wire.c_str());
+  for (int c = 0; c < copies; ++c) {
+    DurationUs d = Uniform(k_.msg_delay_lo, k_.msg_delay_hi);
+    if (Chance(k_.msg_tail)) d += Uniform(0, k_.msg_tail_hi);
+    const int reply_to = route == 0 ? -1 : static_cast<int>(route - 1);
+    At(now_ + d, [this, to_engine, wire, reply_to] { Deliver(to_engine, wire, reply_to); });
+  }
+}
+
+void Sim::Deliver(int to_engine, const std::string& wire, int reply_to) {
+  Engine& e = engines_[to_engine];
+  if (!e.up) {
+    Trace("net: %s is down, dropped %s", e.name.c_str(), wire.c_str());
+    return;
+  }
+  Result<ControlMessage> m = DecodeMessage(wire);
+  if (!m.ok()) {
+    Violate(ViolationKind::kCrash, "undecodable control message: " + m.status().ToString());
+    return;
+  }
+  uint64_t token = 0;
+  if (reply_to >= 0) {
+    token = next_token_++;
+    reply_routes_[token] = reply_to;
+  }
+  e.conn->Push(InMsg{std::move(*m), token});
+  Wake(to_engine);
+}
+
+void Sim::InjectJunk() {
+  // Late, unknown and misaddressed messages from nowhere: must change nothing.
+  const int to = static_cast<int>(Uniform(0, static_cast<int64_t>(engines_.size()) - 1));
+  std::string tid = minted_.empty() || Chance(0.5)
+                        ? "junk-" + std::to_string(Uniform(0, 1 << 20))
+                        : minted_[Uniform(0, static_cast<int64_t>(minted_.size()) - 1)];
+  // Stale incarnation ids for real transfers; any id for unknown ones.
+  const std::string stale = engines_[to].name + "-i0";
+  ControlMessage msg;
+  switch (Uniform(0, 3)) {
+    case 0:
+      msg = ReadDoneMsg{.transfer_id = tid,
+                        .prefill_engine_id = stale,
+                        .decode_engine_id = "ghost",
+                        .outcome = ReadOutcome::kOk,
+                        .want_reply = Chance(0.5)};
+      break;
+    case 1:
+      msg = HoldReplyMsg{.transfer_id = tid,
+                         .prefill_engine_id = stale,
+                         .decode_engine_id = "ghost",
+                         .hold_valid = true};
+      break;
+    case 2:
+      msg =
+          HeartbeatMsg{.transfer_id = tid, .prefill_engine_id = stale, .decode_engine_id = "ghost"};
+      break;
+    default:
+      msg = ReleaseMsg{.transfer_id = tid, .prefill_engine_id = stale};
+  }
+  Trace("junk -> %s", engines_[to].name.c_str());
+  SendControl(to, msg, 0, "junk");
+}
+
+// ------------------------------------------------------------------------------------------
+// Transfers
+
+void Sim::PostRead(int engine, const PostReadAction& a) {
+  ++result_.reads;
+  Engine& d = engines_[engine];
+  const uint64_t key = next_read_key_++;
+  Read r;
+  r.dst = engine;
+  r.dst_inc = d.incarnation;
+  r.read_id = a.read_id;
+  r.request_id = a.request_id;
+  r.src = a.prefill.port - kPortBase;
+  r.src_blocks = a.remote_block_ids;
+  r.dst_blocks = a.local_block_ids;
+  DurationUs dur = 200 + 20 * static_cast<DurationUs>(a.remote_block_ids.size()) + Uniform(0, 3000);
+  if (r.src < 0 || r.src >= static_cast<int>(engines_.size()) || !engines_[r.src].up ||
+      engines_[r.src].engine_id != a.prefill.engine_id) {
+    r.tainted = true;
+    r.status = UnavailableError("no such peer " + a.prefill.engine_id);
+    dur = Uniform(100, 3000);
+  } else {
+    const Engine& s = engines_[r.src];
+    r.src_inc = s.incarnation;
+    for (int32_t b : r.src_blocks) {
+      if (b < 0 || b >= s.pool->num_blocks()) {
+        r.status = InvalidArgumentError("remote block out of range");
+        r.tainted = true;
+      } else if (s.pool->RefCount(b) == 0 && s.pool->HoldCount(b) == 0) {
+        r.tainted = true;  // not held: whatever is read is not the prompt's KV
+      }
+    }
+    if (k_.faults && Chance(k_.read_fail)) {
+      r.status = UnavailableError("simulated transfer failure");
+      dur = Uniform(0, dur);
+    } else if (k_.faults && Chance(k_.read_slow)) {
+      dur = Uniform(k_.read_slow_lo, k_.read_slow_hi);
+    }
+  }
+  for (int32_t b : r.dst_blocks) {
+    if (b < 0 || b >= d.pool->num_blocks()) {
+      Violate(ViolationKind::kCrash, "READ into a block out of range");
+      return;
+    }
+  }
+  r.end_at = now_ + dur;
+  Trace("xfer: %s posts READ %llu for %s: %zu blocks from %s (%.3fms%s)", d.engine_id.c_str(),
+        static_cast<unsigned long long>(a.read_id), a.request_id.c_str(), r.src_blocks.size(),
+        a.prefill.engine_id.c_str(), static_cast<double>(dur) / kMillisecond,
+        r.status.ok() ? "" : ", will fail");
+  read_key_[{r.dst, r.dst_inc, r.read_id}] = key;
+  const uint64_t v = r.version;
+  reads_.emplace(key, std::move(r));
+  At(now_ + dur, [this, key, v] { EndRead(key, v); });
+}
+
+void Sim::CancelRead(int engine, uint64_t read_id) {
+  auto k = read_key_.find({engine, engines_[engine].incarnation, read_id});
+  if (k == read_key_.end()) return;
+  Read& r = reads_.at(k->second);
+  if (r.cancelled) return;
+  r.cancelled = true;
+  // Partial progress: the chunk on the wire still lands; then the READ stops.
+  const TimePoint stop = now_ + Uniform(0, 2000);
+  if (stop < r.end_at) {
+    r.end_at = stop;
+    r.status = CancelledError("READ cancelled");
+  }
+  Trace("xfer: cancel READ %llu of %s (ends in %.3fms)", static_cast<unsigned long long>(read_id),
+        engines_[engine].engine_id.c_str(), static_cast<double>(r.end_at - now_) / kMillisecond);
+  const uint64_t key = k->second, v = ++r.version;
+  At(r.end_at, [this, key, v] { EndRead(key, v); });
+}
+
+void Sim::EndRead(uint64_t key, uint64_t version) {
+  auto it = reads_.find(key);
+  if (it == reads_.end() || it->second.version != version) return;
+  Read r = std::move(it->second);
+  reads_.erase(it);
+  read_key_.erase({r.dst, r.dst_inc, r.read_id});
+  Engine& d = engines_[r.dst];
+  if (!d.up || d.incarnation != r.dst_inc) return;
+  if (r.tainted && r.status.ok()) tainted_loads_.insert({r.dst, r.dst_inc, r.request_id});
+  Trace("xfer: READ %llu of %s ends: %s%s", static_cast<unsigned long long>(r.read_id),
+        d.engine_id.c_str(), r.status.ToString().c_str(),
+        r.tainted ? " (source blocks were not held throughout)" : "");
+  d.conn->Push(InReadEnded{r.read_id, r.status});
+  Wake(r.dst);
+}
+
+void Sim::CheckLoadTaint(int engine, const std::string& request_id) {
+  const Engine& e = engines_[engine];
+  if (tainted_loads_.count({engine, e.incarnation, request_id})) {
+    Violate(ViolationKind::kStaleKvUsed,
+            e.engine_id + " uses the KV of " + request_id +
+                ", read from prefill blocks that were freed (or gone) during the READ");
+  }
+}
+
+void Sim::OnLoadFailed(int engine, const std::string& request_id, const Status& status) {
+  // Without injected faults a load may only fail when its client left (the proxy's release
+  // races the decode's ReadDone); anything else is a safety net firing.
+  if (k_.faults) return;
+  const Engine& e = engines_[engine];
+  auto it = e.leg_of.find(request_id);
+  if (it != e.leg_of.end() && flows_[it->second.flow].client_aborted) return;
+  Violate(ViolationKind::kLoadFailed, e.engine_id + ": remote load of " + request_id +
+                                          " failed without injected faults: " + status.ToString());
+}
+
+// ------------------------------------------------------------------------------------------
+// Invariants
+
+int64_t Sim::SumLeaseExpired() const {
+  int64_t n = dead_lease_expired_;
+  for (const Engine& e : engines_) {
+    if (e.up) n += e.conn->prefill().counters().lease_expired;
+  }
+  return n;
+}
+int64_t Sim::SumIgnored() const {
+  int64_t n = dead_ignored_;
+  for (const Engine& e : engines_) {
+    if (e.up) {
+      n += e.conn->prefill().counters().notifications_ignored +
+           e.conn->decode().counters().notifications_ignored;
+    }
+  }
+  return n;
+}
+int64_t Sim::SumLoadFailures() const {
+  int64_t n = dead_load_failures_;
+  for (const Engine& e : engines_) {
+    if (e.up) n += e.conn->decode().counters().load_failures;
+  }
+  return n;
+}
+
+void Sim::CheckAll() {
+  for (const Engine& e : engines_) {
+    if (!e.up) continue;
+    Status st = e.pool->CheckInvariants();
+    if (!st.ok()) {
+      Violate(ViolationKind::kPoolAccounting, e.engine_id + ": " + st.ToString());
+      return;
+    }
+    if (e.pool->NumFree() + e.pool->NumCachedFree() + e.pool->NumActive() != e.pool->num_blocks()) {
+      Violate(ViolationKind::kPoolAccounting, e.engine_id + ": free + cached + active != total");
+      return;
+    }
+    const size_t held = e.conn->num_ledger_held();
+    if (held != e.sched->num_held() || e.pool->num_holds() != e.sched->num_held() ||
+        e.conn->num_ledger_draining() != e.sched->num_draining()) {
+      Violate(ViolationKind::kSiblingAccounting,
+              e.engine_id + ": connector holds " + std::to_string(held) + "/drains " +
+                  std::to_string(e.conn->num_ledger_draining()) + ", engine holds " +
+                  std::to_string(e.sched->num_held()) + "/drains " +
+                  std::to_string(e.sched->num_draining()) + ", pool holds " +
+                  std::to_string(e.pool->num_holds()));
+      return;
+    }
+    const auto& c = e.conn->prefill().counters();
+    if (c.holds - c.holds_freed != static_cast<int64_t>(held)) {
+      Violate(ViolationKind::kSiblingAccounting,
+              e.engine_id + ": prefill core counts " + std::to_string(c.holds - c.holds_freed) +
+                  " live holds, the engine " + std::to_string(held));
+      return;
+    }
+  }
+  // No early free: a block an in-flight READ writes into stays allocated; a READ whose source
+  // blocks lose their hold is tainted (its bytes must not be used).
+  for (auto& [key, r] : reads_) {
+    const Engine& s = engines_[r.src >= 0 && r.src < static_cast<int>(engines_.size()) ? r.src : 0];
+    if (!r.tainted && r.src >= 0) {
+      if (!s.up || s.incarnation != r.src_inc) {
+        r.tainted = true;
+      } else {
+        for (int32_t b : r.src_blocks) {
+          if (s.pool->RefCount(b) == 0 && s.pool->HoldCount(b) == 0) {
+            r.tainted = true;
+            Trace("xfer: source block %d of READ %llu freed during the read", b,
+                  static_cast<unsigned long long>(r.read_id));
+            break;
+          }
+        }
+      }
+    }
+    const Engine& d = engines_[r.dst];
+    if (!d.up || d.incarnation != r.dst_inc) continue;
+    for (int32_t b : r.dst_blocks) {
+      if (d.pool->RefCount(b) == 0 && d.pool->HoldCount(b) == 0) {
+        Violate(ViolationKind::kEarlyFree,
+                d.engine_id + " freed block " + std::to_string(b) + " of " + r.request_id +
+                    " while READ " + std::to_string(r.read_id) + " may still write into it");
+        return;
+      }
+    }
+  }
+  if (!k_.faults) {
+    if (int64_t n = SumLeaseExpired(); n > 0) {
+      Violate(ViolationKind::kLeaseExpired,
+              std::to_string(n) + " lease(s) expired in a run without injected faults");
+      return;
+    }
+    if (int64_t n = SumIgnored(); n > 0) {
+      Violate(ViolationKind::kNotificationIgnored,
+              std::to_string(n) + " notification(s) ignored in a run without injected faults");
+      return;
+    }
+  }
+  for (const FlowState& f : flows_) {
+    if (f.flow && !f.finished && now_ > f.arrival + k_.hang_bound) {
+      Violate(ViolationKind::kHang, "client " + std::to_string(f.id) + " (transfer " +
+                                        f.flow->transfer_id() + ") not done after " +
+                                        std::to_string(k_.hang_bound / kSecond) + " s");
+      return;
+    }
+  }
+}
+
+void Sim::CheckQuiescence() {
+  for (const FlowState& f : flows_) {
+    if (!f.finished || !f.flow->client_done()) {
+      Violate(ViolationKind::kHang, "quiescent, but client " + std::to_string(f.id) +
+                                        " (transfer " + f.flow->transfer_id() + ") is not done");
+      return;
+    }
+  }
+  if (!reads_.empty()) {
+    Violate(ViolationKind::kLeak, "quiescent with " + std::to_string(reads_.size()) + " READs");
+    return;
+  }
+  for (const Engine& e : engines_) {
+    if (!e.up) continue;
+    std::string what;
+    if (e.pool->NumActive() != 0) what += " active_blocks=" + std::to_string(e.pool->NumActive());
+    if (e.pool->NumHeld() != 0) what += " held_blocks=" + std::to_string(e.pool->NumHeld());
+    if (e.sched->HasUnfinished()) what += " requests=" + std::to_string(e.sched->num_requests());
+    if (e.sched->num_held() != 0) what += " engine_holds=" + std::to_string(e.sched->num_held());
+    if (e.sched->num_draining() != 0)
+      what += " draining=" + std::to_string(e.sched->num_draining());
+    if (e.conn->prefill().NumTransfers() != 0)
+      what += " transfers=" + std::to_string(e.conn->prefill().NumTransfers());
+    if (e.conn->prefill().NumParked() != 0)
+      what += " parked=" + std::to_string(e.conn->prefill().NumParked());
+    if (!e.conn->decode().Idle()) what += " decode_entries";
+    if (e.conn->inbox_size() != 0) what += " inbox=" + std::to_string(e.conn->inbox_size());
+    if (e.conn->num_ledger_loading() != 0)
+      what += " loading=" + std::to_string(e.conn->num_ledger_loading());
+    if (!what.empty()) {
+      Violate(ViolationKind::kLeak, e.engine_id + " at quiescence:" + what);
+      return;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Run
+
+SimResult Sim::Run() {
+  result_.seed = seed_;
+  DrawKnobs();
+  result_.faults = k_.faults;
+  Trace(
+      "seed %llu workload %s: %d prefill + %d decode, block_size %d, faults %s, "
+      "prefill_forward_n %d, %d requests",
+      static_cast<unsigned long long>(seed_), std::string(WorkloadName(opts_.workload)).c_str(),
+      k_.num_prefill, k_.num_decode, k_.block_size, k_.faults ? "on" : "off",
+      k_.prefill_forward_n ? 1 : 0, k_.num_requests);
+  for (int i = 0; i < k_.num_prefill + k_.num_decode; ++i) {
+    Engine e;
+    e.index = i;
+    e.prefill = i < k_.num_prefill;
+    e.name = e.prefill ? "p" + std::to_string(i) : "d" + std::to_string(i - k_.num_prefill);
+    e.port = kPortBase + i;
+    e.prefix_caching = k_.prefix_caching[static_cast<size_t>(i)];
+    engines_.push_back(std::move(e));
+  }
+  for (Engine& e : engines_) StartEngine(e);
+  flows_.resize(static_cast<size_t>(k_.num_requests));
+  result_.requests = k_.num_requests;
+  for (int i = 0; i < k_.num_requests; ++i) {
+    flows_[i].id = i;
+    flows_[i].arrival = Uniform(0, k_.arrival_window);
+    At(flows_[i].arrival, [this, i] { StartFlow(i); });
+  }
+  for (int c = 0; c < k_.crashes; ++c) {
+    const int ei = static_cast<int>(Uniform(0, static_cast<int64_t>(engines_.size()) - 1));
+    At(Uniform(0, k_.arrival_window + 50 * kMillisecond), [this, ei] { CrashEngine(ei); });
+  }
+  for (int j = 0; j < k_.junk; ++j) {
+    At(Uniform(0, k_.arrival_window + 100 * kMillisecond), [this] { InjectJunk(); });
+  }
+  int64_t events = 0;
+  while (!events_.empty() && result_.ok) {
+    auto node = events_.extract(events_.begin());
+    now_ = node.key().first;
+    ++events;
+    try {
+      node.mapped()();
+    } catch (const std::exception& ex) {
+      Violate(ViolationKind::kCrash, std::string("exception: ") + ex.what());
+      break;
+    }
+    if (!result_.ok) break;
+    CheckAll();
+    if (events > opts_.max_events) {
+      Violate(ViolationKind::kHang, "no quiescence after " + std::to_string(events) + " events");
+    }
+  }
+  if (result_.ok) CheckQuiescence();
+  result_.events = events;
+  if (result_.ok) result_.at = now_;
+  result_.lease_expired = static_cast<int>(SumLeaseExpired());
+  if (opts_.trace) result_.trace = std::move(trace_);
+  return result_;
+}
+
+}  // namespace
+
+SimResult RunSimulation(uint64_t seed, const SimOptions& options) {
+  Sim sim(seed, options);
+  return sim.Run();
+}
+
+}  // namespace kvbridge::sim
