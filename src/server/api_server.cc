@@ -269,6 +269,21 @@ struct ApiServer::Impl {
     if (live_jobs.erase(job) > 0) in_flight->Add(-1);
   }
 
+  // kvbridge_http_requests_total{code}: counted before the response is written (so a client
+  // that reads /metrics after its answer sees it): successes when the handler returns, errors
+  // (>= 400, whoever set them) in the error handler, which httplib calls before writing.
+  void CountResponse(int status) {
+    metrics
+        .AddCounter("kvbridge_http_requests_total", "HTTP responses by status code.",
+                    "code=\"" + std::to_string(status) + "\"")
+        .Inc();
+  }
+  httplib::Server::Handler Counted(httplib::Server::Handler h) {
+    return [this, h = std::move(h)](const httplib::Request& req, httplib::Response& res) {
+      h(req, res);
+      if (res.status < 400) CountResponse(res.status < 0 ? 200 : res.status);
+    };
+  }
   void InstallRoutes();
   void HandleGenerate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
 };
@@ -390,27 +405,28 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
 }
 
 void ApiServer::Impl::InstallRoutes() {
-  svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleGenerate(Endpoint::kCompletions, req, res);
-  });
-  svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    HandleGenerate(Endpoint::kChatCompletions, req, res);
-  });
-  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    json model{{"id", config.served_model_name},   {"object", "model"},
-               {"created", UnixSeconds()},         {"owned_by", "kvbridge"},
-               {"root", config.served_model_name}, {"max_model_len", config.max_model_len}};
-    res.set_content(DumpJson(json{{"object", "list"}, {"data", json::array({model})}}),
-                    "application/json");
-  });
-  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    if (stopping.load()) return SetError(res, 503, "the server is shutting down");
-    res.set_content("{}", "application/json");
-  });
-  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(engine->metrics().Render() + metrics.Render(),
-                    "text/plain; version=0.0.4; charset=utf-8");
-  });
+  svr.Post("/v1/completions", Counted([this](const httplib::Request& req, httplib::Response& res) {
+             HandleGenerate(Endpoint::kCompletions, req, res);
+           }));
+  svr.Post("/v1/chat/completions",
+           Counted([this](const httplib::Request& req, httplib::Response& res) {
+             HandleGenerate(Endpoint::kChatCompletions, req, res);
+           }));
+  svr.Get("/v1/models", Counted([this](const httplib::Request&, httplib::Response& res) {
+            json model{{"id", config.served_model_name},   {"object", "model"},
+                       {"created", UnixSeconds()},         {"owned_by", "kvbridge"},
+                       {"root", config.served_model_name}, {"max_model_len", config.max_model_len}};
+            res.set_content(DumpJson(json{{"object", "list"}, {"data", json::array({model})}}),
+                            "application/json");
+          }));
+  svr.Get("/health", Counted([this](const httplib::Request&, httplib::Response& res) {
+            if (stopping.load()) return SetError(res, 503, "the server is shutting down");
+            res.set_content("{}", "application/json");
+          }));
+  svr.Get("/metrics", Counted([this](const httplib::Request&, httplib::Response& res) {
+            res.set_content(engine->metrics().Render() + metrics.Render(),
+                            "text/plain; version=0.0.4; charset=utf-8");
+          }));
 }
 
 ApiServer::ApiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -461,8 +477,9 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
     }
     return httplib::Server::HandlerResponse::Unhandled;
   });
-  d->svr.set_error_handler(
-      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+  d->svr.set_error_handler(httplib::Server::HandlerWithResponse(
+      [d](const httplib::Request& req, httplib::Response& res) {
+        d->CountResponse(res.status);
         if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
         std::string message = res.status == 404   ? "no route for " + req.method + " " + req.path
                               : res.status == 413 ? "the request body is too large"
@@ -481,11 +498,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
         }
         SetError(res, 500, what);
       });
-  d->svr.set_logger([d](const httplib::Request& req, const httplib::Response& res) {
-    d->metrics
-        .AddCounter("kvbridge_http_requests_total", "HTTP requests answered, by status code.",
-                    "code=\"" + std::to_string(res.status) + "\"")
-        .Inc();
+  d->svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
     KVB_LOG_DEBUG("{} {} -> {}", req.method, req.path, res.status);
   });
   d->InstallRoutes();
@@ -500,11 +513,12 @@ Status ApiServer::RegisterRoute(std::string_view method, const std::string& patt
   } catch (const std::regex_error& e) {
     return InvalidArgumentError("bad route pattern '" + pattern + "': " + e.what());
   }
-  auto wrapped = [h = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
-    HttpResponse r = h(ToHttpRequest(req));
-    res.status = r.status;
-    res.set_content(r.body, r.content_type);
-  };
+  auto wrapped =
+      impl_->Counted([h = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+        HttpResponse r = h(ToHttpRequest(req));
+        res.status = r.status;
+        res.set_content(r.body, r.content_type);
+      });
   if (method == "GET") {
     impl_->svr.Get(pattern, wrapped);
   } else if (method == "POST") {
