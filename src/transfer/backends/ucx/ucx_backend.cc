@@ -172,9 +172,9 @@ class UcxBackend : public Backend {
     if (!Unhex(parts[0].substr(colon + 1), &addr) || addr.empty()) {
       return InvalidArgumentError("bad ucx address");
     }
-    auto p = std::make_shared<UcxPeer>(this, peer.agent_name);
-    std::lock_guard<std::recursive_mutex> l(mu_);
-    RETURN_IF_ERROR(CreateEp(p.get(), addr));
+    // Validate everything before creating the endpoint (closing a half-wired endpoint trips
+    // UCX 1.13 assertions).
+    std::vector<std::string> rkeys;
     for (size_t i = 0; i + 1 < parts.size(); ++i) {
       std::string rk;
       size_t comma = parts[i + 1].find(',');
@@ -185,8 +185,14 @@ class UcxBackend : public Backend {
         return UnavailableError("ucx: region " + std::to_string(i) +
                                 " size disagrees with the peer's metadata");
       }
+      rkeys.push_back(std::move(rk));
+    }
+    auto p = std::make_shared<UcxPeer>(this, peer.agent_name);
+    std::lock_guard<std::recursive_mutex> l(mu_);
+    RETURN_IF_ERROR(CreateEp(p.get(), addr));
+    for (size_t i = 0; i < rkeys.size(); ++i) {
       ucp_rkey_h h;
-      ucs_status_t s = ucp_ep_rkey_unpack(p->ep_, rk.data(), &h);
+      ucs_status_t s = ucp_ep_rkey_unpack(p->ep_, rkeys[i].data(), &h);
       if (s != UCS_OK) return UcsError(s, "ucp_ep_rkey_unpack");
       p->rkeys_.push_back(h);
       p->base_.push_back(peer.layer_base[i]);
@@ -244,13 +250,15 @@ class UcxBackend : public Backend {
   }
 
   void CloseEp(UcxPeer* p) {
-    p->alive_.store(false);
+    const bool was_alive = p->alive_.exchange(false);
     if (!p->ep_ || !worker_) return;
     for (auto rk : p->rkeys_) ucp_rkey_destroy(rk);
     p->rkeys_.clear();
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    // Graceful close while the peer lives (a forced close can race UCX's wireup); forced once
+    // the peer is known dead.
+    rp.flags = was_alive ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep_, &rp);
     if (UCS_PTR_IS_PTR(r)) {
       for (int i = 0; i < 1000 && ucp_request_check_status(r) == UCS_INPROGRESS; ++i) {
