@@ -50,6 +50,7 @@ std::unique_ptr<httplib::Client> MakeClient(const HostPort& hp, double timeout_s
   c->set_read_timeout(sec, usec);
   c->set_write_timeout(sec, usec);
   c->set_keep_alive(true);
+  c->set_tcp_nodelay(true);  // headers and body go in separate writes: no Nagle stall
   return c;
 }
 

@@ -48,6 +48,23 @@ Result<HostPort> SplitUrl(const std::string& url) {
   return HostPort{rest.substr(0, colon), rest.substr(colon + 1)};
 }
 
+// Resolves host:port; an IP literal (the common case) skips the resolver, which would hop to its
+// own thread for getaddrinfo on every leg.
+awaitable<beast::error_code> Connect(beast::tcp_stream& stream, const HostPort& hp) {
+  beast::error_code ec;
+  auto addr = net::ip::make_address(hp.host, ec);
+  if (!ec) {
+    tcp::endpoint ep(addr, static_cast<unsigned short>(std::atoi(hp.port.c_str())));
+    co_await stream.async_connect(ep, net::redirect_error(kAwait, ec));
+    co_return ec;
+  }
+  tcp::resolver resolver(co_await net::this_coro::executor);
+  auto results = co_await resolver.async_resolve(hp.host, hp.port, net::redirect_error(kAwait, ec));
+  if (ec) co_return ec;
+  co_await stream.async_connect(results, net::redirect_error(kAwait, ec));
+  co_return ec;
+}
+
 std::string ErrorJson(int status, std::string_view type, std::string_view message) {
   return json{{"error", {{"message", message}, {"type", type}, {"code", status}}}}.dump();
 }
@@ -64,14 +81,9 @@ awaitable<Result<HttpReply>> HttpCall(http::verb verb, std::string url, std::str
   auto ex = co_await net::this_coro::executor;
   auto hp = SplitUrl(url);
   if (!hp.ok()) co_return hp.status();
-  beast::error_code ec;
-  tcp::resolver resolver(ex);
-  auto results =
-      co_await resolver.async_resolve(hp->host, hp->port, net::redirect_error(kAwait, ec));
-  if (ec) co_return UnavailableError("resolve " + url + ": " + ec.message());
   beast::tcp_stream stream(ex);
   stream.expires_after(std::chrono::microseconds(timeout));
-  co_await stream.async_connect(results, net::redirect_error(kAwait, ec));
+  beast::error_code ec = co_await Connect(stream, *hp);
   if (ec) co_return UnavailableError("connect " + url + ": " + ec.message());
   http::request<http::string_body> req{verb, target, 11};
   req.set(http::field::host, hp->host + ":" + hp->port);
@@ -285,16 +297,8 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     fail(LegFailure::kUnreachable, hp.status().message());
     co_return;
   }
-  beast::error_code ec;
-  tcp::resolver resolver(ex);
-  auto results =
-      co_await resolver.async_resolve(hp->host, hp->port, net::redirect_error(kAwait, ec));
-  if (ec) {
-    fail(LegFailure::kUnreachable, "resolve: " + ec.message());
-    co_return;
-  }
   stream->expires_after(std::chrono::microseconds(impl->options.connect_timeout));
-  co_await stream->async_connect(results, net::redirect_error(kAwait, ec));
+  beast::error_code ec = co_await Connect(*stream, *hp);
   if (ec) {
     fail(LegFailure::kUnreachable, "connect: " + ec.message());
     co_return;

@@ -33,6 +33,7 @@ std::string InstanceId(const RegistrationOptions& o) {
 Status Post(const RegistrationOptions& o, const std::string& path, const std::string& body) {
   ASSIGN_OR_RETURN(auto hp, SplitProxy(o.proxy));
   httplib::Client cli(hp.first, hp.second);
+  cli.set_tcp_nodelay(true);
   auto secs = o.request_timeout / kSecond;
   auto usecs = o.request_timeout % kSecond;
   cli.set_connection_timeout(secs, usecs);

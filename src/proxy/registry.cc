@@ -60,14 +60,20 @@ Status InstanceRegistry::AddStatic(Role role, const std::string& raw_url) {
     return InvalidArgumentError("instance url must look like http://HOST:PORT, got '" + raw_url +
                                 "'");
   }
-  if (instances_.count(url)) return AlreadyExistsError("instance " + url + " already listed");
+  // One engine may serve both roles (kv_both): the second role gets its own key.
+  std::string id = url;
+  for (const auto& [key, st] : instances_) {
+    if (st.info.url != url) continue;
+    if (st.info.role == role) return AlreadyExistsError("instance " + url + " already listed");
+    id = url + "#" + std::string(RoleName(role));
+  }
   InstanceState st;
-  st.info.id = url;
+  st.info.id = id;
   st.info.role = role;
   st.info.url = url;
   st.info.mode = options_.mode;
   st.is_static = true;
-  instances_[url] = std::move(st);
+  instances_[id] = std::move(st);
   return OkStatus();
 }
 

@@ -27,6 +27,12 @@ TEST(InstanceRegistry, StaticInstancesValidated) {
   ASSERT_TRUE(ep.has_value());
   EXPECT_EQ(ep->url, "http://127.0.0.1:8000");
   EXPECT_FALSE(reg.Pick(Role::kDecode, {}).has_value());
+  // The same engine may also be listed as a decode (kv_both).
+  ASSERT_TRUE(reg.AddStatic(Role::kDecode, "http://127.0.0.1:8000").ok());
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->url, "http://127.0.0.1:8000");
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->id, "http://127.0.0.1:8000#decode");
+  EXPECT_EQ(reg.AddStatic(Role::kDecode, "http://127.0.0.1:8000").code(),
+            StatusCode::kAlreadyExists);
 }
 
 TEST(InstanceRegistry, MixedModeRefusedWithReason) {

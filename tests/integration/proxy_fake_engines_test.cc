@@ -462,5 +462,38 @@ TEST(ProxyFakeEngines, BadRequestsAndUnknownPaths) {
   EXPECT_TRUE(p.Calls("/v1/completions").empty());
 }
 
+TEST(ProxyFakeEngines, RegistrationClientRetriesAndRegistersAgainAfterProxyRestart) {
+  FakeEngine d(false);
+  int port = testing::FreePort();
+  RegistrationOptions ro;
+  ro.proxy = "http://127.0.0.1:" + std::to_string(port);
+  ro.heartbeat_interval = 50 * kMillisecond;
+  ro.info.role = Role::kDecode;
+  ro.info.url = d.url();
+  auto client = RegistrationClient::Start(ro, {});
+  std::this_thread::sleep_for(150ms);
+  EXPECT_FALSE(client->registered());
+  EXPECT_EQ(client->last_status().code(), StatusCode::kUnavailable);
+
+  ProxyOptions o;
+  o.port = port;
+  auto proxy = ProxyServer::Create(o);
+  ASSERT_TRUE(proxy.ok()) << proxy.status().ToString();
+  (*proxy)->Start();
+  for (int i = 0; i < 200 && (*proxy)->Instances().empty(); ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ((*proxy)->Instances().size(), 1u);
+  EXPECT_TRUE(client->registered());
+
+  proxy->reset();  // the proxy restarts and forgets everything
+  auto again = ProxyServer::Create(o);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  (*again)->Start();
+  for (int i = 0; i < 200 && (*again)->Instances().empty(); ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_EQ((*again)->Instances().size(), 1u);
+  EXPECT_EQ((*again)->Instances()[0].info.url, d.url());
+  client->Stop();
+  EXPECT_TRUE((*again)->Instances().empty());  // deregistered on Stop
+}
+
 }  // namespace
 }  // namespace kvbridge::proxy

@@ -1,0 +1,218 @@
+// proxy_overhead_bench: the latency the P/D proxy adds, against nginx as a reverse proxy, in one
+// run against the same upstream (docs/proxy.md has the figures and the command).
+//
+//   build/bin/proxy_overhead_bench --kvbridge build/bin/kvbridge [--requests 2000] [--nginx PATH]
+//
+// The upstream is a fake OpenAI engine in this process that answers at once (so what is measured
+// is the proxies, not a model): a prefill-shaped request (kv_transfer_params.do_remote_decode)
+// gets kv_transfer_params back, anything else a fixed completion. One client (keep-alive,
+// concurrency 1) sends rounds of {direct, via nginx, via kvbridge proxy} requests, interleaved so
+// drift hits all three alike. nginx runs as its own process (1 worker, access log off, default
+// upstream settings: a new connection per request, like the kvbridge legs); `kvbridge proxy` runs
+// as its own process (1 event-loop thread) with the fake engine as both prefill and decode.
+// A P/D request through kvbridge makes two upstream calls (prefill leg + decode leg) by design, so
+// the report gives both the raw added latency and the added latency per upstream call.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+pid_t Spawn(std::vector<std::string> argv, const std::string& log) {
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) {
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::close(fd);
+  }
+  ::execv(args[0], args.data());
+  ::_exit(127);
+}
+
+bool WaitHttp(int port, const std::string& path, int ms) {
+  auto end = Clock::now() + std::chrono::milliseconds(ms);
+  while (Clock::now() < end) {
+    httplib::Client c("127.0.0.1", port);
+    auto r = c.Get(path.c_str());
+    if (r && r->status < 500) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+double P90(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() * 9 / 10];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string kvbridge = "build/bin/kvbridge", nginx = "/usr/sbin/nginx";
+  int requests = 2000;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i];
+    if (k == "--kvbridge")
+      kvbridge = argv[i + 1];
+    else if (k == "--nginx")
+      nginx = argv[i + 1];
+    else if (k == "--requests")
+      requests = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: %s [--kvbridge PATH] [--nginx PATH] [--requests N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (::access(nginx.c_str(), X_OK) != 0 || ::access(kvbridge.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "need nginx (%s) and kvbridge (%s)\n", nginx.c_str(), kvbridge.c_str());
+    return 2;
+  }
+  const std::string completion =
+      R"({"id":"cmpl-1","object":"text_completion","model":"fake","choices":[{"index":0,)"
+      R"("text":" hello world","finish_reason":"length"}],"usage":{"prompt_tokens":8,)"
+      R"("completion_tokens":2,"total_tokens":10}})";
+  httplib::Server upstream;
+  upstream.Post("/v1/completions", [&](const httplib::Request& req, httplib::Response& res) {
+    json b = json::parse(req.body, nullptr, false);
+    if (b.is_object() && b.contains("kv_transfer_params") &&
+        b["kv_transfer_params"].value("do_remote_decode", false)) {
+      json out = {{"choices", {{{"text", "x"}}}},
+                  {"kv_transfer_params",
+                   {{"transfer_id", b["kv_transfer_params"]["transfer_id"]},
+                    {"remote_engine_id", "fake"},
+                    {"remote_host", "127.0.0.1"},
+                    {"remote_port", 1},
+                    {"remote_block_ids", {1}},
+                    {"remote_num_tokens", 8},
+                    {"tp_size", 1}}}};
+      res.set_content(out.dump(), "application/json");
+      return;
+    }
+    res.set_content(completion, "application/json");
+  });
+  upstream.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("ok", "text/plain");
+  });
+  upstream.set_tcp_nodelay(true);
+  int up_port = upstream.bind_to_any_port("127.0.0.1");
+  std::thread up_thread([&] { upstream.listen_after_bind(); });
+
+  std::string dir =
+      (std::filesystem::temp_directory_path() / ("kvb-overhead-" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  int nginx_port = FreePort(), proxy_port = FreePort();
+  {
+    std::ofstream conf(dir + "/nginx.conf");
+    conf << "worker_processes 1;\ndaemon off;\npid " << dir << "/nginx.pid;\nerror_log " << dir
+         << "/error.log;\nevents { worker_connections 1024; }\nhttp {\n  access_log off;\n"
+         << "  client_body_temp_path " << dir << "/body;\n  proxy_temp_path " << dir
+         << "/proxy;\n  fastcgi_temp_path " << dir << "/fcgi;\n  uwsgi_temp_path " << dir
+         << "/uwsgi;\n  scgi_temp_path " << dir << "/scgi;\n"
+         << "  server {\n    listen 127.0.0.1:" << nginx_port << ";\n"
+         << "    location / { proxy_pass http://127.0.0.1:" << up_port
+         << "; proxy_buffering off; }\n  }\n}\n";
+  }
+  std::string up_url = "http://127.0.0.1:" + std::to_string(up_port);
+  pid_t nginx_pid = Spawn({nginx, "-p", dir, "-c", dir + "/nginx.conf"}, dir + "/nginx.out");
+  pid_t proxy_pid = Spawn({kvbridge, "proxy", "--port", std::to_string(proxy_port), "--prefill",
+                           up_url, "--decode", up_url, "--threads", "1"},
+                          dir + "/proxy.out");
+  int rc = 0;
+  if (!WaitHttp(nginx_port, "/health", 10000) || !WaitHttp(proxy_port, "/health", 10000)) {
+    std::fprintf(stderr, "nginx or kvbridge proxy did not start; logs kept in %s\n", dir.c_str());
+    rc = 1;
+  } else {
+    const std::string body = R"({"model":"fake","prompt":"hello","max_tokens":2})";
+    struct Path {
+      const char* name;
+      int port;
+      std::vector<double> us;
+    } paths[] = {{"direct", up_port, {}}, {"nginx", nginx_port, {}}, {"kvbridge", proxy_port, {}}};
+    std::vector<std::unique_ptr<httplib::Client>> clients;
+    for (auto& p : paths) {
+      clients.push_back(std::make_unique<httplib::Client>("127.0.0.1", p.port));
+      clients.back()->set_keep_alive(true);
+      clients.back()->set_tcp_nodelay(true);  // else Nagle + delayed ACK add ~40 ms
+    }
+    int errors = 0;
+    for (int i = 0; i < requests + 100; ++i) {
+      for (size_t k = 0; k < 3; ++k) {
+        auto t0 = Clock::now();
+        auto r = clients[k]->Post("/v1/completions", body, "application/json");
+        double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+        if (!r || r->status != 200 || r->body != completion) {
+          ++errors;
+          continue;
+        }
+        if (i >= 100) paths[k].us.push_back(us);  // the first 100 rounds warm up
+      }
+    }
+    double direct = Median(paths[0].us);
+    std::printf("%d requests per path (after 100 warm-up rounds), %d errors\n", requests, errors);
+    std::printf("%-10s %12s %12s %16s\n", "path", "median_us", "p90_us", "added_median_us");
+    for (auto& p : paths) {
+      std::printf("%-10s %12.1f %12.1f %16.1f\n", p.name, Median(p.us), P90(p.us),
+                  Median(p.us) - direct);
+    }
+    double ours = Median(paths[2].us) - direct, theirs = Median(paths[1].us) - direct;
+    std::printf(
+        "added median latency: nginx %.1f us (1 upstream call); kvbridge %.1f us, of which one "
+        "extra upstream call is the P/D protocol's second leg: %.1f us beyond the two calls\n",
+        theirs, ours, ours - direct);
+    if (errors > 0) rc = 1;
+  }
+  ::kill(nginx_pid, SIGTERM);
+  ::kill(proxy_pid, SIGTERM);
+  ::waitpid(nginx_pid, nullptr, 0);
+  ::waitpid(proxy_pid, nullptr, 0);
+  upstream.stop();
+  up_thread.join();
+  if (rc == 0) std::filesystem::remove_all(dir);
+  return rc;
+}
