@@ -564,10 +564,10 @@ TEST_F(ApiServerTest, StopEndsAStreamPromptly) {
   StartServer(eo);
   std::thread client([&] {
     auto r = Post("/v1/completions", {{"prompt", "a"}, {"max_tokens", 200}, {"stream", true}});
-    ASSERT_TRUE(r);
-    EXPECT_EQ(r->status, 200);
     // Either the abort reached the stream (finish_reason "abort", then [DONE]) or the server
-    // closed it first; never the full 200 tokens.
+    // closed the connection first (no response object); never the full 200 tokens.
+    if (!r) return;
+    EXPECT_EQ(r->status, 200);
     bool done = false;
     auto events = SseEvents(r->body, &done);
     std::string text;
@@ -580,7 +580,7 @@ TEST_F(ApiServerTest, StopEndsAStreamPromptly) {
   for (int i = 0; i < 500 && engine_->requests_added() == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ASSERT_EQ(engine_->requests_added(), 1);
+  EXPECT_EQ(engine_->requests_added(), 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   auto t0 = std::chrono::steady_clock::now();
   server_->Stop();
