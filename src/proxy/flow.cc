@@ -233,7 +233,9 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
   }
   // Clients never steer the KV protocol: their kv_transfer_params are dropped.
   j.erase("kv_transfer_params");
-  client_stream_ = j.value("stream", json(false)).is_boolean() && j.value("stream", false);
+  if (auto it = j.find("stream"); it != j.end() && it->is_boolean()) {
+    client_stream_ = it->get<bool>();
+  }
   client_body_ = j.dump();
 
   json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};

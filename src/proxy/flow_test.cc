@@ -366,6 +366,14 @@ TEST(PdFlowRead, TimeoutCancelsReleasesAnd504) {
   EXPECT_FALSE(h.flow.deadline().has_value());
 }
 
+TEST(PdFlowRead, NullStreamMeansNotStreaming) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":null})"}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<SendLeg>(a[0]).role, Role::kPrefill);
+  EXPECT_FALSE(h.flow.client_stream());
+}
+
 TEST(PdFlowRead, BadBodiesAre400) {
   for (const char* body : {"not json", "[1,2]", R"({"stream":"yes"})"}) {
     Harness h;

@@ -1,6 +1,7 @@
 #include "kvbridge/proxy/registry.h"
 
 #include <algorithm>
+#include <cctype>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
@@ -19,7 +20,15 @@ bool ValidUrl(const std::string& url) {
   for (size_t i = colon + 1; i < rest.size(); ++i) {
     if (rest[i] < '0' || rest[i] > '9') return false;
   }
-  return true;
+  // Host: a name or an IP literal; nothing that could break a metric label or a request line.
+  for (size_t i = 0; i < colon; ++i) {
+    char c = rest[i];
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-' && c != '_' &&
+        c != '[' && c != ']' && c != ':') {
+      return false;
+    }
+  }
+  return colon + 1 < rest.size() && rest.size() - colon - 1 <= 5;
 }
 
 std::string TrimSlash(std::string url) {

@@ -23,6 +23,8 @@ TEST(InstanceRegistry, StaticInstancesValidated) {
             StatusCode::kAlreadyExists);
   EXPECT_EQ(reg.AddStatic(Role::kDecode, "127.0.0.1:8000").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.AddStatic(Role::kDecode, "http://h:x").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.AddStatic(Role::kDecode, "http://a\"b:80").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.AddStatic(Role::kDecode, "http://h:123456").code(), StatusCode::kInvalidArgument);
   auto ep = reg.Pick(Role::kPrefill, {});
   ASSERT_TRUE(ep.has_value());
   EXPECT_EQ(ep->url, "http://127.0.0.1:8000");
