@@ -12,6 +12,7 @@
 #include <string>
 
 #include "apps/command_registry.h"
+#include "kvbridge/common/logging.h"
 #include "kvbridge/sim/simulator.h"
 
 namespace {
@@ -26,6 +27,7 @@ struct SimFlags {
 };
 
 int RunSim(const SimFlags& f) {
+  kvbridge::SetLogLevel("off");  // the trace says what happened; engine logs would interleave
   auto w = kvbridge::sim::ParseWorkload(f.workload);
   if (!w.ok()) {
     std::fprintf(stderr, "kvbridge sim: %s\n", w.status().ToString().c_str());

@@ -349,10 +349,10 @@ class Sim {
 
   // Invariants.
   void CheckAll();
+  void CheckReadTargets(int ei);
   void CheckQuiescence();
   int64_t SumLeaseExpired() const;
   int64_t SumIgnored() const;
-  int64_t SumLoadFailures() const;
 
   uint64_t seed_;
   SimOptions opts_;
@@ -675,7 +675,9 @@ void Sim::EngineStep(int ei, int inc) {
   std::vector<std::function<void()>> deferred;
   deferred.swap(e.deferred);
   for (auto& fn : deferred) fn();
+  CheckReadTargets(ei);  // before Schedule can hand a freed block out again
   e.sched->PollConnector(now_);
+  CheckReadTargets(ei);
   DrainOutputs(e);
   e.batch = e.sched->Schedule(now_);
   DrainOutputs(e);
@@ -1290,12 +1292,20 @@ int64_t Sim::SumIgnored() const {
   }
   return n;
 }
-int64_t Sim::SumLoadFailures() const {
-  int64_t n = dead_load_failures_;
-  for (const Engine& e : engines_) {
-    if (e.up) n += e.conn->decode().counters().load_failures;
+
+void Sim::CheckReadTargets(int ei) {
+  const Engine& d = engines_[ei];
+  for (const auto& [key, r] : reads_) {
+    if (r.dst != ei || d.incarnation != r.dst_inc) continue;
+    for (int32_t b : r.dst_blocks) {
+      if (d.pool->RefCount(b) == 0 && d.pool->HoldCount(b) == 0) {
+        Violate(ViolationKind::kEarlyFree,
+                d.engine_id + " freed block " + std::to_string(b) + " of " + r.request_id +
+                    " while READ " + std::to_string(r.read_id) + " may still write into it");
+        return;
+      }
+    }
   }
-  return n;
 }
 
 void Sim::CheckAll() {
