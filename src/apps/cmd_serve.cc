@@ -14,6 +14,7 @@
 #include "kvbridge/engine/engine.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/model.h"
+#include "kvbridge/proxy/registration.h"
 #include "kvbridge/server/api_server.h"
 #include "kvbridge/server/tokenizer_codec.h"
 
@@ -41,6 +42,7 @@ struct ServeOptions {
   std::string kv_transfer_config;
   std::string cluster_token;
   std::string advertise_host;
+  std::string proxy;  // HOST:PORT of a `kvbridge proxy` to register with; empty = none
 };
 
 Result<KvDtype> ParseKvDtype(const std::string& s) {
@@ -100,9 +102,13 @@ int RunServe(const ServeOptions& o) {
   sc.cluster_token = o.cluster_token;
 
   std::shared_ptr<KvBridgeRuntime> kv;
+  KvTransferConfig kv_cfg;
+  if (!o.proxy.empty() && o.kv_transfer_config.empty())
+    return Fail(InvalidArgumentError("--proxy needs --kv-transfer-config (the engine's P/D role)"));
   if (!o.kv_transfer_config.empty()) {
     auto cfg = ParseKvTransferConfig(o.kv_transfer_config);
     if (!cfg.ok()) return Fail(cfg.status().WithPrefix("--kv-transfer-config"));
+    kv_cfg = *cfg;
     KvBridgeOptions ko;
     ko.config = *cfg;
     ko.cluster_token = o.cluster_token;
@@ -134,6 +140,33 @@ int RunServe(const ServeOptions& o) {
   if (kv)
     kv->SetAdvertisedEndpoint(o.advertise_host.empty() ? o.host : o.advertise_host, (*srv)->port());
 
+  // Registration with the proxy (`--proxy`): role and mode from --kv-transfer-config; load
+  // (running/waiting requests, KV usage) from the engine's stats at each heartbeat.
+  std::unique_ptr<proxy::RegistrationClient> registration;
+  if (!o.proxy.empty()) {
+    proxy::RegistrationOptions ro;
+    ro.proxy = o.proxy;
+    ro.cluster_token = o.cluster_token;
+    ro.info.role = kv_cfg.role == KvRole::kProducer ? proxy::Role::kPrefill : proxy::Role::kDecode;
+    ro.info.mode =
+        kv_cfg.mode == KvTransferMode::kWrite ? proxy::KvMode::kWrite : proxy::KvMode::kRead;
+    ro.info.url = "http://" + (o.advertise_host.empty() ? o.host : o.advertise_host) + ":" +
+                  std::to_string((*srv)->port());
+    ro.info.engine_id = kv->engine_id();
+    Engine* eng = engine->get();
+    registration = proxy::RegistrationClient::Start(ro, [eng] {
+      const EngineStats st = eng->Stats();
+      proxy::InstanceLoad load;
+      load.running = st.running;
+      load.waiting = st.waiting + st.waiting_for_remote_kv;
+      load.kv_usage = st.kv_blocks_total > 0 ? static_cast<double>(st.kv_blocks_active) /
+                                                   static_cast<double>(st.kv_blocks_total)
+                                             : 0.0;
+      return load;
+    });
+    KVB_LOG_INFO("registering with proxy {} as {}", o.proxy, ro.info.url);
+  }
+
   std::thread watcher([&] {
     int sig = 0;
     sigwait(&signals, &sig);
@@ -142,6 +175,7 @@ int RunServe(const ServeOptions& o) {
   });
   (*srv)->Wait();
   watcher.join();
+  if (registration) registration->Stop();
   (*engine)->Shutdown();
   srv->reset();
   KVB_LOG_INFO("kvbridge serve: stopped");
@@ -204,6 +238,10 @@ const bool kRegistered = RegisterCommand(
                      "\"kv_role\":\"kv_both\"}' (docs/protocol.md); absent: no P/D");
       sub.add_option("--cluster-token", o->cluster_token,
                      "Secret that P/D callers must send as X-KVBridge-Cluster-Token");
+      sub.add_option("--proxy", o->proxy,
+                     "HOST:PORT of a kvbridge proxy to register with and heartbeat to (role and "
+                     "mode from --kv-transfer-config; kv_producer registers as prefill, else "
+                     "decode)");
       sub.add_option("--advertise-host", o->advertise_host,
                      "Host that prefill answers give decodes as remote_host (default: --host)");
       return [o]() -> int { return RunServe(*o); };
