@@ -10,8 +10,8 @@ BIN=build/bin/kvbridge
 PORT=${PORT:-10001}
 LOG_DIR=${LOG_DIR:-$(mktemp -d /tmp/kvbridge-main-XXXXXX)}
 MODEL_DIR=${MODEL_DIR:-models/small}
-PREFILL_KV_BLOCKS=${PREFILL_KV_BLOCKS:-96}
-SAMPLES=${SAMPLES:-24}
+PREFILL_KV_BLOCKS=${PREFILL_KV_BLOCKS:-64}
+SAMPLES=${SAMPLES:-32}
 BATCHES=${BATCHES:-1,4,8}
 PROMPTS=()
 if [[ -f ../shared/data/mt_bench/prompts.jsonl ]]; then
@@ -74,7 +74,7 @@ PY
 MON_PID=$!
 set +e
 "$BIN" bench --host "http://127.0.0.1:$PORT" "${PROMPTS[@]}" --samples "$SAMPLES" \
-  --batches "$BATCHES" --best-of-n 8 --input-tokens 256 --output-tokens 24 --drain-timeout 5
+  --batches "$BATCHES" --best-of-n 8 --input-tokens 256 --output-tokens 24 --check-drain --drain-timeout 5
 rc=$?
 set -e
 kill "$MON_PID" 2>/dev/null || true
