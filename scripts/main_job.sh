@@ -94,6 +94,6 @@ PY
 fi
 cleanup
 trap - EXIT
-tail -n 3 "$LOG_DIR/up.out"
+tail -n 2 "$LOG_DIR/up.out"
 if ((rc == 0)); then echo "main job: PASS"; else echo "main job: FAIL (bench exit $rc; logs in $LOG_DIR)"; fi
 exit $rc

@@ -20,7 +20,7 @@ struct GenerateOptions {
   int max_tokens = 32;
   float temperature = 0.0f;
   uint64_t seed = 0;
-  std::string kv_dtype = "bf16";
+  std::string kv_dtype = "fp32";  // same default as `serve --kv-cache-dtype auto`
   int threads = 0;
 };
 
@@ -100,6 +100,10 @@ int RunGenerate(const GenerateOptions& o) {
   }
   if (ids.empty()) {
     std::fprintf(stderr, "error: empty prompt\n");
+    return 2;
+  }
+  if (o.kv_dtype != "fp32" && o.kv_dtype != "bf16" && o.kv_dtype != "fp8") {
+    std::fprintf(stderr, "error: --kv-dtype must be fp32|bf16|fp8, got '%s'\n", o.kv_dtype.c_str());
     return 2;
   }
   kvbridge::KvDtype dtype = kvbridge::KvDtype::kBf16;
