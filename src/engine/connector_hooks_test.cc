@@ -1,6 +1,8 @@
 // The engine's KvConnector hook points, exercised with a fake connector at the boundary and
 // two in-process engines standing in for a prefill and a decode (KV copied between their pools).
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cstring>
 
@@ -53,10 +55,43 @@ TEST(ConnectorHooks, FactoryGetsThePoolMemoryFingerprintAndMetrics) {
   EXPECT_EQ(h.model_fingerprint, core->model().fingerprint());
   EXPECT_EQ(h.metrics, &metrics);
   EXPECT_TRUE(static_cast<bool>(h.wake));
+  EXPECT_EQ(h.kv_shm_fd, core->storage().shm_fd());
+  EXPECT_EQ(h.kv_layer_offsets, core->storage().layer_offsets());
   // Every step polls.
   ASSERT_TRUE(core->Step(1).ok());
   ASSERT_TRUE(core->Step(2).ok());
   EXPECT_EQ((*fake)->calls->polls, 2);
+}
+
+// The pool is a memfd: a second mapping of the fd at each layer's offset sees the same bytes
+// (what a same-host peer's shm backend does).
+TEST(ConnectorHooks, PoolIsAMemfdThatASecondMappingSees) {
+  EngineConfig c = SmallConfig(32);
+  FakeConnector** fake = InstallFake(&c);
+  auto core = MakeCore(c);
+  const EngineHooks& h = (*fake)->hooks;
+  const PagedKvView& v = core->storage().view();
+  ASSERT_GE(h.kv_shm_fd, 0);
+  ASSERT_EQ(h.kv_layer_offsets.size(), static_cast<size_t>(v.layout.num_layers));
+  struct stat st;
+  ASSERT_EQ(::fstat(h.kv_shm_fd, &st), 0);
+  const size_t lb = v.layout.LayerBytes();
+  ASSERT_GE(static_cast<size_t>(st.st_size), h.kv_layer_offsets.back() + lb);
+  void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED,
+                   h.kv_shm_fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  uint8_t* peer = static_cast<uint8_t*>(p);
+  for (int l = 0; l < v.layout.num_layers; ++l) {
+    EXPECT_EQ(h.kv_layer_offsets[l] % 64, 0u);
+    if (l > 0) {
+      EXPECT_GE(h.kv_layer_offsets[l], h.kv_layer_offsets[l - 1] + lb);
+    }
+    v.layer_base[l][lb - 1] = static_cast<uint8_t>(0xA0 + l);   // engine writes...
+    EXPECT_EQ(peer[h.kv_layer_offsets[l] + lb - 1], 0xA0 + l);  // ...the peer mapping sees it
+    peer[h.kv_layer_offsets[l]] = static_cast<uint8_t>(0x50 + l);
+    EXPECT_EQ(v.layer_base[l][0], 0x50 + l);
+  }
+  ::munmap(p, static_cast<size_t>(st.st_size));
 }
 
 TEST(ConnectorHooks, PrefillHoldsBlocksUntilFinishedSendingAndReturnsParams) {

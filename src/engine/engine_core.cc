@@ -78,6 +78,8 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
     hooks.kv_view = core->storage_->view();
     hooks.model_fingerprint = model->fingerprint();
     hooks.metrics = metrics;
+    hooks.kv_shm_fd = core->storage_->shm_fd();
+    if (hooks.kv_shm_fd >= 0) hooks.kv_layer_offsets = core->storage_->layer_offsets();
     hooks.wake = wake ? std::move(wake) : std::function<void()>([] {});
     ASSIGN_OR_RETURN(core->connector_, config.connector_factory(hooks));
     if (core->connector_ == nullptr)

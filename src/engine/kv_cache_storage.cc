@@ -1,9 +1,15 @@
 #include "kvbridge/engine/kv_cache_storage.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
+
+#include "kvbridge/common/logging.h"
 
 namespace kvbridge {
 
@@ -32,15 +38,38 @@ Result<std::unique_ptr<KvCacheStorage>> KvCacheStorage::Create(const PagedKvLayo
   RETURN_IF_ERROR(CheckLayoutShape(layout));
   if (layout.num_blocks <= 0) return InvalidArgumentError("kv cache: num_blocks must be > 0");
   std::unique_ptr<KvCacheStorage> s(new KvCacheStorage(layout));
-  size_t bytes = (layout.LayerBytes() + kAlign - 1) / kAlign * kAlign;
+  const size_t stride = (layout.LayerBytes() + kAlign - 1) / kAlign * kAlign;
+  const size_t total = stride * static_cast<size_t>(layout.num_layers);
+  int fd = ::memfd_create("kvbridge-kv-pool", MFD_CLOEXEC);
+  if (fd < 0) {
+    KVB_LOG_WARN(
+        "kv cache: memfd_create failed ({}); the KV pool uses anonymous memory and "
+        "cannot be shared with a same-host peer (shm transport unavailable)",
+        std::strerror(errno));
+  } else if (::ftruncate(fd, static_cast<off_t>(total)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ResourceExhaustedError("kv cache: cannot size the memfd to " + std::to_string(total) +
+                                  " bytes: " + std::strerror(err));
+  }
+  void* p =
+      fd >= 0 ? ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+              : ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    return ResourceExhaustedError("kv cache: cannot map " + std::to_string(total) +
+                                  " bytes: " + std::strerror(err));
+  }
+  s->map_ = static_cast<uint8_t*>(p);
+  s->map_bytes_ = total;
+  s->fd_ = fd;
+  // Fresh memfd/anonymous pages read as zero; touching them now keeps first-use page faults out
+  // of the forward pass (as the zero-fill of the old heap regions did).
+  std::memset(s->map_, 0, total);
   for (int l = 0; l < layout.num_layers; ++l) {
-    void* p = std::aligned_alloc(kAlign, bytes);
-    if (p == nullptr) {
-      return ResourceExhaustedError("kv cache: cannot allocate " + std::to_string(bytes) +
-                                    " bytes for layer " + std::to_string(l));
-    }
-    std::memset(p, 0, bytes);
-    s->view_.layer_base[l] = static_cast<uint8_t*>(p);
+    s->layer_offsets_[l] = static_cast<uint64_t>(l) * stride;
+    s->view_.layer_base[l] = s->map_ + static_cast<size_t>(l) * stride;
   }
   return s;
 }
@@ -50,10 +79,12 @@ KvCacheStorage::KvCacheStorage(const PagedKvLayout& layout) {
   view_.layer_base.assign(layout.num_layers, nullptr);
   view_.k_scale.assign(layout.num_layers, 1.0f);
   view_.v_scale.assign(layout.num_layers, 1.0f);
+  layer_offsets_.assign(layout.num_layers, 0);
 }
 
 KvCacheStorage::~KvCacheStorage() {
-  for (uint8_t* p : view_.layer_base) std::free(p);
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void KvCacheStorage::CopyBlock(int32_t src, int32_t dst) {

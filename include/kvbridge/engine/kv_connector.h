@@ -111,6 +111,12 @@ struct EngineHooks {
   std::string model_fingerprint;        ///< hex digest of config + weights
   MetricsRegistry* metrics = nullptr;   ///< register kvbridge_kv_* metrics here
   std::function<void()> wake;           ///< thread-safe: asks the engine thread to Poll() soon
+  /// The memfd that holds the pool (engine-owned, valid while the engine lives; do not close),
+  /// so a same-host peer can map it (transfer shm backend). -1: the pool is not shareable.
+  int kv_shm_fd = -1;
+  /// Byte offset of layer l's region (kv_view.layer_base[l]) inside kv_shm_fd; size num_layers
+  /// when kv_shm_fd >= 0, else empty.
+  std::vector<uint64_t> kv_layer_offsets;
 };
 
 using KvConnectorFactory = std::function<Result<std::unique_ptr<KvConnector>>(const EngineHooks&)>;
