@@ -75,6 +75,7 @@ class KvBridgeRuntime::Impl {
   std::map<uint64_t, xfer::Notification> reply_paths;  // guarded by mu
   uint64_t next_reply_token = 1;                       // guarded by mu
   bool connector_made = false;                         // guarded by mu
+  std::map<std::string, std::string> peer_backends;    // guarded by mu: peer agent -> backend
   KvBridgeStats stats;                                 // guarded by mu
   std::atomic<int64_t> reads_inflight{0};
   std::atomic<int> block_size{16};  // the engine's, once its connector exists
@@ -402,13 +403,26 @@ class KvBridgeConnector final : public KvConnector {
       return true;
     };
     ASSIGN_OR_RETURN(agent_, xfer::TransferAgent::Create(ac));
+    // The pool is shareable with a same-host peer (shm backend) when the engine gave its memfd
+    // and one offset per layer; otherwise only tcp/ucx can move it.
+    const bool shareable = hooks_.kv_shm_fd >= 0 &&
+                           hooks_.kv_layer_offsets.size() == static_cast<size_t>(layout.num_layers);
+    if (opt().config.transport == KvTransport::kShm && !shareable) {
+      return FailedPreconditionError(
+          "kv connector: transport \"shm\" needs the engine's KV pool in shareable (memfd) "
+          "memory, and this pool is not (memfd_create failed?); use transport \"tcp\" or "
+          "\"auto\"");
+    }
     xfer::KvRegistration reg;
     reg.layout = layout;
     for (int l = 0; l < layout.num_layers; ++l) {
-      reg.layers.push_back(xfer::MemoryRegion{.kind = xfer::MemoryKind::kHost,
-                                              .device = -1,
-                                              .base = hooks_.kv_view.layer_base[l],
-                                              .bytes = layout.LayerBytes()});
+      reg.layers.push_back(xfer::MemoryRegion{
+          .kind = xfer::MemoryKind::kHost,
+          .device = -1,
+          .base = hooks_.kv_view.layer_base[l],
+          .bytes = layout.LayerBytes(),
+          .shm_fd = shareable ? hooks_.kv_shm_fd : -1,
+          .shm_offset = shareable ? static_cast<size_t>(hooks_.kv_layer_offsets[l]) : 0});
     }
     reg.k_scale = hooks_.kv_view.k_scale;
     reg.v_scale = hooks_.kv_view.v_scale;
@@ -506,6 +520,10 @@ class KvBridgeConnector final : public KvConnector {
         }
         ASSIGN_OR_RETURN(std::string backend, agent->AddPeer(md));
         KVB_LOG_INFO("kv connector: peer {} via {}", key, backend);
+        {
+          std::lock_guard<std::mutex> l(impl->mu);
+          impl->peer_backends[key] = backend;
+        }
         return md.agent_name;
       }();
       impl->Push(EvPeer{key, std::move(out)});
@@ -869,6 +887,21 @@ void KvBridgeRuntime::SetAdvertisedEndpoint(const std::string& host, int port) {
 }
 
 const std::string& KvBridgeRuntime::engine_id() const { return impl_->engine_id; }
+
+std::map<std::string, std::string> KvBridgeRuntime::PeerBackends() const {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  return impl_->peer_backends;
+}
+
+std::vector<std::string> KvBridgeRuntime::LocalBackends() const {
+  std::lock_guard<std::mutex> l(impl_->mu);
+  std::vector<std::string> out;
+  if (impl_->metadata_blob.empty()) return out;
+  auto md = xfer::DecodeMetadata(impl_->metadata_blob);
+  if (!md.ok()) return out;
+  for (const auto& [name, ep] : md->endpoints) out.push_back(name);
+  return out;
+}
 
 KvBridgeStats KvBridgeRuntime::Stats() const {
   std::lock_guard<std::mutex> l(impl_->mu);

@@ -223,6 +223,18 @@ Result1 PdRequest(PdEngine& p, PdEngine& d, const std::string& id, const std::st
   return RunOne(*d.engine, dec);
 }
 
+// The backend the decode's agent must have picked for its one peer (the prefill) under the
+// configured transport: "auto" between two engines of one host is shm (both pools are memfds).
+std::string ExpectedBackend(KvTransport t) {
+  return t == KvTransport::kTcp ? "tcp" : t == KvTransport::kUcx ? "ucx" : "shm";
+}
+
+void ExpectBackend(PdEngine& d, KvTransport t) {
+  std::map<std::string, std::string> peers = d.kv->PeerBackends();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers.begin()->second, ExpectedBackend(t)) << "peer " << peers.begin()->first;
+}
+
 class PdRead : public ::testing::TestWithParam<KvTransport> {};
 
 TEST_P(PdRead, AnswersEqualColocatedAndEverythingDrains) {
@@ -245,7 +257,9 @@ TEST_P(PdRead, AnswersEqualColocatedAndEverythingDrains) {
       EXPECT_TRUE(d->WaitDrained()) << "decode did not drain";
     }
   }
-  // Prompts longer than one token were read remotely: bytes moved, loads done.
+  // Prompts longer than one token were read remotely: bytes moved, loads done, over the backend
+  // the transport asks for.
+  ExpectBackend(*d, GetParam());
   EXPECT_GT(d->kv->Stats().loads_done, 0);
   EXPECT_GT(d->Metric("kvbridge_kv_transfer_bytes_total"), 0);
   for (PdEngine* e : {p.get(), d.get()}) {
@@ -372,6 +386,7 @@ TEST_P(PdRead, Fp8KvAnswersEqualColocated) {
       ExpectSameAnswer(pd, ref, n);
     }
   }
+  ExpectBackend(*d, GetParam());
   EXPECT_TRUE(p->WaitDrained());
   EXPECT_TRUE(d->WaitDrained());
   EXPECT_EQ(p->Metric("kvbridge_kv_lease_expired_total"), 0);
@@ -508,7 +523,58 @@ TEST_P(PdRead, OverHttpTokenValidationAndSameText) {
   (*ref_engine)->Shutdown();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, PdRead, ::testing::Values(KvTransport::kTcp),
+// Both engines offer shm (memfd pools) and tcp; "auto" must pick shm between them.
+TEST(PdReadTransport, AutoPicksShmBetweenSameHostEngines) {
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto p = PdEngine::Start(KvRole::kProducer, KvTransport::kAuto);
+  auto d = PdEngine::Start(KvRole::kConsumer, KvTransport::kAuto);
+  EXPECT_EQ(p->kv->LocalBackends(), (std::vector<std::string>{"shm", "tcp"}));
+  EXPECT_EQ(d->kv->LocalBackends(), (std::vector<std::string>{"shm", "tcp"}));
+  auto prompt = Prompt(40, 11);
+  Result1 pd = PdRequest(*p, *d, "auto", "xfer-auto", prompt, 4, 2);
+  ExpectSameAnswer(pd, RunOne(**ref_engine, Req("auto", prompt, 4, 2)), 2);
+  ExpectBackend(*d, KvTransport::kAuto);
+  EXPECT_GT(d->Metric("kvbridge_kv_transfer_bytes_total"), 0);
+  EXPECT_TRUE(p->WaitDrained());
+  EXPECT_TRUE(d->WaitDrained());
+  (*ref_engine)->Shutdown();
+}
+
+// Forcing shm on a pool that is not a memfd is refused when the engine creates its connector,
+// with an error that says why; "auto" on the same pool falls back to tcp only.
+TEST(PdReadTransport, ForcedShmOnANonShareablePoolFailsAtStart) {
+  PagedKvLayout layout{.num_layers = 2, .num_kv_heads = 2, .head_dim = 16, .block_size = 16};
+  layout.num_blocks = 4;
+  std::vector<std::vector<uint8_t>> mem(2, std::vector<uint8_t>(layout.LayerBytes()));
+  EngineHooks hooks;
+  hooks.kv_view.layout = layout;
+  for (auto& m : mem) hooks.kv_view.layer_base.push_back(m.data());
+  hooks.kv_view.k_scale.assign(2, 1.0f);
+  hooks.kv_view.v_scale.assign(2, 1.0f);
+  hooks.model_fingerprint = "f";
+  hooks.wake = [] {};
+  KvTransferConfig cfg;
+  cfg.role = KvRole::kProducer;
+  cfg.transport = KvTransport::kShm;
+  auto shm = KvBridgeRuntime::Create({.config = cfg});
+  ASSERT_TRUE(shm.ok());
+  auto c = (*shm)->Factory()(hooks);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(c.status().message().find("shm"), std::string::npos) << c.status().ToString();
+  EXPECT_NE(c.status().message().find("memfd"), std::string::npos) << c.status().ToString();
+  // "auto" on the same pool starts, offering tcp only.
+  cfg.transport = KvTransport::kAuto;
+  auto aut = KvBridgeRuntime::Create({.config = cfg});
+  ASSERT_TRUE(aut.ok());
+  auto a = (*aut)->Factory()(hooks);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ((*aut)->LocalBackends(), (std::vector<std::string>{"tcp"}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PdRead,
+                         ::testing::Values(KvTransport::kTcp, KvTransport::kShm),
                          [](const auto& info) { return std::string(KvTransportName(info.param)); });
 
 }  // namespace

@@ -29,9 +29,11 @@
 // engine thread (kv_connector.h). Internal threads: one metadata fetcher, one READ watcher.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "kvbridge/common/status.h"
 #include "kvbridge/connector/kv_transfer_config.h"
@@ -96,6 +98,12 @@ class KvBridgeRuntime {
   const std::string& engine_id() const;
   /// Snapshot (thread-safe).
   KvBridgeStats Stats() const;
+  /// The backend ("shm", "tcp", "ucx") chosen for each peer agent this engine has connected to
+  /// (peer agent name -> backend name); empty before the first remote load. Thread-safe.
+  std::map<std::string, std::string> PeerBackends() const;
+  /// The backends this engine's transfer agent offers to peers (its metadata's endpoints, sorted;
+  /// "shm" only when the KV pool is shareable); empty before the engine exists. Thread-safe.
+  std::vector<std::string> LocalBackends() const;
 
   class Impl;
 
