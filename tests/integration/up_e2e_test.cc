@@ -144,8 +144,8 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   EXPECT_EQ(StreamText(port, sbody, 1), want["choices"][0]["text"].get<std::string>());
 
   Subprocess bench({bin, "bench", "--host", "http://127.0.0.1:" + std::to_string(port), "--samples",
-                    "12", "--batches", "2,4", "--best-of-n", "4", "--output-tokens", "12",
-                    "--check-drain", "--drain-timeout", "5"},
+                    "12", "--batches", "2,4", "--best-of-n", "4", "--input-tokens", "200",
+                    "--output-tokens", "12", "--check-drain", "--drain-timeout", "5"},
                    dir + "/bench.log");
   EXPECT_EQ(bench.Wait(300'000), 0) << bench.ReadLog();
 
