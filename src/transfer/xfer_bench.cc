@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kvbridge/transfer/agent.h"
+#include "transfer/fill_pattern.h"
 #include "transfer/socket_util.h"
 
 namespace kvbridge::transfer {
@@ -28,18 +29,6 @@ constexpr uint8_t kPoison = 0xAB;
 constexpr uint64_t kRemoteSeed = 101, kLocalSeed = 202;
 
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
-
-void Fill(uint8_t* p, size_t n, uint64_t seed, int layer, int block) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(layer) * 1000003 + block;
-  for (size_t i = 0; i < n; i += 8) {
-    x += 0x9E3779B97F4A7C15ULL;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    std::memcpy(p + i, &z, std::min<size_t>(8, n - i));
-  }
-}
 
 // Line-oriented control connection between the bench and its peer.
 class Control {
@@ -152,7 +141,8 @@ int Serve(const XferBenchOptions& o) {
       }
       side = std::move(s).value();
       for (int l = 0; l < layers; ++l) {
-        for (int b = 0; b < nblocks; ++b) Fill(side->Block(l, b), block_bytes, kRemoteSeed, l, b);
+        for (int b = 0; b < nblocks; ++b)
+          FillPattern(side->Block(l, b), block_bytes, kRemoteSeed, l, b);
       }
       side->agent->SetNotificationHandler([a = side->agent.get()](Notification n) {
         if (n.wants_reply) (void)a->Reply(n, "held");
@@ -171,7 +161,7 @@ int Serve(const XferBenchOptions& o) {
         int lb, rb;
         in >> lb >> rb;
         for (int l = 0; l < layers && ok; ++l) {
-          Fill(want.data(), want.size(), kLocalSeed, l, lb);
+          FillPattern(want.data(), want.size(), kLocalSeed, l, lb);
           ok = std::memcmp(side->Block(l, rb), want.data(), want.size()) == 0;
         }
       }
@@ -311,14 +301,14 @@ Status Bench(const XferBenchOptions& o, nlohmann::json* out) {
     std::vector<uint8_t> want(o.block_size);
     for (int l = 0; l < o.layers; ++l) {
       for (auto p : pairs) {
-        Fill(want.data(), want.size(), kRemoteSeed, l, p.remote);
+        FillPattern(want.data(), want.size(), kRemoteSeed, l, p.remote);
         RETURN_IF_ERROR(Check(std::memcmp(side->Block(l, p.local), want.data(), want.size()) == 0,
                               "verification failed: local block " + std::to_string(p.local)));
       }
     }
   } else {
     for (int l = 0; l < o.layers; ++l) {
-      for (int b = 0; b < pool; ++b) Fill(side->Block(l, b), o.block_size, kLocalSeed, l, b);
+      for (int b = 0; b < pool; ++b) FillPattern(side->Block(l, b), o.block_size, kLocalSeed, l, b);
     }
     RETURN_IF_ERROR(ctl.Send("POISON\n"));
     ASSIGN_OR_RETURN(std::string ok, ctl.Line());

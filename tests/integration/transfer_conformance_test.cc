@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "kvbridge/transfer/agent.h"
+#include "transfer/fill_pattern.h"
 
 namespace kvbridge::transfer {
 namespace {
@@ -40,19 +41,6 @@ PagedKvLayout SmallLayout(int num_blocks = 64) {
   return l;  // half = 512 B, block = 1 KiB
 }
 
-// Deterministic content of (seed, layer, block): lets a parent verify a child's memory.
-void FillBlock(uint8_t* p, size_t n, uint64_t seed, int layer, int block) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(layer) * 1000003 + block;
-  for (size_t i = 0; i < n; i += 8) {
-    x += 0x9E3779B97F4A7C15ULL;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    std::memcpy(p + i, &z, std::min<size_t>(8, n - i));
-  }
-}
-
 struct Side {
   PagedKvLayout layout;
   HostBuffer buf;
@@ -64,7 +52,7 @@ struct Side {
   void FillAll(uint64_t seed) {
     for (int l = 0; l < layout.num_layers; ++l) {
       for (int b = 0; b < layout.num_blocks; ++b)
-        FillBlock(Block(l, b), layout.BlockBytes(), seed, l, b);
+        FillPattern(Block(l, b), layout.BlockBytes(), seed, l, b);
     }
   }
   void Poison() { std::memset(buf.data(), kPoison, buf.size()); }
@@ -609,7 +597,7 @@ TEST_P(TransferConformance, MultiProcessReadEveryByte) {
   std::vector<uint8_t> want(1024);
   for (int l = 0; l < 2; ++l) {
     for (auto bp : pairs) {
-      FillBlock(want.data(), 1024, 41, l, bp.remote);
+      FillPattern(want.data(), 1024, 41, l, bp.remote);
       ASSERT_EQ(0, std::memcmp(a_->Block(l, bp.local), want.data(), 1024));
     }
   }
@@ -646,7 +634,7 @@ TEST_P(TransferConformance, MultiProcessPeerKilledMidTransfer) {
     // Every transfer completed (shm: the mapping outlives the process): data must be right.
     for (int l = 0; l < 2; ++l) {
       for (int b = 0; b < 1024; b += 97) {
-        FillBlock(want.data(), want.size(), 43, l, 1023 - b);
+        FillPattern(want.data(), want.size(), 43, l, 1023 - b);
         ASSERT_EQ(0, std::memcmp(a_->Block(l, b), want.data(), want.size()));
       }
     }
@@ -715,7 +703,7 @@ TEST_P(TransferConformance, MultiProcessAcrossNetworkNamespaces) {
     std::vector<uint8_t> want(1024);
     for (int l = 0; l < 2; ++l) {
       for (auto bp : pairs) {
-        FillBlock(want.data(), 1024, 47, l, bp.remote);
+        FillPattern(want.data(), 1024, 47, l, bp.remote);
         if (std::memcmp(side->Block(l, bp.local), want.data(), 1024) != 0) ::_exit(13);
       }
     }
