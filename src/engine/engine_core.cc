@@ -80,6 +80,14 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
     hooks.metrics = metrics;
     hooks.kv_shm_fd = core->storage_->shm_fd();
     if (hooks.kv_shm_fd >= 0) hooks.kv_layer_offsets = core->storage_->layer_offsets();
+    hooks.tp_size = 1;
+    KvRankHooks& r0 = hooks.ranks.emplace_back();
+    r0.rank = 0;
+    r0.kv_view = hooks.kv_view;
+    r0.kv_head_begin = 0;
+    r0.kv_head_end = mc.num_key_value_heads;
+    r0.kv_shm_fd = hooks.kv_shm_fd;
+    r0.kv_layer_offsets = hooks.kv_layer_offsets;
     hooks.wake = wake ? std::move(wake) : std::function<void()>([] {});
     ASSIGN_OR_RETURN(core->connector_, config.connector_factory(hooks));
     if (core->connector_ == nullptr)

@@ -38,9 +38,9 @@ namespace kvbridge {
 
 /// What the connector may know about a request (engine-owned; valid for the call only).
 struct ConnectorRequestInfo {
-  std::string request_id;     ///< the scheduled id: "{i}_{parent}" for a sibling, else the parent id
-  std::string parent_id;      ///< the client request id
-  int sibling_index = 0;      ///< i, or 0 when n == 1
+  std::string request_id;  ///< the scheduled id: "{i}_{parent}" for a sibling, else the parent id
+  std::string parent_id;   ///< the client request id
+  int sibling_index = 0;   ///< i, or 0 when n == 1
   int n = 1;
   int num_prompt_tokens = 0;
   const std::vector<int32_t>* prompt_token_ids = nullptr;
@@ -52,8 +52,9 @@ class KvConnector {
   virtual ~KvConnector() = default;
 
   struct Match {
-    int num_external_tokens = 0;  ///< prompt tokens (after the local prefix hit) that will arrive remotely
-    bool load_async = false;      ///< true: the request waits in WAITING_FOR_REMOTE_KVS
+    int num_external_tokens =
+        0;  ///< prompt tokens (after the local prefix hit) that will arrive remotely
+    bool load_async = false;  ///< true: the request waits in WAITING_FOR_REMOTE_KVS
   };
   /// Called once per parent request before its first allocation. `num_local_computed_tokens` is
   /// its local prefix-cache hit (a multiple of block_size). Errors fail the request (HTTP 400/503).
@@ -69,8 +70,8 @@ class KvConnector {
                                      TimePoint now) = 0;
 
   struct FinishDecision {
-    bool hold_blocks = false;          ///< true: keep the blocks until finished_sending lists it
-    nlohmann::json kv_transfer_params; ///< returned to the client in the final output
+    bool hold_blocks = false;           ///< true: keep the blocks until finished_sending lists it
+    nlohmann::json kv_transfer_params;  ///< returned to the client in the final output
   };
   /// Called once per scheduled request (each sibling) when it finishes for any reason other than
   /// abort ("length", "stop"). `block_ids` covers the prompt (and any generated tokens).
@@ -89,7 +90,8 @@ class KvConnector {
     Status status;
   };
   struct StepReport {
-    std::vector<std::string> finished_sending;  ///< held/aborted requests whose blocks may be freed now
+    std::vector<std::string>
+        finished_sending;  ///< held/aborted requests whose blocks may be freed now
     std::vector<std::string> finished_recving;  ///< remote KV landed and validated: proceed
     std::vector<LoadFailure> failed_recving;
   };
@@ -97,7 +99,8 @@ class KvConnector {
   virtual StepReport Poll(TimePoint now) = 0;
 
   /// WRITE mode: called after the forward pass wrote layer `layer`'s K/V for `request_ids`.
-  virtual void OnLayerKvWritten(int layer, std::span<const std::string> request_ids, TimePoint now) {}
+  virtual void OnLayerKvWritten(int layer, std::span<const std::string> request_ids,
+                                TimePoint now) {}
 
   /// The next time Poll() must run even with no traffic (lease expiry, reply timeout), if any.
   virtual std::optional<TimePoint> NextDeadline() const = 0;
@@ -105,18 +108,40 @@ class KvConnector {
   virtual bool Idle() const = 0;
 };
 
+/// One tensor-parallel rank's KV cache, as the connector registers it with that rank's transfer
+/// agent. Every rank's storage uses the same block ids (one block pool / block table shared by
+/// all ranks: block b is block b in every rank's storage); the rank's layout has
+/// `num_kv_heads = kv_head_end - kv_head_begin`.
+struct KvRankHooks {
+  int rank = 0;
+  PagedKvView kv_view;  ///< this rank's memory; layout.num_kv_heads = heads of this rank
+  /// Global KV heads [kv_head_begin, kv_head_end) held by this rank. With num_key_value_heads
+  /// >= tp_size: [r*Hkv/T, (r+1)*Hkv/T). With fewer KV heads than ranks (T a multiple of Hkv)
+  /// heads are replicated as vLLM does: rank r holds the one head floor(r*Hkv/T).
+  int kv_head_begin = 0;
+  int kv_head_end = 0;
+  int kv_shm_fd = -1;                      ///< this rank's memfd (engine-owned), -1: not shareable
+  std::vector<uint64_t> kv_layer_offsets;  ///< layer l's offset inside kv_shm_fd (when >= 0)
+};
+
 /// What the engine gives its connector at creation.
 struct EngineHooks {
-  PagedKvView kv_view;                  ///< the pool's memory (to register with a transfer agent)
-  std::string model_fingerprint;        ///< hex digest of config + weights
-  MetricsRegistry* metrics = nullptr;   ///< register kvbridge_kv_* metrics here
-  std::function<void()> wake;           ///< thread-safe: asks the engine thread to Poll() soon
+  /// Rank 0's memory (to register with a transfer agent); with tp_size 1 the whole pool.
+  PagedKvView kv_view;
+  std::string model_fingerprint;       ///< hex digest of config + weights
+  MetricsRegistry* metrics = nullptr;  ///< register kvbridge_kv_* metrics here
+  std::function<void()> wake;          ///< thread-safe: asks the engine thread to Poll() soon
   /// The memfd that holds the pool (engine-owned, valid while the engine lives; do not close),
   /// so a same-host peer can map it (transfer shm backend). -1: the pool is not shareable.
   int kv_shm_fd = -1;
   /// Byte offset of layer l's region (kv_view.layer_base[l]) inside kv_shm_fd; size num_layers
   /// when kv_shm_fd >= 0, else empty.
   std::vector<uint64_t> kv_layer_offsets;
+  /// Tensor-parallel size of the engine (`--tensor-parallel-size`), >= 1.
+  int tp_size = 1;
+  /// One entry per rank (size tp_size); ranks[0] mirrors kv_view / kv_shm_fd / kv_layer_offsets
+  /// above, which keep meaning rank 0 so tp_size-1 code needs no change.
+  std::vector<KvRankHooks> ranks;
 };
 
 using KvConnectorFactory = std::function<Result<std::unique_ptr<KvConnector>>(const EngineHooks&)>;
