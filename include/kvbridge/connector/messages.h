@@ -1,5 +1,5 @@
 // kvbridge/connector/messages.h — the connector's control messages between a decode and a prefill
-// engine (READ mode), their JSON wire form, and the TP rank pairing.
+// engine (READ and WRITE modes), their JSON wire form, and the TP rank pairing.
 //
 // Every message names the prefill engine incarnation it is about (`prefill_engine_id`), the
 // shared `transfer_id` (never a local request id: DESIGN.md pitfall 2) and TP ranks on both
@@ -78,9 +78,76 @@ struct ReleaseMsg {
   friend bool operator==(const ReleaseMsg&, const ReleaseMsg&) = default;
 };
 
-using ControlMessage = std::variant<ReadDoneMsg, HoldReplyMsg, HeartbeatMsg, ReleaseMsg>;
+// ---- WRITE mode (DESIGN.md "WRITE mode"; docs/protocol.md "WRITE mode") ----
 
-/// JSON text: {"type":"read_done"|"hold_reply"|"heartbeat"|"release", ...fields}.
+/// decode rank → prefill rank (WRITE): write the KV of prompt blocks [first_block, first_block +
+/// block_ids.size()) (block indices in token order, block_size tokens each) of every layer into
+/// these decode blocks, then confirm with WriteDoneMsg. Only the blocks the decode's prefix cache
+/// lacks are listed. decode_host:decode_port is the decode's control endpoint (GET
+/// /v1/kv/metadata gives its transfer-agent metadata).
+struct WriteBlocksMsg {
+  std::string transfer_id;
+  std::string prefill_engine_id;
+  int prefill_rank = 0;
+  std::string decode_engine_id;  ///< the decode engine incarnation
+  int decode_rank = 0;
+  int decode_tp_size = 1;
+  std::string decode_host;
+  int decode_port = 0;
+  int num_prompt_tokens = 0;  ///< must equal the prefill request's prompt length
+  int first_block = 0;
+  std::vector<int32_t> block_ids;  ///< decode block ids, distinct, >= 0
+  friend bool operator==(const WriteBlocksMsg&, const WriteBlocksMsg&) = default;
+};
+
+/// How a prefill rank's writes to one decode rank ended.
+enum class WriteOutcome : uint8_t {
+  kOk = 0,         ///< every layer of every listed block landed
+  kFailed = 1,     ///< a write failed, or the prefill aborted / was released / expired
+  kCancelled = 2,  ///< the decode asked to stop (WriteCancelMsg)
+};
+/// "ok" | "failed" | "cancelled".
+std::string_view WriteOutcomeName(WriteOutcome o);
+
+/// prefill rank → decode rank (WRITE): the writes for (transfer_id, decode_rank) ended and no
+/// more bytes of them can land (whatever the outcome: this is also the "drained" confirmation
+/// that lets an aborted decode free its blocks). Sent after the last layer's data landed.
+/// Timings (microseconds, measured on the prefill): compute_us = first to last layer computed
+/// of the request's final chunk; write_us = first write posted to last write done;
+/// since_last_layer_us = last layer computed to this message sent.
+struct WriteDoneMsg {
+  std::string transfer_id;
+  std::string prefill_engine_id;
+  int prefill_rank = 0;
+  std::string decode_engine_id;
+  int decode_rank = 0;
+  WriteOutcome outcome = WriteOutcome::kOk;
+  std::string reason;  ///< why not ok: "aborted" | "released" | "expired" | "write failed: ..."
+  int64_t compute_us = 0;
+  int64_t write_us = 0;
+  int64_t since_last_layer_us = 0;
+  friend bool operator==(const WriteDoneMsg&, const WriteDoneMsg&) = default;
+};
+
+/// decode rank → prefill rank (WRITE): stop writing for (transfer_id, decode_rank). want_done:
+/// the decode keeps its blocks until the WriteDoneMsg (cancelled) that confirms the writes
+/// drained; false when it never sent WriteBlocks (its prefix cache had every block: "skip").
+struct WriteCancelMsg {
+  std::string transfer_id;
+  std::string prefill_engine_id;
+  int prefill_rank = 0;
+  std::string decode_engine_id;
+  int decode_rank = 0;
+  int decode_tp_size = 1;
+  bool want_done = true;
+  friend bool operator==(const WriteCancelMsg&, const WriteCancelMsg&) = default;
+};
+
+using ControlMessage = std::variant<ReadDoneMsg, HoldReplyMsg, HeartbeatMsg, ReleaseMsg,
+                                    WriteBlocksMsg, WriteDoneMsg, WriteCancelMsg>;
+
+/// JSON text: {"type":"read_done"|"hold_reply"|"heartbeat"|"release"|"write_blocks"|
+/// "write_done"|"write_cancel", ...fields}.
 std::string EncodeMessage(const ControlMessage& m);
 /// Parses EncodeMessage's output. InvalidArgument naming the field on malformed input, unknown
 /// type or keys, bad ids, ranks outside [0, tp), never throws.

@@ -1,0 +1,312 @@
+// kvbridge/connector/write_core.h — the WRITE-mode P/D protocol (the prefill pushes), sans-IO.
+//
+// DESIGN.md "WRITE mode"; docs/protocol.md "WRITE mode" has the sequence and the state tables.
+// The proxy sends both legs at once. The decode reserves blocks for the parent and sends
+// WriteBlocksMsg{transfer_id, decode engine + rank, the blocks its prefix cache lacks} to each
+// prefill rank that writes to it (TpReadPairs). The prefill parks whichever of the request and
+// the block-id message comes first; once both are there, it posts one WRITE per layer right after
+// that layer of the request's final prefill chunk is computed (the transfer overlaps the rest of
+// the forward pass), and after the last layer's data landed it sends WriteDoneMsg(ok) and
+// releases its own blocks. The decode proceeds when every writing rank said ok.
+//
+//   WritePrefillCore p({.engine_id = "p0", .block_size = 16, .num_layers = 2});
+//   WriteDecodeCore d({.engine_id = "d0", .block_size = 16});
+//   d.OnRequestAdded("c1", params, 40, 0, now);            // {39 external tokens, async}
+//   d.OnBlocksAllocated("c1", table, 0, 39, now);          // → SendMessage(WriteBlocks)
+//   p.OnRequestAdded("c1", 1, "xfer-1", 40, now);
+//   p.OnWriteBlocks(write_blocks, now);
+//   p.OnLayerComputed("c1", 0, prefill_table, now);        // → PostWrite(layer 0)
+//   p.OnLayerComputed("c1", 1, prefill_table, now);        // → PostWrite(layer 1)
+//   p.OnRequestFinished("c1", prefill_table, now);         // true: hold until the writes drain
+//   p.OnWriteCompleted(1, OkStatus(), now); p.OnWriteCompleted(2, OkStatus(), now);
+//                                                          // → SendMessage(WriteDone ok),
+//                                                          //   ReportBlocksFree("c1")
+//   d.OnWriteDone(write_done, now);                        // → ReportLoadDone("c1")
+//
+// Safety: a decode block that a write may still reach is never freed. An aborted decode sends
+// WriteCancelMsg and keeps its blocks until WriteDoneMsg (any outcome: "drained") arrives or
+// write_timeout (= the prefill's lease + a grace) passed; the prefill never posts or keeps a
+// write for a WriteBlocks older than its lease, so after lease + grace nothing can land.
+//
+// Thread-safety: not thread-safe; one owner thread each (the engine thread, or the simulator).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvbridge/common/clock.h"
+#include "kvbridge/common/status.h"
+#include "kvbridge/connector/actions.h"
+#include "kvbridge/connector/kv_transfer_config.h"
+#include "kvbridge/connector/messages.h"
+
+namespace kvbridge {
+
+/// The prefill half of WRITE mode (one per prefill TP rank).
+///
+/// Transfer entry states: kCollecting (request and/or block-id messages present; writes posted
+/// as layers are computed) → kClosing (aborted, released or lease expired: in-flight writes are
+/// cancelled and every decode rank is told WriteDone(failed) once they drained) → gone (a
+/// tombstone of TTL = lease remembers why, so late messages are answered consistently).
+/// A transfer completes when every expected decode rank has had WriteDone(ok) (or skipped).
+class WritePrefillCore {
+ public:
+  struct Options {
+    std::string engine_id;  ///< this engine incarnation
+    int rank = 0;           ///< this TP rank
+    int tp_size = 1;
+    int block_size = 16;
+    int num_layers = 1;  ///< layers of the model (a target is done after all of them)
+    DurationUs lease = 60 * kSecond;
+    int64_t max_parked_messages = 4096;
+    int64_t max_tombstones = 65536;
+  };
+  struct Counters {
+    int64_t holds = 0;                ///< requests whose blocks were held at finish
+    int64_t holds_freed = 0;          ///< ReportBlocksFree emitted
+    int64_t lease_expired = 0;        ///< transfers closed by the lease
+    int64_t transfers_completed = 0;  ///< every expected decode rank got WriteDone(ok)
+    int64_t transfers_released = 0;   ///< explicit release (proxy)
+    int64_t transfers_aborted = 0;    ///< the prefill request was aborted
+    int64_t writes_posted = 0;
+    int64_t writes_ok = 0;
+    int64_t writes_failed = 0;   ///< failed or cancelled writes
+    int64_t targets_ok = 0;      ///< WriteDone(ok) sent
+    int64_t targets_failed = 0;  ///< WriteDone(failed|cancelled) sent
+    int64_t notifications_parked = 0;
+    int64_t notifications_ignored = 0;  ///< duplicate, late, unknown completions and messages
+    int64_t parked_dropped = 0;         ///< parked messages dropped (TTL or full)
+  };
+
+  explicit WritePrefillCore(Options options);
+
+  /// A parent request with do_remote_decode in write mode entered the engine. The prefill leg
+  /// of a WRITE transfer carries n = 1 (the proxy's shape): InvalidArgument otherwise, and for a
+  /// bad id; AlreadyExists when the transfer or request is already registered. Applies parked
+  /// messages for the transfer.
+  Status OnRequestAdded(const std::string& request_id, int n, const std::string& transfer_id,
+                        int num_prompt_tokens, TimePoint now);
+  /// Layer `layer` of `request_id`'s final prefill chunk was written to the KV cache (every
+  /// prompt position's KV of that layer is final); `block_table` is its block table (token
+  /// order). Posts that layer's WRITE to every decode rank waiting for it. Ignored for unknown
+  /// requests and for layers already seen (later decode steps).
+  void OnLayerComputed(const std::string& request_id, int layer,
+                       std::span<const int32_t> block_table, TimePoint now);
+  /// The engine finished `request_id` (any reason but abort). True: hold its blocks until
+  /// ReportBlocksFree(request_id) (writes pending, or the block-id messages not all in yet,
+  /// under the lease); false: free them now.
+  bool OnRequestFinished(const std::string& request_id, std::span<const int32_t> block_ids,
+                         TimePoint now);
+  /// The engine aborted `request_id`. Cancels its writes and tells every decode rank
+  /// (WriteDone failed "aborted") once they drained. True: keep its blocks until
+  /// ReportBlocksFree (a write may still read them).
+  bool OnRequestAborted(const std::string& request_id, TimePoint now);
+
+  /// A decode rank's block ids. Answered with WriteDone(failed) when the transfer was aborted,
+  /// released or expired, the incarnation is not ours, or the prompt does not match.
+  void OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now);
+  /// A decode rank stops (abort) or never needed writes (skip, want_done = false).
+  void OnWriteCancel(const WriteCancelMsg& msg, TimePoint now);
+  /// Explicit release (the proxy: the decode leg failed). NotFound for another incarnation.
+  Status OnRelease(const ReleaseMsg& msg, TimePoint now);
+  /// WRITE `write_id` ended: OK (landed at the decode) or an error / Cancelled (no more bytes).
+  void OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now);
+  /// Fires leases, write bounds and parked-message TTLs.
+  void OnTick(TimePoint now);
+
+  std::vector<ConnectorAction> TakeActions();
+  std::optional<TimePoint> NextDeadline() const;
+  /// True when no transfer is registered and nothing is parked.
+  bool Idle() const { return transfers_.empty() && parked_.empty(); }
+  int64_t NumTransfers() const { return static_cast<int64_t>(transfers_.size()); }
+  int64_t NumParked() const { return static_cast<int64_t>(parked_.size()); }
+  /// Distinct blocks held for unfinished writes (requests finished and held).
+  int64_t NumHeldBlocks() const;
+  /// WRITEs posted and not yet completed.
+  int64_t NumWritesInFlight() const { return static_cast<int64_t>(writes_.size()); }
+  const Counters& counters() const { return counters_; }
+  const Options& options() const { return options_; }
+
+ private:
+  enum class TargetState : uint8_t { kActive, kCancelling, kDone };
+  struct Target {
+    WriteBlocksMsg msg;
+    TargetState state = TargetState::kActive;
+    bool want_done = true;  // false: skipped, or cancelled without confirmation
+    std::vector<bool> layer_posted;
+    int layers_posted = 0;
+    std::set<uint64_t> inflight;
+    bool write_failed = false;
+    WriteOutcome outcome = WriteOutcome::kOk;
+    std::string reason;
+    TimePoint received = 0;
+    TimePoint first_post = -1;
+    TimePoint last_done = -1;
+  };
+  enum class CloseReason : uint8_t { kNone, kAborted, kReleased, kExpired, kCompleted };
+  struct Transfer {
+    std::string request_id;  // empty until the request registered
+    int num_prompt_tokens = 0;
+    std::vector<int32_t> blocks;  // the request's block table, once known
+    std::vector<bool> layer_computed;
+    int layers_computed = 0;
+    TimePoint first_layer_at = -1;
+    TimePoint last_layer_at = -1;
+    bool finished = false;      // the engine finished the request
+    bool held = false;          // its blocks are held until ReportBlocksFree
+    bool aborted_keep = false;  // aborted with blocks kept until the writes drained
+    bool gone = false;          // the engine no longer knows the request (finished or aborted)
+    CloseReason close = CloseReason::kNone;
+    std::optional<int> decode_tp;
+    std::map<int, Target> targets;  // decode rank -> target
+    std::optional<TimePoint> lease_deadline;
+  };
+  struct Tombstone {
+    CloseReason reason;
+    TimePoint expires;
+  };
+  struct Parked {
+    ControlMessage msg;
+    TimePoint expires;
+  };
+
+  void AddTarget(const std::string& tid, Transfer& t, const WriteBlocksMsg& msg, TimePoint now);
+  void ApplyCancel(const std::string& tid, Transfer& t, const WriteCancelMsg& msg, TimePoint now);
+  void PostLayer(const std::string& tid, Transfer& t, Target& g, int layer, TimePoint now);
+  void CancelTarget(Target& g, WriteOutcome outcome, std::string reason);
+  void Close(const std::string& tid, Transfer& t, CloseReason reason, TimePoint now);
+  void SendDone(const Transfer& t, Target& g, TimePoint now);
+  void Reject(const WriteBlocksMsg& msg, std::string reason);
+  // Sends finished targets' WriteDone, frees blocks and erases the entry when everything ended.
+  void Advance(const std::string& tid, TimePoint now);
+  void Park(ControlMessage msg, const std::string& tid, TimePoint now);
+  void Bury(const std::string& tid, CloseReason reason, TimePoint now);
+  std::vector<int> ExpectedDecodeRanks(const Transfer& t) const;
+  static std::string_view ReasonName(CloseReason r);
+
+  Options options_;
+  std::map<std::string, Transfer> transfers_;               // transfer_id -> entry
+  std::map<std::string, std::string> request_to_transfer_;  // request id -> transfer_id
+  std::map<uint64_t, std::pair<std::string, int>> writes_;  // write id -> (tid, decode rank)
+  std::map<std::string, Tombstone> tombstones_;
+  std::deque<std::pair<TimePoint, std::string>> tombstone_order_;
+  std::multimap<std::string, Parked> parked_;  // transfer_id -> parked, in order
+  uint64_t next_write_id_ = 1;
+  std::vector<ConnectorAction> actions_;
+  Counters counters_;
+};
+
+/// The decode half of WRITE mode (one per decode engine; it sends for all its ranks).
+///
+/// Request states: kAwaitingAlloc → kWaiting (WriteBlocks sent to every pair) → reported
+/// (ReportLoadDone when every pair said ok | ReportLoadFailed once every pair drained after a
+/// failure | ReportBlocksFree after an abort once every pair drained) → gone. Each request is
+/// reported exactly once; WriteDone for no waiting pair is dropped and counted.
+class WriteDecodeCore {
+ public:
+  struct Options {
+    std::string engine_id;  ///< this decode engine incarnation
+    int tp_size = 1;
+    int block_size = 16;
+    /// Bound on waiting for a prefill rank's WriteDone after WriteBlocks (and on keeping an
+    /// aborted request's blocks): the prefill's lease plus a grace for message delays.
+    DurationUs write_timeout = 70 * kSecond;
+    LoadFailurePolicy load_failure_policy = LoadFailurePolicy::kRecompute;
+  };
+  struct Match {
+    int num_external_tokens = 0;
+    bool load_async = false;
+  };
+  struct Counters {
+    int64_t loads_done = 0;
+    int64_t load_failures = 0;   ///< ReportLoadFailed emitted
+    int64_t write_failures = 0;  ///< WriteDone(failed|cancelled) received for a waiting pair
+    int64_t write_timeouts = 0;
+    int64_t skipped = 0;  ///< requests whose prefix cache had every needed block
+    int64_t aborts_mid_write = 0;
+    int64_t notifications_ignored = 0;
+    /// Sum over loads_done of the overlap: the prefill's last layer computed → this decode's go
+    /// (microseconds; the prefill part measured there, plus the time here since WriteDone
+    /// arrived; the one-way message delay is not included).
+    int64_t overlap_us_sum = 0;
+    int64_t write_us_sum = 0;    ///< sum of the prefill's first write posted → last write done
+    int64_t compute_us_sum = 0;  ///< sum of the prefill's final-chunk compute times
+  };
+  /// What one finished load measured (for metrics), taken with TakeLoadTimings().
+  struct LoadTiming {
+    int64_t overlap_us = 0;
+    int64_t write_us = 0;
+    int64_t compute_us = 0;
+  };
+
+  explicit WriteDecodeCore(Options options);
+
+  /// A parent request with do_remote_prefill in write mode is about to be allocated. Returns the
+  /// tokens that arrive remotely: max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  /// when 0, each prefill rank is told at once (WriteCancel, want_done = false) and no entry is
+  /// kept. InvalidArgument when params are not a write-mode decode leg or the local hit is not a
+  /// multiple of block_size; AlreadyExists when the transfer or request is active.
+  Result<Match> OnRequestAdded(const std::string& request_id, const KvTransferParams& params,
+                               int num_prompt_tokens, int num_local_computed_tokens, TimePoint now);
+  /// The engine allocated `block_ids` (the whole table). Sends WriteBlocks to every prefill rank.
+  void OnBlocksAllocated(const std::string& request_id, std::span<const int32_t> block_ids,
+                         int num_local_computed_tokens, int num_external_tokens, TimePoint now);
+  /// True when the engine must keep the blocks until ReportBlocksFree (a write may land).
+  bool OnRequestAborted(const std::string& request_id, TimePoint now);
+  /// Aborted while still queued (before OnRequestAdded): tells each prefill rank it is not
+  /// needed (WriteCancel, want_done = false). Keeps no state.
+  void OnAbortedBeforeAdmission(const KvTransferParams& params);
+  /// A prefill rank's WriteDone.
+  void OnWriteDone(const WriteDoneMsg& msg, TimePoint now);
+  void OnTick(TimePoint now);
+
+  std::vector<ConnectorAction> TakeActions();
+  std::vector<LoadTiming> TakeLoadTimings();
+  std::optional<TimePoint> NextDeadline() const;
+  bool Idle() const { return requests_.empty(); }
+  int64_t NumWaiting() const;
+  /// Decode blocks a prefill may write now, per transfer_id (the tcp backend's serving check).
+  std::map<std::string, std::vector<int32_t>> WritableBlocksByTransfer() const;
+  const Counters& counters() const { return counters_; }
+  const Options& options() const { return options_; }
+
+ private:
+  enum class PairState : uint8_t { kIdle, kWaiting, kCancelling, kOk, kFailed };
+  struct Pair {
+    int decode_rank = 0;
+    int prefill_rank = 0;
+    PairState state = PairState::kIdle;
+  };
+  struct Request {
+    KvTransferParams params;
+    int num_prompt_tokens = 0;
+    std::vector<Pair> pairs;
+    std::vector<int32_t> blocks;  // destination blocks
+    bool allocated = false;
+    bool aborted = false;
+    Status failure;
+    TimePoint deadline = 0;
+    LoadTiming timing;
+    int64_t overlap_base = INT64_MIN / 2;  // max over ok ranks of since_last_layer_us - arrival
+  };
+
+  PeerEndpoint Peer(const KvTransferParams& p, int prefill_rank) const;
+  void SendCancel(const Request& r, const Pair& pair, bool want_done);
+  void Fail(Request& r, Status status);
+  void Advance(const std::string& request_id, TimePoint now);
+
+  Options options_;
+  std::map<std::string, Request> requests_;
+  std::map<std::pair<std::string, std::string>, std::string> by_transfer_;  // (engine, tid)
+  std::vector<ConnectorAction> actions_;
+  std::vector<LoadTiming> timings_;
+  Counters counters_;
+};
+
+}  // namespace kvbridge

@@ -1,0 +1,843 @@
+#include "kvbridge/connector/write_core.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace kvbridge {
+
+// ------------------------------------------------------------------------------------------
+// WritePrefillCore
+// ------------------------------------------------------------------------------------------
+
+WritePrefillCore::WritePrefillCore(Options options) : options_(std::move(options)) {
+  if (options_.tp_size < 1) options_.tp_size = 1;
+  if (options_.block_size < 1) options_.block_size = 16;
+  if (options_.num_layers < 1) options_.num_layers = 1;
+  if (options_.lease <= 0) options_.lease = 60 * kSecond;
+  if (options_.max_parked_messages < 1) options_.max_parked_messages = 1;
+  if (options_.max_tombstones < 1) options_.max_tombstones = 1;
+}
+
+std::string_view WritePrefillCore::ReasonName(CloseReason r) {
+  switch (r) {
+    case CloseReason::kNone:
+      return "open";
+    case CloseReason::kAborted:
+      return "aborted";
+    case CloseReason::kReleased:
+      return "released";
+    case CloseReason::kExpired:
+      return "expired";
+    case CloseReason::kCompleted:
+      return "completed";
+  }
+  return "open";
+}
+
+std::vector<int> WritePrefillCore::ExpectedDecodeRanks(const Transfer& t) const {
+  if (!t.decode_tp) return {};
+  return DecodeRanksReadingFrom(options_.rank, options_.tp_size, *t.decode_tp);
+}
+
+Status WritePrefillCore::OnRequestAdded(const std::string& request_id, int n,
+                                        const std::string& transfer_id, int num_prompt_tokens,
+                                        TimePoint now) {
+  if (n != 1) {
+    return InvalidArgumentError("write mode: the prefill leg must have n = 1 (got " +
+                                std::to_string(n) + "); the decode forks the siblings");
+  }
+  if (!IsValidTransferId(transfer_id)) return InvalidArgumentError("bad transfer_id");
+  if (request_id.empty()) return InvalidArgumentError("empty request id");
+  if (num_prompt_tokens < 1) return InvalidArgumentError("empty prompt");
+  if (request_to_transfer_.count(request_id)) {
+    return AlreadyExistsError("request " + request_id + " is already registered");
+  }
+  if (transfers_.count(transfer_id)) {
+    return AlreadyExistsError("transfer " + transfer_id + " is already registered");
+  }
+  tombstones_.erase(transfer_id);
+  Transfer& t = transfers_[transfer_id];
+  t.request_id = request_id;
+  t.num_prompt_tokens = num_prompt_tokens;
+  t.layer_computed.assign(static_cast<size_t>(options_.num_layers), false);
+  request_to_transfer_[request_id] = transfer_id;
+  // Messages that came first, in arrival order.
+  auto [lo, hi] = parked_.equal_range(transfer_id);
+  std::vector<ControlMessage> msgs;
+  for (auto it = lo; it != hi; ++it) msgs.push_back(std::move(it->second.msg));
+  parked_.erase(lo, hi);
+  for (ControlMessage& m : msgs) {
+    if (!transfers_.count(transfer_id)) break;
+    Transfer& tt = transfers_.at(transfer_id);
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&m)) {
+      AddTarget(transfer_id, tt, *wb, now);
+    } else if (auto* wc = std::get_if<WriteCancelMsg>(&m)) {
+      ApplyCancel(transfer_id, tt, *wc, now);
+    } else if (std::holds_alternative<ReleaseMsg>(m)) {
+      if (tt.close == CloseReason::kNone) {
+        ++counters_.transfers_released;
+        Close(transfer_id, tt, CloseReason::kReleased, now);
+      }
+    }
+  }
+  if (transfers_.count(transfer_id)) Advance(transfer_id, now);
+  return OkStatus();
+}
+
+void WritePrefillCore::OnLayerComputed(const std::string& request_id, int layer,
+                                       std::span<const int32_t> block_table, TimePoint now) {
+  auto rt = request_to_transfer_.find(request_id);
+  if (rt == request_to_transfer_.end()) return;  // not a WRITE-mode prefill request
+  const std::string tid = rt->second;
+  Transfer& t = transfers_.at(tid);
+  if (layer < 0 || layer >= options_.num_layers || t.layer_computed[layer] || t.gone) return;
+  if (block_table.size() >= t.blocks.size())
+    t.blocks.assign(block_table.begin(), block_table.end());
+  t.layer_computed[layer] = true;
+  ++t.layers_computed;
+  if (t.first_layer_at < 0) t.first_layer_at = now;
+  t.last_layer_at = now;
+  if (t.close != CloseReason::kNone) return;
+  for (auto& [d, g] : t.targets) PostLayer(tid, t, g, layer, now);
+  Advance(tid, now);
+}
+
+void WritePrefillCore::PostLayer(const std::string& tid, Transfer& t, Target& g, int layer,
+                                 TimePoint now) {
+  if (g.state != TargetState::kActive) return;
+  if (layer >= 0 && g.layer_posted[layer]) return;
+  if (layer < 0 && g.layers_posted > 0) return;
+  if (now > g.received + options_.lease) {
+    // The decode stops waiting at lease + grace: never start a write it no longer expects.
+    CancelTarget(g, WriteOutcome::kFailed, "expired");
+    return;
+  }
+  PostWriteAction a;
+  a.transfer_id = tid;
+  a.decode = PeerEndpoint{.engine_id = g.msg.decode_engine_id,
+                          .host = g.msg.decode_host,
+                          .port = g.msg.decode_port,
+                          .rank = g.msg.decode_rank};
+  a.prefill_rank = options_.rank;
+  a.layer = layer;
+  for (size_t i = 0; i < g.msg.block_ids.size(); ++i) {
+    const size_t idx = static_cast<size_t>(g.msg.first_block) + i;
+    if (idx >= t.blocks.size()) {
+      g.write_failed = true;
+      CancelTarget(g, WriteOutcome::kFailed, "the prefill's block table does not cover the blocks");
+      return;
+    }
+    a.local_block_ids.push_back(t.blocks[idx]);
+    a.remote_block_ids.push_back(g.msg.block_ids[i]);
+  }
+  a.write_id = next_write_id_++;
+  writes_[a.write_id] = {tid, g.msg.decode_rank};
+  g.inflight.insert(a.write_id);
+  if (layer < 0) {
+    std::fill(g.layer_posted.begin(), g.layer_posted.end(), true);
+    g.layers_posted = options_.num_layers;
+  } else {
+    g.layer_posted[layer] = true;
+    ++g.layers_posted;
+  }
+  if (g.first_post < 0) g.first_post = now;
+  ++counters_.writes_posted;
+  actions_.push_back(std::move(a));
+}
+
+void WritePrefillCore::CancelTarget(Target& g, WriteOutcome outcome, std::string reason) {
+  if (g.state != TargetState::kActive) return;
+  g.state = TargetState::kCancelling;
+  g.outcome = outcome;
+  g.reason = std::move(reason);
+  for (uint64_t id : g.inflight) actions_.push_back(CancelWriteAction{id});
+}
+
+void WritePrefillCore::Reject(const WriteBlocksMsg& msg, std::string reason) {
+  ++counters_.targets_failed;
+  actions_.push_back(
+      SendMessageAction{.to = PeerEndpoint{.engine_id = msg.decode_engine_id,
+                                           .host = msg.decode_host,
+                                           .port = msg.decode_port,
+                                           .rank = msg.decode_rank},
+                        .msg = WriteDoneMsg{.transfer_id = msg.transfer_id,
+                                            .prefill_engine_id = msg.prefill_engine_id,
+                                            .prefill_rank = msg.prefill_rank,
+                                            .decode_engine_id = msg.decode_engine_id,
+                                            .decode_rank = msg.decode_rank,
+                                            .outcome = WriteOutcome::kFailed,
+                                            .reason = std::move(reason)}});
+}
+
+void WritePrefillCore::SendDone(const Transfer& t, Target& g, TimePoint now) {
+  if (g.outcome == WriteOutcome::kOk) {
+    ++counters_.targets_ok;
+  } else {
+    ++counters_.targets_failed;
+  }
+  WriteDoneMsg m{.transfer_id = g.msg.transfer_id,
+                 .prefill_engine_id = options_.engine_id,
+                 .prefill_rank = options_.rank,
+                 .decode_engine_id = g.msg.decode_engine_id,
+                 .decode_rank = g.msg.decode_rank,
+                 .outcome = g.outcome,
+                 .reason = g.outcome == WriteOutcome::kOk ? std::string() : g.reason};
+  if (t.first_layer_at >= 0)
+    m.compute_us = std::max<int64_t>(0, t.last_layer_at - t.first_layer_at);
+  if (g.first_post >= 0 && g.last_done >= g.first_post) m.write_us = g.last_done - g.first_post;
+  if (t.last_layer_at >= 0) m.since_last_layer_us = std::max<int64_t>(0, now - t.last_layer_at);
+  actions_.push_back(SendMessageAction{.to = PeerEndpoint{.engine_id = g.msg.decode_engine_id,
+                                                          .host = g.msg.decode_host,
+                                                          .port = g.msg.decode_port,
+                                                          .rank = g.msg.decode_rank},
+                                       .msg = m});
+}
+
+void WritePrefillCore::AddTarget(const std::string& tid, Transfer& t, const WriteBlocksMsg& msg,
+                                 TimePoint now) {
+  if (msg.prefill_rank != options_.rank) {
+    Reject(msg, "rank " + std::to_string(msg.prefill_rank) + " is not this prefill rank");
+    return;
+  }
+  if (t.decode_tp && *t.decode_tp != msg.decode_tp_size) {
+    Reject(msg, "decode tp_size differs from an earlier message of this transfer");
+    return;
+  }
+  const std::vector<int> ranks =
+      DecodeRanksReadingFrom(options_.rank, options_.tp_size, msg.decode_tp_size);
+  if (std::find(ranks.begin(), ranks.end(), msg.decode_rank) == ranks.end()) {
+    Reject(msg, "decode rank " + std::to_string(msg.decode_rank) + " is not written by rank " +
+                    std::to_string(options_.rank));
+    return;
+  }
+  if (t.targets.count(msg.decode_rank)) {
+    ++counters_.notifications_ignored;  // duplicate
+    return;
+  }
+  if (t.close != CloseReason::kNone) {
+    Reject(msg, std::string(ReasonName(t.close)));
+    return;
+  }
+  const int bs = options_.block_size;
+  const int64_t prompt_blocks = (static_cast<int64_t>(t.num_prompt_tokens) + bs - 1) / bs;
+  if (msg.num_prompt_tokens != t.num_prompt_tokens ||
+      static_cast<int64_t>(msg.first_block) + static_cast<int64_t>(msg.block_ids.size()) >
+          prompt_blocks) {
+    Reject(msg, "prompt mismatch: the decode has " + std::to_string(msg.num_prompt_tokens) +
+                    " prompt tokens, this prefill " + std::to_string(t.num_prompt_tokens));
+    return;
+  }
+  t.decode_tp = msg.decode_tp_size;
+  Target& g = t.targets[msg.decode_rank];
+  g.msg = msg;
+  g.received = now;
+  g.layer_posted.assign(static_cast<size_t>(options_.num_layers), false);
+  if (t.layers_computed == options_.num_layers) {
+    PostLayer(tid, t, g, -1, now);  // everything is final: one transfer over all layers
+  } else {
+    for (int l = 0; l < options_.num_layers; ++l) {
+      if (t.layer_computed[l]) PostLayer(tid, t, g, l, now);
+    }
+  }
+}
+
+void WritePrefillCore::ApplyCancel(const std::string& tid, Transfer& t, const WriteCancelMsg& msg,
+                                   TimePoint now) {
+  (void)tid;
+  (void)now;
+  if (msg.prefill_rank != options_.rank || (t.decode_tp && *t.decode_tp != msg.decode_tp_size)) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  auto it = t.targets.find(msg.decode_rank);
+  if (it == t.targets.end()) {
+    // Skip (nothing needed), or a cancel before any block ids: this decode rank is settled.
+    const std::vector<int> ranks =
+        DecodeRanksReadingFrom(options_.rank, options_.tp_size, msg.decode_tp_size);
+    if (std::find(ranks.begin(), ranks.end(), msg.decode_rank) == ranks.end()) {
+      ++counters_.notifications_ignored;
+      return;
+    }
+    t.decode_tp = msg.decode_tp_size;
+    Target& g = t.targets[msg.decode_rank];
+    g.msg = WriteBlocksMsg{.transfer_id = tid,
+                           .prefill_engine_id = options_.engine_id,
+                           .prefill_rank = options_.rank,
+                           .decode_engine_id = msg.decode_engine_id,
+                           .decode_rank = msg.decode_rank,
+                           .decode_tp_size = msg.decode_tp_size};
+    g.state = TargetState::kCancelling;  // settles to kDone in Advance (nothing in flight)
+    g.want_done = false;                 // no route back to a decode that never sent its endpoint
+    g.outcome = WriteOutcome::kCancelled;
+    g.reason = msg.want_done ? "cancelled by the decode" : "skipped";
+    return;
+  }
+  Target& g = it->second;
+  if (g.state != TargetState::kActive) return;  // crossed our WriteDone or a close: no-op
+  g.want_done = msg.want_done;
+  CancelTarget(g, WriteOutcome::kCancelled, "cancelled by the decode");
+}
+
+void WritePrefillCore::Close(const std::string& tid, Transfer& t, CloseReason reason,
+                             TimePoint now) {
+  (void)tid;
+  (void)now;
+  if (t.close != CloseReason::kNone) return;
+  t.close = reason;
+  for (auto& [d, g] : t.targets)
+    CancelTarget(g, WriteOutcome::kFailed, std::string(ReasonName(reason)));
+}
+
+void WritePrefillCore::Advance(const std::string& tid, TimePoint now) {
+  auto it = transfers_.find(tid);
+  if (it == transfers_.end()) return;
+  Transfer& t = it->second;
+  bool drained = true;
+  for (auto& [d, g] : t.targets) {
+    if (g.state == TargetState::kActive && !g.write_failed &&
+        g.layers_posted == options_.num_layers && g.inflight.empty()) {
+      g.state = TargetState::kDone;
+      g.outcome = WriteOutcome::kOk;
+      SendDone(t, g, now);
+    } else if (g.state == TargetState::kCancelling && g.inflight.empty()) {
+      g.state = TargetState::kDone;
+      if (g.want_done) SendDone(t, g, now);
+    }
+    if (!g.inflight.empty() || g.state == TargetState::kCancelling) drained = false;
+  }
+  if (t.close == CloseReason::kNone) {
+    const std::vector<int> expected = ExpectedDecodeRanks(t);
+    bool complete = !expected.empty();
+    for (int d : expected) {
+      auto g = t.targets.find(d);
+      if (g == t.targets.end() || g->second.state != TargetState::kDone) complete = false;
+    }
+    if (complete) {
+      t.close = CloseReason::kCompleted;
+      t.lease_deadline.reset();
+      ++counters_.transfers_completed;
+    }
+  }
+  if (t.close == CloseReason::kNone || !drained) return;
+  if (t.held || t.aborted_keep) {
+    ++counters_.holds_freed;
+    actions_.push_back(ReportBlocksFreeAction{t.request_id});
+    t.held = false;
+    t.aborted_keep = false;
+  }
+  if (!t.gone) return;  // the engine still runs it: OnRequestFinished/Aborted erases
+  const CloseReason reason = t.close;
+  request_to_transfer_.erase(t.request_id);
+  for (auto& [d, g] : t.targets) {
+    for (uint64_t id : g.inflight) writes_.erase(id);
+  }
+  transfers_.erase(it);
+  Bury(tid, reason, now);
+}
+
+void WritePrefillCore::Bury(const std::string& tid, CloseReason reason, TimePoint now) {
+  tombstones_[tid] = Tombstone{reason, now + options_.lease};
+  tombstone_order_.emplace_back(now + options_.lease, tid);
+  while (static_cast<int64_t>(tombstones_.size()) > options_.max_tombstones &&
+         !tombstone_order_.empty()) {
+    auto [exp, id] = tombstone_order_.front();
+    tombstone_order_.pop_front();
+    auto tb = tombstones_.find(id);
+    if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
+  }
+}
+
+bool WritePrefillCore::OnRequestFinished(const std::string& request_id,
+                                         std::span<const int32_t> block_ids, TimePoint now) {
+  auto rt = request_to_transfer_.find(request_id);
+  if (rt == request_to_transfer_.end()) return false;
+  const std::string tid = rt->second;
+  Transfer& t = transfers_.at(tid);
+  t.finished = true;
+  t.gone = true;
+  if (block_ids.size() >= t.blocks.size()) t.blocks.assign(block_ids.begin(), block_ids.end());
+  // Every layer's KV is final now (covers engines that do not report layers).
+  if (t.layers_computed < options_.num_layers) {
+    if (t.first_layer_at < 0) t.first_layer_at = now;
+    t.last_layer_at = now;
+    std::fill(t.layer_computed.begin(), t.layer_computed.end(), true);
+    t.layers_computed = options_.num_layers;
+    if (t.close == CloseReason::kNone) {
+      for (auto& [d, g] : t.targets) {
+        if (g.layers_posted == 0) {
+          PostLayer(tid, t, g, -1, now);
+        } else {
+          for (int l = 0; l < options_.num_layers; ++l) PostLayer(tid, t, g, l, now);
+        }
+      }
+    }
+  }
+  Advance(tid, now);
+  auto it = transfers_.find(tid);
+  if (it == transfers_.end()) return false;  // completed and drained: free now
+  Transfer& tt = it->second;
+  tt.held = true;
+  ++counters_.holds;
+  if (tt.close == CloseReason::kNone) tt.lease_deadline = now + options_.lease;
+  return true;
+}
+
+bool WritePrefillCore::OnRequestAborted(const std::string& request_id, TimePoint now) {
+  auto rt = request_to_transfer_.find(request_id);
+  if (rt == request_to_transfer_.end()) return false;
+  const std::string tid = rt->second;
+  Transfer& t = transfers_.at(tid);
+  t.gone = true;
+  if (t.close == CloseReason::kNone) {
+    ++counters_.transfers_aborted;
+    Close(tid, t, CloseReason::kAborted, now);
+  }
+  bool drained = true;
+  for (const auto& [d, g] : t.targets) drained = drained && g.inflight.empty();
+  t.aborted_keep = !drained;  // cleared (and reported) once the cancelled writes ended
+  Advance(tid, now);
+  return !drained;
+}
+
+void WritePrefillCore::Park(ControlMessage msg, const std::string& tid, TimePoint now) {
+  if (static_cast<int64_t>(parked_.size()) >= options_.max_parked_messages) {
+    ++counters_.parked_dropped;
+    ++counters_.notifications_ignored;
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&msg)) Reject(*wb, "too many parked messages");
+    return;
+  }
+  ++counters_.notifications_parked;
+  parked_.emplace(tid, Parked{std::move(msg), now + options_.lease});
+}
+
+void WritePrefillCore::OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now) {
+  if (msg.prefill_engine_id != options_.engine_id) {
+    ++counters_.notifications_ignored;
+    Reject(msg, "incarnation");
+    return;
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    AddTarget(msg.transfer_id, it->second, msg, now);
+    Advance(msg.transfer_id, now);
+    return;
+  }
+  auto tb = tombstones_.find(msg.transfer_id);
+  if (tb != tombstones_.end() && tb->second.expires > now) {
+    if (tb->second.reason == CloseReason::kCompleted) {
+      ++counters_.notifications_ignored;  // a duplicate after completion
+    } else {
+      Reject(msg, std::string(ReasonName(tb->second.reason)));
+    }
+    return;
+  }
+  Park(msg, msg.transfer_id, now);
+}
+
+void WritePrefillCore::OnWriteCancel(const WriteCancelMsg& msg, TimePoint now) {
+  if (msg.prefill_engine_id != options_.engine_id) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    ApplyCancel(msg.transfer_id, it->second, msg, now);
+    Advance(msg.transfer_id, now);
+    return;
+  }
+  auto tb = tombstones_.find(msg.transfer_id);
+  if (tb != tombstones_.end() && tb->second.expires > now) return;  // crossed the end: no-op
+  Park(msg, msg.transfer_id, now);
+}
+
+Status WritePrefillCore::OnRelease(const ReleaseMsg& msg, TimePoint now) {
+  if (!msg.prefill_engine_id.empty() && msg.prefill_engine_id != options_.engine_id) {
+    return NotFoundError("engine " + msg.prefill_engine_id + " is not this incarnation");
+  }
+  auto it = transfers_.find(msg.transfer_id);
+  if (it != transfers_.end()) {
+    if (it->second.close == CloseReason::kNone) {
+      ++counters_.transfers_released;
+      Close(msg.transfer_id, it->second, CloseReason::kReleased, now);
+    }
+    Advance(msg.transfer_id, now);
+    return OkStatus();
+  }
+  auto tb = tombstones_.find(msg.transfer_id);
+  if (tb != tombstones_.end() && tb->second.expires > now) return OkStatus();
+  Park(msg, msg.transfer_id, now);
+  return OkStatus();
+}
+
+void WritePrefillCore::OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now) {
+  auto w = writes_.find(write_id);
+  if (w == writes_.end()) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  const auto [tid, rank] = w->second;
+  writes_.erase(w);
+  auto it = transfers_.find(tid);
+  if (it == transfers_.end()) return;
+  auto g = it->second.targets.find(rank);
+  if (g == it->second.targets.end()) return;
+  Target& tg = g->second;
+  tg.inflight.erase(write_id);
+  if (status.ok()) {
+    ++counters_.writes_ok;
+    tg.last_done = now;
+  } else {
+    ++counters_.writes_failed;
+    tg.write_failed = true;
+    CancelTarget(tg, WriteOutcome::kFailed, "write failed: " + status.message());
+  }
+  Advance(tid, now);
+}
+
+void WritePrefillCore::OnTick(TimePoint now) {
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (it->second.expires > now) {
+      ++it;
+      continue;
+    }
+    ++counters_.parked_dropped;
+    ++counters_.notifications_ignored;
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&it->second.msg)) Reject(*wb, "expired");
+    it = parked_.erase(it);
+  }
+  while (!tombstone_order_.empty() && tombstone_order_.front().first <= now) {
+    auto [exp, id] = tombstone_order_.front();
+    tombstone_order_.pop_front();
+    auto tb = tombstones_.find(id);
+    if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
+  }
+  std::vector<std::string> tids;
+  for (auto& [tid, t] : transfers_) tids.push_back(tid);
+  for (const std::string& tid : tids) {
+    auto it = transfers_.find(tid);
+    if (it == transfers_.end()) continue;
+    Transfer& t = it->second;
+    if (t.close == CloseReason::kNone && t.lease_deadline && *t.lease_deadline <= now) {
+      ++counters_.lease_expired;
+      Close(tid, t, CloseReason::kExpired, now);
+    }
+    for (auto& [d, g] : t.targets) {
+      if (g.state == TargetState::kActive && g.received + options_.lease <= now) {
+        CancelTarget(g, WriteOutcome::kFailed, "expired");
+      }
+    }
+    Advance(tid, now);
+  }
+}
+
+std::vector<ConnectorAction> WritePrefillCore::TakeActions() {
+  std::vector<ConnectorAction> out;
+  out.swap(actions_);
+  return out;
+}
+
+std::optional<TimePoint> WritePrefillCore::NextDeadline() const {
+  std::optional<TimePoint> best;
+  auto take = [&](TimePoint t) {
+    if (!best || t < *best) best = t;
+  };
+  for (const auto& [tid, p] : parked_) take(p.expires);
+  for (const auto& [tid, t] : transfers_) {
+    if (t.close == CloseReason::kNone && t.lease_deadline) take(*t.lease_deadline);
+    for (const auto& [d, g] : t.targets) {
+      if (g.state == TargetState::kActive) take(g.received + options_.lease);
+    }
+  }
+  return best;
+}
+
+int64_t WritePrefillCore::NumHeldBlocks() const {
+  std::set<int32_t> blocks;
+  for (const auto& [tid, t] : transfers_) {
+    if (t.held || t.aborted_keep) blocks.insert(t.blocks.begin(), t.blocks.end());
+  }
+  return static_cast<int64_t>(blocks.size());
+}
+
+// ------------------------------------------------------------------------------------------
+// WriteDecodeCore
+// ------------------------------------------------------------------------------------------
+
+WriteDecodeCore::WriteDecodeCore(Options options) : options_(std::move(options)) {
+  if (options_.tp_size < 1) options_.tp_size = 1;
+  if (options_.block_size < 1) options_.block_size = 16;
+  if (options_.write_timeout <= 0) options_.write_timeout = 70 * kSecond;
+}
+
+PeerEndpoint WriteDecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const {
+  return PeerEndpoint{.engine_id = p.remote_engine_id,
+                      .host = p.remote_host,
+                      .port = p.remote_port,
+                      .rank = prefill_rank};
+}
+
+void WriteDecodeCore::SendCancel(const Request& r, const Pair& pair, bool want_done) {
+  actions_.push_back(
+      SendMessageAction{.to = Peer(r.params, pair.prefill_rank),
+                        .msg = WriteCancelMsg{.transfer_id = r.params.transfer_id,
+                                              .prefill_engine_id = r.params.remote_engine_id,
+                                              .prefill_rank = pair.prefill_rank,
+                                              .decode_engine_id = options_.engine_id,
+                                              .decode_rank = pair.decode_rank,
+                                              .decode_tp_size = options_.tp_size,
+                                              .want_done = want_done}});
+}
+
+Result<WriteDecodeCore::Match> WriteDecodeCore::OnRequestAdded(const std::string& request_id,
+                                                               const KvTransferParams& params,
+                                                               int num_prompt_tokens,
+                                                               int num_local_computed_tokens,
+                                                               TimePoint now) {
+  (void)now;
+  if (!params.do_remote_prefill) {
+    return InvalidArgumentError("kv_transfer_params: do_remote_prefill is not set");
+  }
+  if (params.mode != KvTransferMode::kWrite) {
+    return InvalidArgumentError("kv_transfer_params: not a write-mode decode leg");
+  }
+  const int bs = options_.block_size;
+  if (num_prompt_tokens < 1) return InvalidArgumentError("empty prompt");
+  if (num_local_computed_tokens < 0 || num_local_computed_tokens % bs != 0) {
+    return InvalidArgumentError("local prefix hit must be a non-negative multiple of block_size");
+  }
+  if (requests_.count(request_id)) {
+    return AlreadyExistsError("request " + request_id + " is loading");
+  }
+  const auto key = std::make_pair(params.remote_engine_id, params.transfer_id);
+  if (by_transfer_.count(key)) {
+    return AlreadyExistsError("transfer " + params.transfer_id + " is already being loaded");
+  }
+  Request r;
+  r.params = params;
+  r.num_prompt_tokens = num_prompt_tokens;
+  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
+    r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
+  }
+  const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  if (external == 0) {
+    ++counters_.skipped;
+    for (const Pair& pair : r.pairs) SendCancel(r, pair, /*want_done=*/false);
+    return Match{0, false};
+  }
+  requests_.emplace(request_id, std::move(r));
+  by_transfer_[key] = request_id;
+  return Match{external, true};
+}
+
+void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
+                                        std::span<const int32_t> block_ids,
+                                        int num_local_computed_tokens, int num_external_tokens,
+                                        TimePoint now) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end() || it->second.allocated) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  Request& r = it->second;
+  r.allocated = true;
+  r.deadline = now + options_.write_timeout;
+  const int bs = options_.block_size;
+  const int b0 = num_local_computed_tokens / bs;
+  const int b1 = (num_local_computed_tokens + num_external_tokens + bs - 1) / bs;
+  if (num_external_tokens <= 0 || num_local_computed_tokens < 0 ||
+      static_cast<int64_t>(block_ids.size()) < b1) {
+    for (const Pair& pair : r.pairs) SendCancel(r, pair, /*want_done=*/false);
+    Fail(r, InternalError("block table of " + std::to_string(block_ids.size()) +
+                          " blocks does not cover the remote load"));
+    Advance(request_id, now);
+    return;
+  }
+  r.blocks.assign(block_ids.begin() + b0, block_ids.begin() + b1);
+  for (Pair& pair : r.pairs) {
+    pair.state = PairState::kWaiting;
+    actions_.push_back(
+        SendMessageAction{.to = Peer(r.params, pair.prefill_rank),
+                          .msg = WriteBlocksMsg{.transfer_id = r.params.transfer_id,
+                                                .prefill_engine_id = r.params.remote_engine_id,
+                                                .prefill_rank = pair.prefill_rank,
+                                                .decode_engine_id = options_.engine_id,
+                                                .decode_rank = pair.decode_rank,
+                                                .decode_tp_size = options_.tp_size,
+                                                .num_prompt_tokens = r.num_prompt_tokens,
+                                                .first_block = b0,
+                                                .block_ids = r.blocks}});
+  }
+}
+
+void WriteDecodeCore::Fail(Request& r, Status status) {
+  if (r.failure.ok()) r.failure = std::move(status);
+  for (Pair& pair : r.pairs) {
+    if (pair.state == PairState::kWaiting) {
+      SendCancel(r, pair, /*want_done=*/true);
+      pair.state = PairState::kCancelling;
+    }
+  }
+}
+
+bool WriteDecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return false;
+  Request& r = it->second;
+  r.aborted = true;
+  bool keep = false;
+  for (Pair& pair : r.pairs) {
+    if (pair.state == PairState::kWaiting) {
+      SendCancel(r, pair, /*want_done=*/true);
+      pair.state = PairState::kCancelling;
+    } else if (pair.state == PairState::kIdle) {
+      SendCancel(r, pair, /*want_done=*/false);  // never asked: the prefill need not wait
+      pair.state = PairState::kFailed;
+    }
+    if (pair.state == PairState::kCancelling) keep = true;
+  }
+  if (keep) {
+    ++counters_.aborts_mid_write;
+    (void)now;
+    return true;
+  }
+  by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
+  requests_.erase(it);
+  return false;
+}
+
+void WriteDecodeCore::OnAbortedBeforeAdmission(const KvTransferParams& params) {
+  if (!params.do_remote_prefill || params.mode != KvTransferMode::kWrite) return;
+  Request r;
+  r.params = params;
+  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
+    SendCancel(r, Pair{.decode_rank = d, .prefill_rank = p}, /*want_done=*/false);
+  }
+}
+
+void WriteDecodeCore::OnWriteDone(const WriteDoneMsg& msg, TimePoint now) {
+  auto k = by_transfer_.find({msg.prefill_engine_id, msg.transfer_id});
+  if (k == by_transfer_.end() || msg.decode_engine_id != options_.engine_id) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  const std::string request_id = k->second;
+  Request& r = requests_.at(request_id);
+  Pair* pair = nullptr;
+  for (Pair& p : r.pairs) {
+    if (p.decode_rank == msg.decode_rank && p.prefill_rank == msg.prefill_rank) pair = &p;
+  }
+  if (pair == nullptr ||
+      (pair->state != PairState::kWaiting && pair->state != PairState::kCancelling)) {
+    ++counters_.notifications_ignored;
+    return;
+  }
+  if (pair->state == PairState::kCancelling) {
+    pair->state = PairState::kFailed;  // drained (whatever it says, we no longer use it)
+  } else if (msg.outcome == WriteOutcome::kOk) {
+    pair->state = PairState::kOk;
+    r.timing.compute_us = std::max(r.timing.compute_us, msg.compute_us);
+    r.timing.write_us = std::max(r.timing.write_us, msg.write_us);
+    // Overlap at go G = since_last_layer_us + (G - now); the largest over the ranks.
+    r.overlap_base = std::max(r.overlap_base, msg.since_last_layer_us - now);
+  } else {
+    pair->state = PairState::kFailed;
+    ++counters_.write_failures;
+    Fail(r, UnavailableError("prefill rank " + std::to_string(msg.prefill_rank) +
+                             " could not write: " + WriteOutcomeName(msg.outcome).data() +
+                             (msg.reason.empty() ? "" : " (" + msg.reason + ")")));
+  }
+  Advance(request_id, now);
+}
+
+void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  Request& r = it->second;
+  bool all_ok = r.allocated;
+  for (const Pair& p : r.pairs) {
+    if (p.state == PairState::kWaiting || p.state == PairState::kCancelling) return;
+    if (p.state != PairState::kOk) all_ok = false;
+  }
+  if (r.aborted) {
+    actions_.push_back(ReportBlocksFreeAction{request_id});
+  } else if (!r.failure.ok()) {
+    ++counters_.load_failures;
+    actions_.push_back(ReportLoadFailedAction{
+        .request_id = request_id,
+        .recompute = options_.load_failure_policy == LoadFailurePolicy::kRecompute,
+        .status = r.failure});
+  } else if (all_ok) {
+    ++counters_.loads_done;
+    LoadTiming t = r.timing;
+    t.overlap_us = now + r.overlap_base;
+    counters_.overlap_us_sum += t.overlap_us;
+    counters_.write_us_sum += t.write_us;
+    counters_.compute_us_sum += t.compute_us;
+    timings_.push_back(t);
+    actions_.push_back(ReportLoadDoneAction{request_id});
+  } else {
+    return;  // not allocated yet
+  }
+  by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
+  requests_.erase(it);
+}
+
+void WriteDecodeCore::OnTick(TimePoint now) {
+  std::vector<std::string> due;
+  for (const auto& [id, r] : requests_) {
+    if (r.allocated && r.deadline <= now) due.push_back(id);
+  }
+  for (const std::string& id : due) {
+    Request& r = requests_.at(id);
+    if (!r.aborted) {
+      ++counters_.write_timeouts;
+      Fail(r, DeadlineExceededError("no WriteDone from the prefill within " +
+                                    std::to_string(options_.write_timeout / kMillisecond) + " ms"));
+    }
+    // lease + grace passed: the prefill posts and keeps no write beyond its lease.
+    for (Pair& p : r.pairs) {
+      if (p.state == PairState::kWaiting || p.state == PairState::kCancelling) {
+        p.state = PairState::kFailed;
+      }
+    }
+    Advance(id, now);
+  }
+}
+
+std::vector<ConnectorAction> WriteDecodeCore::TakeActions() {
+  std::vector<ConnectorAction> out;
+  out.swap(actions_);
+  return out;
+}
+
+std::vector<WriteDecodeCore::LoadTiming> WriteDecodeCore::TakeLoadTimings() {
+  std::vector<LoadTiming> out;
+  out.swap(timings_);
+  return out;
+}
+
+std::optional<TimePoint> WriteDecodeCore::NextDeadline() const {
+  std::optional<TimePoint> best;
+  for (const auto& [id, r] : requests_) {
+    if (r.allocated && (!best || r.deadline < *best)) best = r.deadline;
+  }
+  return best;
+}
+
+int64_t WriteDecodeCore::NumWaiting() const {
+  int64_t n = 0;
+  for (const auto& [id, r] : requests_) n += r.aborted ? 0 : 1;
+  return n;
+}
+
+std::map<std::string, std::vector<int32_t>> WriteDecodeCore::WritableBlocksByTransfer() const {
+  std::map<std::string, std::vector<int32_t>> out;
+  for (const auto& [id, r] : requests_) {
+    if (!r.allocated || r.aborted || !r.failure.ok()) continue;
+    auto& v = out[r.params.transfer_id];
+    v.insert(v.end(), r.blocks.begin(), r.blocks.end());
+  }
+  return out;
+}
+
+}  // namespace kvbridge

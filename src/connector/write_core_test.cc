@@ -1,0 +1,535 @@
+// WritePrefillCore and WriteDecodeCore wired through an in-test message pipe: WRITE mode's parked
+// messages (block ids first / request first), duplicates, both abort paths, the lease, and the
+// wire form of the WRITE messages. Every test ends with all tables empty.
+#include "kvbridge/connector/write_core.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace kvbridge {
+namespace {
+
+constexpr int kLayers = 3;
+
+KvTransferParams WriteParams(const std::string& tid) {
+  KvTransferParams p;
+  p.do_remote_prefill = true;
+  p.transfer_id = tid;
+  p.mode = KvTransferMode::kWrite;
+  p.remote_engine_id = "p0";
+  p.remote_host = "127.0.0.1";
+  p.remote_port = 1;
+  return p;
+}
+
+struct Posted {
+  PostWriteAction a;
+  bool cancelled = false;
+};
+
+// Two cores and a lossless in-order network that delivers on Pump(). Writes are left pending
+// until the test completes them.
+struct Pipe {
+  WritePrefillCore prefill{{.engine_id = "p0",
+                            .block_size = 16,
+                            .num_layers = kLayers,
+                            .lease = 10 * kSecond,
+                            .max_parked_messages = 4}};
+  WriteDecodeCore decode{{.engine_id = "d0", .block_size = 16, .write_timeout = 12 * kSecond}};
+  std::vector<std::string> prefill_freed, decode_freed, loads_done;
+  std::vector<ReportLoadFailedAction> load_failed;
+  std::map<uint64_t, Posted> writes;  // write id -> posted
+  std::vector<ControlMessage> to_prefill, to_decode;
+  bool deliver = true;  // false: queue messages for the test to deliver
+
+  void Pump(TimePoint now) {
+    for (int i = 0; i < 100; ++i) {
+      auto pa = prefill.TakeActions();
+      auto da = decode.TakeActions();
+      if (pa.empty() && da.empty() && (!deliver || (to_prefill.empty() && to_decode.empty())))
+        return;
+      for (auto& a : pa) {
+        if (auto* f = std::get_if<ReportBlocksFreeAction>(&a))
+          prefill_freed.push_back(f->request_id);
+        if (auto* w = std::get_if<PostWriteAction>(&a)) writes[w->write_id] = Posted{*w};
+        if (auto* c = std::get_if<CancelWriteAction>(&a)) writes.at(c->write_id).cancelled = true;
+        if (auto* s = std::get_if<SendMessageAction>(&a)) to_decode.push_back(s->msg);
+      }
+      for (auto& a : da) {
+        if (auto* d = std::get_if<ReportLoadDoneAction>(&a)) loads_done.push_back(d->request_id);
+        if (auto* f = std::get_if<ReportLoadFailedAction>(&a)) load_failed.push_back(*f);
+        if (auto* f = std::get_if<ReportBlocksFreeAction>(&a))
+          decode_freed.push_back(f->request_id);
+        if (auto* s = std::get_if<SendMessageAction>(&a)) to_prefill.push_back(s->msg);
+      }
+      if (deliver) DeliverAll(now);
+    }
+    FAIL() << "actions never settled";
+  }
+  void DeliverAll(TimePoint now) {
+    auto tp = std::move(to_prefill);
+    auto td = std::move(to_decode);
+    to_prefill.clear();
+    to_decode.clear();
+    for (auto& m : tp) {
+      if (auto* wb = std::get_if<WriteBlocksMsg>(&m)) prefill.OnWriteBlocks(*wb, now);
+      if (auto* wc = std::get_if<WriteCancelMsg>(&m)) prefill.OnWriteCancel(*wc, now);
+    }
+    for (auto& m : td) decode.OnWriteDone(std::get<WriteDoneMsg>(m), now);
+  }
+  // Completes every pending write (cancelled ones as Cancelled).
+  void CompleteWrites(TimePoint now) {
+    auto w = std::move(writes);
+    writes.clear();
+    for (auto& [id, p] : w) {
+      prefill.OnWriteCompleted(id, p.cancelled ? CancelledError("cancelled") : OkStatus(), now);
+    }
+    Pump(now);
+  }
+  void ExpectIdle() {
+    EXPECT_TRUE(prefill.Idle());
+    EXPECT_TRUE(decode.Idle());
+    EXPECT_EQ(prefill.NumHeldBlocks(), 0);
+    EXPECT_EQ(prefill.NumWritesInFlight(), 0);
+    EXPECT_EQ(prefill.NumParked(), 0);
+    EXPECT_EQ(decode.NumWaiting(), 0);
+  }
+};
+
+const std::vector<int32_t> kPrefillTable = {10, 11, 12};  // 40 tokens
+const std::vector<int32_t> kDecodeTable = {0, 1, 2};
+
+TEST(WriteCores, BlockIdsFirstThenPerLayerWritesThenDone) {
+  Pipe p;
+  auto m = p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->num_external_tokens, 39);
+  EXPECT_TRUE(m->load_async);
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  EXPECT_EQ(p.prefill.NumParked(), 1);  // the block ids came first
+  EXPECT_EQ(p.prefill.counters().notifications_parked, 1);
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 2).ok());
+  EXPECT_EQ(p.prefill.NumParked(), 0);
+  p.Pump(2);
+  EXPECT_TRUE(p.writes.empty());  // nothing computed yet
+  for (int l = 0; l < kLayers; ++l) {
+    p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 10 + l);
+    p.Pump(10 + l);
+    ASSERT_EQ(p.writes.size(), static_cast<size_t>(l + 1));
+    const PostWriteAction& w = p.writes.rbegin()->second.a;
+    EXPECT_EQ(w.layer, l);
+    EXPECT_EQ(w.transfer_id, "x1");
+    EXPECT_EQ(w.decode.engine_id, "d0");
+    EXPECT_EQ(w.local_block_ids, kPrefillTable);
+    EXPECT_EQ(w.remote_block_ids, kDecodeTable);
+  }
+  // A later decode step reports layers again: no new writes.
+  p.prefill.OnLayerComputed("p-1", 0, kPrefillTable, 13);
+  EXPECT_EQ(p.writes.size(), 3u);
+  EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 14));  // writes pending: hold
+  EXPECT_EQ(p.prefill.NumHeldBlocks(), 3);
+  p.Pump(14);
+  EXPECT_TRUE(p.loads_done.empty());
+  p.CompleteWrites(20);
+  EXPECT_EQ(p.loads_done, (std::vector<std::string>{"d-1"}));
+  EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
+  auto t = p.decode.TakeLoadTimings();
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].compute_us, 2);  // layer 0 at 10 → layer 2 at 12
+  EXPECT_EQ(t[0].write_us, 10);   // first post at 10 → last done at 20
+  EXPECT_EQ(t[0].overlap_us, 8);  // last layer at 12 → go at 20
+  EXPECT_EQ(p.prefill.counters().transfers_completed, 1);
+  EXPECT_EQ(p.prefill.counters().writes_ok, 3);
+  EXPECT_EQ(p.decode.counters().loads_done, 1);
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 0);
+  EXPECT_EQ(p.decode.counters().notifications_ignored, 0);
+  EXPECT_EQ(p.prefill.counters().lease_expired, 0);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, RequestFirstComputedBeforeBlockIdsWritesAllLayersAtOnce) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 3));  // parked request: held
+  p.Pump(3);
+  EXPECT_TRUE(p.writes.empty());
+  // The decode had a prefix hit of one block: only blocks 1 and 2 are asked for.
+  auto m = p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 16, 4);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->num_external_tokens, 23);
+  p.decode.OnBlocksAllocated("d-1", std::vector<int32_t>{7, 8, 9}, 16, 23, 4);
+  p.Pump(4);
+  ASSERT_EQ(p.writes.size(), 1u);
+  const PostWriteAction& w = p.writes.begin()->second.a;
+  EXPECT_EQ(w.layer, -1);  // every layer in one transfer
+  EXPECT_EQ(w.local_block_ids, (std::vector<int32_t>{11, 12}));
+  EXPECT_EQ(w.remote_block_ids, (std::vector<int32_t>{8, 9}));
+  p.CompleteWrites(5);
+  EXPECT_EQ(p.loads_done, (std::vector<std::string>{"d-1"}));
+  EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
+  EXPECT_EQ(p.prefill.counters().holds, 1);
+  EXPECT_EQ(p.prefill.counters().holds_freed, 1);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, DecodeSkipsWhenItsPrefixCacheHasEverything) {
+  Pipe p;
+  // 33 tokens, local hit of 32: the last token is recomputed, nothing arrives remotely.
+  auto m = p.decode.OnRequestAdded("d-1", WriteParams("x1"), 33, 32, 1);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->num_external_tokens, 0);
+  EXPECT_FALSE(m->load_async);
+  p.Pump(1);
+  EXPECT_EQ(p.prefill.NumParked(), 1);  // the skip is parked until the request comes
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 33, 2).ok());
+  p.Pump(2);
+  // The transfer is settled: the prefill's blocks are not held at finish.
+  EXPECT_FALSE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 3));
+  p.Pump(3);
+  EXPECT_TRUE(p.writes.empty());
+  EXPECT_EQ(p.decode.counters().skipped, 1);
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 0);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, WritesDoneBeforeTheRequestFinishesFreeAtFinish) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  p.Pump(2);
+  p.CompleteWrites(3);
+  EXPECT_EQ(p.loads_done, (std::vector<std::string>{"d-1"}));
+  EXPECT_FALSE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 4));  // free now
+  EXPECT_TRUE(p.prefill_freed.empty());
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, DuplicateAndUnknownMessagesAreCountedNoOps) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.deliver = false;
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  ASSERT_EQ(p.to_prefill.size(), 1u);
+  const WriteBlocksMsg wb = std::get<WriteBlocksMsg>(p.to_prefill[0]);
+  p.prefill.OnWriteBlocks(wb, 1);
+  p.prefill.OnWriteBlocks(wb, 1);  // duplicate
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 1);
+  p.to_prefill.clear();
+  p.deliver = true;
+  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
+  p.Pump(2);
+  EXPECT_EQ(p.writes.size(), 3u);  // not 6
+  p.deliver = false;
+  p.CompleteWrites(3);
+  ASSERT_EQ(p.to_decode.size(), 1u);
+  const WriteDoneMsg done = std::get<WriteDoneMsg>(p.to_decode[0]);
+  EXPECT_EQ(done.outcome, WriteOutcome::kOk);
+  p.decode.OnWriteDone(done, 3);
+  p.decode.OnWriteDone(done, 3);  // duplicate
+  EXPECT_EQ(p.decode.counters().notifications_ignored, 1);
+  p.prefill.OnWriteCompleted(999, OkStatus(), 3);  // unknown completion
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 2);
+  p.prefill.OnWriteBlocks(wb, 4);  // late duplicate after completion
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 3);
+  WriteDoneMsg stranger = done;
+  stranger.transfer_id = "nope";
+  p.decode.OnWriteDone(stranger, 4);
+  EXPECT_EQ(p.decode.counters().notifications_ignored, 2);
+  p.to_decode.clear();
+  p.Pump(4);
+  EXPECT_EQ(p.loads_done, (std::vector<std::string>{"d-1"}));
+  EXPECT_EQ(p.prefill.counters().writes_posted, 3);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, DecodeAbortMidWriteKeepsBlocksUntilThePrefillConfirmsDrained) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  p.prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  p.Pump(2);
+  ASSERT_EQ(p.writes.size(), 1u);
+  EXPECT_EQ(p.decode.WritableBlocksByTransfer().at("x1"), kDecodeTable);
+  EXPECT_TRUE(p.decode.OnRequestAborted("d-1", 3));  // a write is in flight: keep the blocks
+  EXPECT_TRUE(p.decode.WritableBlocksByTransfer().empty());
+  p.Pump(3);
+  EXPECT_TRUE(p.writes.begin()->second.cancelled);        // the prefill cancels its write
+  EXPECT_TRUE(p.decode_freed.empty());                    // not freed before the drain
+  p.prefill.OnLayerComputed("p-1", 1, kPrefillTable, 4);  // no new write after the cancel
+  p.Pump(4);
+  EXPECT_EQ(p.writes.size(), 1u);
+  p.CompleteWrites(5);  // cancelled → WriteDone(cancelled) → decode frees
+  EXPECT_EQ(p.decode_freed, (std::vector<std::string>{"d-1"}));
+  EXPECT_TRUE(p.loads_done.empty());
+  EXPECT_TRUE(p.load_failed.empty());
+  // The prefill request finishes later: its transfer is settled, nothing held.
+  p.prefill.OnLayerComputed("p-1", 2, kPrefillTable, 6);
+  EXPECT_FALSE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 6));
+  p.Pump(6);
+  EXPECT_EQ(p.decode.counters().aborts_mid_write, 1);
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 0);
+  EXPECT_EQ(p.decode.counters().notifications_ignored, 0);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, DecodeAbortWithoutAnyDrainFreesAfterTheWriteTimeout) {
+  Pipe p;
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.deliver = false;  // the prefill never hears of it
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  EXPECT_TRUE(p.decode.OnRequestAborted("d-1", 2));
+  p.Pump(2);
+  p.decode.OnTick(1 + 12 * kSecond - 1);
+  p.Pump(1 + 12 * kSecond - 1);
+  EXPECT_TRUE(p.decode_freed.empty());
+  EXPECT_EQ(p.decode.NextDeadline(), 1 + 12 * kSecond);
+  p.decode.OnTick(1 + 12 * kSecond);
+  p.Pump(1 + 12 * kSecond);
+  EXPECT_EQ(p.decode_freed, (std::vector<std::string>{"d-1"}));
+  EXPECT_EQ(p.decode.counters().write_timeouts, 0);  // an abort, not a timeout
+  p.to_prefill.clear();
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, PrefillAbortMidWriteTellsTheDecodeWhichRecomputes) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  p.prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  p.Pump(2);
+  EXPECT_TRUE(p.prefill.OnRequestAborted("p-1", 3));  // keep: the write may still read them
+  p.Pump(3);
+  EXPECT_TRUE(p.writes.begin()->second.cancelled);
+  EXPECT_TRUE(p.load_failed.empty());  // not before the cancelled write ended
+  p.CompleteWrites(4);
+  EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
+  ASSERT_EQ(p.load_failed.size(), 1u);
+  EXPECT_EQ(p.load_failed[0].request_id, "d-1");
+  EXPECT_TRUE(p.load_failed[0].recompute);
+  EXPECT_EQ(p.load_failed[0].status.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(p.decode.counters().load_failures, 1);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, PrefillAbortBeforeBlockIdsAnswersTheLateBlockIdsWithFailure) {
+  Pipe p;
+  p.decode = WriteDecodeCore({.engine_id = "d0",
+                              .block_size = 16,
+                              .write_timeout = 12 * kSecond,
+                              .load_failure_policy = LoadFailurePolicy::kFail});
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  EXPECT_FALSE(p.prefill.OnRequestAborted("p-1", 2));  // nothing in flight: free now
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 3).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 3);
+  p.Pump(3);
+  ASSERT_EQ(p.load_failed.size(), 1u);
+  EXPECT_FALSE(p.load_failed[0].recompute);  // policy "fail"
+  EXPECT_NE(p.load_failed[0].status.message().find("aborted"), std::string::npos);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, FailedWriteFailsTheLoadAndFreesBothSides) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
+  p.Pump(2);
+  ASSERT_EQ(p.writes.size(), 3u);
+  const uint64_t first = p.writes.begin()->first;
+  p.writes.erase(first);
+  p.prefill.OnWriteCompleted(first, UnavailableError("peer lost"), 3);
+  p.Pump(3);
+  for (auto& [id, w] : p.writes) EXPECT_TRUE(w.cancelled);
+  EXPECT_TRUE(p.load_failed.empty());
+  p.CompleteWrites(4);
+  ASSERT_EQ(p.load_failed.size(), 1u);
+  EXPECT_TRUE(p.load_failed[0].recompute);
+  EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
+  EXPECT_EQ(p.prefill.counters().writes_failed, 3);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, LeaseFreesAPrefillWhoseBlockIdsNeverCame) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
+  EXPECT_EQ(p.prefill.NextDeadline(), 2 + 10 * kSecond);
+  p.prefill.OnTick(2 + 10 * kSecond);
+  p.Pump(2 + 10 * kSecond);
+  EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
+  EXPECT_EQ(p.prefill.counters().lease_expired, 1);
+  // The block ids arrive late: answered "expired", the decode recomputes.
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 3 + 10 * kSecond).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 3 + 10 * kSecond);
+  p.Pump(3 + 10 * kSecond);
+  ASSERT_EQ(p.load_failed.size(), 1u);
+  EXPECT_NE(p.load_failed[0].status.message().find("expired"), std::string::npos);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, ParkedBlockIdsExpireWithAnAnswerAndTheParkingIsBounded) {
+  Pipe p;
+  for (int i = 0; i < 5; ++i) {
+    const std::string id = "d-" + std::to_string(i);
+    ASSERT_TRUE(p.decode.OnRequestAdded(id, WriteParams("x" + std::to_string(i)), 40, 0, 1).ok());
+    p.decode.OnBlocksAllocated(id, kDecodeTable, 0, 39, 1);
+  }
+  p.Pump(1);
+  EXPECT_EQ(p.prefill.NumParked(), 4);  // max_parked_messages: the fifth is refused at once
+  EXPECT_EQ(p.load_failed.size(), 1u);
+  p.prefill.OnTick(1 + 10 * kSecond);
+  p.Pump(1 + 10 * kSecond);
+  EXPECT_EQ(p.load_failed.size(), 5u);
+  EXPECT_EQ(p.prefill.counters().parked_dropped, 5);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, ProxyReleaseMidWriteCancelsAndFreesOnceDrained) {
+  Pipe p;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  p.Pump(1);
+  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
+  p.Pump(2);
+  EXPECT_EQ(p.prefill.OnRelease({.transfer_id = "x1", .prefill_engine_id = "other"}, 3).code(),
+            StatusCode::kNotFound);
+  ASSERT_TRUE(p.prefill.OnRelease({.transfer_id = "x1", .prefill_engine_id = ""}, 3).ok());
+  p.Pump(3);
+  EXPECT_TRUE(p.prefill_freed.empty());
+  p.CompleteWrites(4);
+  EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
+  EXPECT_EQ(p.load_failed.size(), 1u);
+  EXPECT_EQ(p.prefill.counters().transfers_released, 1);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, PromptMismatchAndBadRequestsAreRefused) {
+  Pipe p;
+  EXPECT_EQ(p.prefill.OnRequestAdded("p-1", 2, "x1", 40, 1).code(),
+            StatusCode::kInvalidArgument);  // n must be 1 on a write prefill leg
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  EXPECT_EQ(p.prefill.OnRequestAdded("p-2", 1, "x1", 40, 1).code(), StatusCode::kAlreadyExists);
+  KvTransferParams read = WriteParams("x1");
+  read.mode = KvTransferMode::kRead;
+  EXPECT_EQ(p.decode.OnRequestAdded("d-0", read, 40, 0, 1).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 41, 0, 1).ok());
+  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 40, 1);
+  p.Pump(1);
+  ASSERT_EQ(p.load_failed.size(), 1u);
+  EXPECT_NE(p.load_failed[0].status.message().find("prompt mismatch"), std::string::npos);
+  EXPECT_FALSE(p.prefill.OnRequestAborted("p-1", 2));
+  p.Pump(2);
+  p.ExpectIdle();
+}
+
+TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
+  // decode tp 2, prefill tp 1: prefill rank 0 writes to both decode ranks; done after both.
+  WritePrefillCore prefill({.engine_id = "p0", .block_size = 16, .num_layers = 1});
+  WriteDecodeCore decode({.engine_id = "d0", .tp_size = 2, .block_size = 16});
+  ASSERT_TRUE(prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
+  decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  std::vector<WriteBlocksMsg> wbs;
+  for (auto& a : decode.TakeActions()) {
+    wbs.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
+  }
+  ASSERT_EQ(wbs.size(), 2u);
+  EXPECT_EQ(wbs[0].decode_rank, 0);
+  EXPECT_EQ(wbs[1].decode_rank, 1);
+  prefill.OnWriteBlocks(wbs[0], 2);
+  prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  EXPECT_TRUE(prefill.OnRequestFinished("p-1", kPrefillTable, 2));
+  std::vector<uint64_t> ids;
+  for (auto& a : prefill.TakeActions()) ids.push_back(std::get<PostWriteAction>(a).write_id);
+  ASSERT_EQ(ids.size(), 1u);
+  prefill.OnWriteCompleted(ids[0], OkStatus(), 3);
+  auto acts = prefill.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);  // WriteDone to rank 0 only; rank 1 still expected: still held
+  decode.OnWriteDone(std::get<WriteDoneMsg>(std::get<SendMessageAction>(acts[0]).msg), 3);
+  EXPECT_TRUE(decode.TakeActions().empty());
+  prefill.OnWriteBlocks(wbs[1], 4);
+  acts = prefill.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  const auto& w = std::get<PostWriteAction>(acts[0]);
+  EXPECT_EQ(w.decode.rank, 1);
+  EXPECT_EQ(w.layer, -1);
+  prefill.OnWriteCompleted(w.write_id, OkStatus(), 5);
+  acts = prefill.TakeActions();
+  ASSERT_EQ(acts.size(), 2u);  // WriteDone rank 1, then the blocks are free
+  EXPECT_TRUE(std::holds_alternative<ReportBlocksFreeAction>(acts[1]));
+  decode.OnWriteDone(std::get<WriteDoneMsg>(std::get<SendMessageAction>(acts[0]).msg), 5);
+  acts = decode.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  EXPECT_EQ(std::get<ReportLoadDoneAction>(acts[0]).request_id, "d-1");
+  EXPECT_TRUE(prefill.Idle());
+  EXPECT_TRUE(decode.Idle());
+}
+
+TEST(WriteMessages, RoundTripAndRefuseBadFields) {
+  WriteBlocksMsg wb{.transfer_id = "x1",
+                    .prefill_engine_id = "p0",
+                    .prefill_rank = 0,
+                    .decode_engine_id = "d0",
+                    .decode_rank = 1,
+                    .decode_tp_size = 2,
+                    .decode_host = "127.0.0.1",
+                    .decode_port = 8100,
+                    .num_prompt_tokens = 40,
+                    .first_block = 1,
+                    .block_ids = {4, 5}};
+  WriteDoneMsg wd{.transfer_id = "x1",
+                  .prefill_engine_id = "p0",
+                  .decode_engine_id = "d0",
+                  .outcome = WriteOutcome::kCancelled,
+                  .reason = "cancelled by the decode",
+                  .compute_us = 5,
+                  .write_us = 6,
+                  .since_last_layer_us = 7};
+  WriteCancelMsg wc{
+      .transfer_id = "x1", .prefill_engine_id = "p0", .decode_engine_id = "d0", .want_done = false};
+  for (const ControlMessage& m : {ControlMessage(wb), ControlMessage(wd), ControlMessage(wc)}) {
+    auto back = DecodeMessage(EncodeMessage(m));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_TRUE(*back == m);
+  }
+  EXPECT_FALSE(DecodeMessage(R"({"type":"write_blocks","transfer_id":"x1","prefill_engine_id":"p0",
+      "prefill_rank":0,"decode_engine_id":"d0","decode_rank":0,"decode_tp_size":1,
+      "decode_host":"h","decode_port":1,"num_prompt_tokens":40,"first_block":0,
+      "block_ids":[1,1]})")
+                   .ok());  // repeated block id
+  EXPECT_FALSE(DecodeMessage(R"({"type":"write_blocks","transfer_id":"x1","prefill_engine_id":"p0",
+      "prefill_rank":0,"decode_engine_id":"d0","decode_rank":0,"decode_tp_size":1,
+      "decode_host":"h","decode_port":1,"num_prompt_tokens":40,"first_block":0,
+      "block_ids":[-1]})")
+                   .ok());
+  EXPECT_FALSE(DecodeMessage(R"({"type":"write_done","transfer_id":"x1","prefill_engine_id":"p0",
+      "prefill_rank":0,"decode_engine_id":"d0","decode_rank":0,"outcome":"maybe",
+      "compute_us":0,"write_us":0,"since_last_layer_us":0})")
+                   .ok());
+  EXPECT_FALSE(DecodeMessage(R"({"type":"write_cancel","transfer_id":"x1","prefill_engine_id":"p0",
+      "prefill_rank":0,"decode_engine_id":"d0","decode_rank":3,"decode_tp_size":2,
+      "want_done":true})")
+                   .ok());  // rank outside the tp size
+}
+
+}  // namespace
+}  // namespace kvbridge
