@@ -10,26 +10,23 @@
 #include <cstring>
 #include <limits>
 
+#include "model/forward_internal.h"
 #include "model/kernels.h"
 #include "model/model_impl.h"
 #include "model/numerics.h"
 
 namespace kvbridge {
-namespace {
+namespace model_internal {
 
-using model_internal::kAttentionChunk;
-using model_internal::kRowParallelShards;
-using model_internal::MatMulNT;
-
-Status CheckView(const ModelConfig& c, const PagedKvView& kv) {
+Status CheckView(const ModelConfig& c, const PagedKvView& kv, int expected_kv_heads) {
   const PagedKvLayout& l = kv.layout;
-  if (l.num_layers != c.num_hidden_layers || l.num_kv_heads != c.num_key_value_heads ||
+  if (l.num_layers != c.num_hidden_layers || l.num_kv_heads != expected_kv_heads ||
       l.head_dim != c.head_dim) {
     return InvalidArgumentError(
         "KV view layout (layers " + std::to_string(l.num_layers) + ", kv heads " +
         std::to_string(l.num_kv_heads) + ", head_dim " + std::to_string(l.head_dim) +
         ") does not match the model (" + std::to_string(c.num_hidden_layers) + ", " +
-        std::to_string(c.num_key_value_heads) + ", " + std::to_string(c.head_dim) + ")");
+        std::to_string(expected_kv_heads) + ", " + std::to_string(c.head_dim) + ")");
   }
   if (l.block_size <= 0 || l.num_blocks < 0) {
     return InvalidArgumentError("KV view: block_size must be > 0 and num_blocks >= 0");
@@ -54,72 +51,8 @@ Status CheckView(const ModelConfig& c, const PagedKvView& kv) {
   return OkStatus();
 }
 
-// Writes one head vector (head_dim floats) into the cache through the dtype; `scale` divides.
-void StoreKv(const float* src, int n, KvDtype dtype, float scale, uint8_t* dst) {
-  switch (dtype) {
-    case KvDtype::kFp32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
-      break;
-    case KvDtype::kBf16:
-      for (int i = 0; i < n; ++i) {
-        const uint16_t h = model_internal::FloatToBf16(src[i]);
-        std::memcpy(dst + 2 * i, &h, 2);
-      }
-      break;
-    case KvDtype::kFp8E4M3:
-      for (int i = 0; i < n; ++i) dst[i] = model_internal::FloatToFp8E4M3(src[i] / scale);
-      break;
-  }
-}
-
-// Reads one head vector back as fp32; `scale` multiplies.
-void LoadKv(const uint8_t* src, int n, KvDtype dtype, float scale, float* dst) {
-  switch (dtype) {
-    case KvDtype::kFp32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
-      break;
-    case KvDtype::kBf16:
-      for (int i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = model_internal::Bf16ToFloat(h);
-      }
-      break;
-    case KvDtype::kFp8E4M3:
-      for (int i = 0; i < n; ++i) dst[i] = model_internal::Fp8E4M3ToFloat(src[i]) * scale;
-      break;
-  }
-}
-
-// y = RMSNorm(x) * w per row (HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then * w).
-void RmsNorm(const float* x, int m, int h, const float* w, float eps, float* y) {
-  for (int i = 0; i < m; ++i) {
-    const float* xr = x + static_cast<size_t>(i) * h;
-    float* yr = y + static_cast<size_t>(i) * h;
-    const float ss = model_internal::Dot(xr, xr, h);
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
-    for (int j = 0; j < h; ++j) yr[j] = w[j] * (xr[j] * inv);
-  }
-}
-
-struct Row {
-  int seq;
-  int pos;
-  int32_t token;
-};
-
-}  // namespace
-
-Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
-                            std::vector<float>* logits) const {
-  const ModelConfig& c = config;
-  if (logits == nullptr) return InvalidArgumentError("Forward: logits must not be null");
-  RETURN_IF_ERROR(CheckView(c, kv));
-  const PagedKvLayout& layout = kv.layout;
-
-  // ---- validate every sequence before touching the cache ----
-  std::vector<Row> rows;
-  std::vector<int> logit_rows;
+Status BuildRows(const ModelConfig& c, const PagedKvLayout& layout, const ForwardBatch& batch,
+                 std::vector<Row>* rows, std::vector<int>* logit_rows) {
   int64_t total = 0;
   for (size_t s = 0; s < batch.sequences.size(); ++s) {
     const SequenceChunk& q = batch.sequences[s];
@@ -155,10 +88,142 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
         return InvalidArgumentError(where + "token id " + std::to_string(q.tokens[t]) +
                                     " outside the vocabulary of " + std::to_string(c.vocab_size));
       }
-      rows.push_back({static_cast<int>(s), q.start_pos + t, q.tokens[t]});
+      rows->push_back({static_cast<int>(s), q.start_pos + t, q.tokens[t]});
     }
-    if (q.compute_logits) logit_rows.push_back(static_cast<int>(rows.size()) - 1);
+    if (q.compute_logits) logit_rows->push_back(static_cast<int>(rows->size()) - 1);
   }
+  return OkStatus();
+}
+
+void StoreKv(const float* src, int n, KvDtype dtype, float scale, uint8_t* dst) {
+  switch (dtype) {
+    case KvDtype::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case KvDtype::kBf16:
+      for (int i = 0; i < n; ++i) {
+        const uint16_t h = FloatToBf16(src[i]);
+        std::memcpy(dst + 2 * i, &h, 2);
+      }
+      break;
+    case KvDtype::kFp8E4M3:
+      for (int i = 0; i < n; ++i) dst[i] = FloatToFp8E4M3(src[i] / scale);
+      break;
+  }
+}
+
+void LoadKv(const uint8_t* src, int n, KvDtype dtype, float scale, float* dst) {
+  switch (dtype) {
+    case KvDtype::kFp32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case KvDtype::kBf16:
+      for (int i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        dst[i] = Bf16ToFloat(h);
+      }
+      break;
+    case KvDtype::kFp8E4M3:
+      for (int i = 0; i < n; ++i) dst[i] = Fp8E4M3ToFloat(src[i]) * scale;
+      break;
+  }
+}
+
+// HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then * w.
+void RmsNormRows(const float* x, int row_begin, int row_end, int h, const float* w, float eps,
+                 float* y) {
+  for (int i = row_begin; i < row_end; ++i) {
+    const float* xr = x + static_cast<size_t>(i) * h;
+    float* yr = y + static_cast<size_t>(i) * h;
+    const float ss = Dot(xr, xr, h);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+    for (int j = 0; j < h; ++j) yr[j] = w[j] * (xr[j] * inv);
+  }
+}
+
+void ApplyRope(float* vec, int head_dim, int pos, const float* rope_cos, const float* rope_sin) {
+  const int half = head_dim / 2;
+  const float* cs = rope_cos + static_cast<size_t>(pos) * half;
+  const float* sn = rope_sin + static_cast<size_t>(pos) * half;
+  for (int i = 0; i < half; ++i) {
+    const float x1 = vec[i], x2 = vec[i + half];
+    vec[i] = x1 * cs[i] - x2 * sn[i];
+    vec[i + half] = x2 * cs[i] + x1 * sn[i];
+  }
+}
+
+AttentionScratch::AttentionScratch(int group, int head_dim)
+    : kbuf(static_cast<size_t>(kAttentionChunk) * head_dim),
+      vbuf(static_cast<size_t>(kAttentionChunk) * head_dim),
+      scores(static_cast<size_t>(group) * kAttentionChunk),
+      acc(static_cast<size_t>(group) * head_dim),
+      mx(group),
+      den(group) {}
+
+void AttendKvHead(const float* qg, int group, const SequenceChunk& sq, int pos,
+                  const PagedKvLayout& layout, const uint8_t* base, int kv_head, float k_scale,
+                  float v_scale, float attn_scale, AttentionScratch* s, float* out) {
+  const int hd = layout.head_dim;
+  std::fill(s->acc.begin(), s->acc.end(), 0.0f);
+  std::fill(s->mx.begin(), s->mx.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s->den.begin(), s->den.end(), 0.0f);
+  for (int c0 = 0; c0 <= pos; c0 += kAttentionChunk) {
+    const int n = std::min(kAttentionChunk, pos + 1 - c0);
+    for (int t = 0; t < n; ++t) {
+      const int p = c0 + t;
+      const int block = sq.block_table[p / layout.block_size];
+      const int slot = p % layout.block_size;
+      LoadKv(base + layout.Offset(block, 0, kv_head, slot), hd, layout.dtype, k_scale,
+             s->kbuf.data() + static_cast<size_t>(t) * hd);
+      LoadKv(base + layout.Offset(block, 1, kv_head, slot), hd, layout.dtype, v_scale,
+             s->vbuf.data() + static_cast<size_t>(t) * hd);
+    }
+    // scores[j][t] = q_j . k_t (fixed-order dot), then * 1/sqrt(head_dim).
+    MatMulNT(qg, group, hd, s->kbuf.data(), n, hd, hd, s->scores.data(), kAttentionChunk);
+    for (int j = 0; j < group; ++j) {
+      float* sj = s->scores.data() + static_cast<size_t>(j) * kAttentionChunk;
+      float cmax = -std::numeric_limits<float>::infinity();
+      for (int t = 0; t < n; ++t) {
+        sj[t] *= attn_scale;
+        cmax = std::max(cmax, sj[t]);
+      }
+      const float new_max = std::max(s->mx[j], cmax);
+      const float corr = Exp(s->mx[j] - new_max);
+      float* aj = s->acc.data() + static_cast<size_t>(j) * hd;
+      s->den[j] *= corr;
+      for (int d = 0; d < hd; ++d) aj[d] *= corr;
+      for (int t = 0; t < n; ++t) {
+        const float pr = Exp(sj[t] - new_max);
+        s->den[j] += pr;
+        const float* vt = s->vbuf.data() + static_cast<size_t>(t) * hd;
+        for (int d = 0; d < hd; ++d) aj[d] += pr * vt[d];
+      }
+      s->mx[j] = new_max;
+    }
+  }
+  for (int j = 0; j < group; ++j) {
+    for (int d = 0; d < hd; ++d) out[j * hd + d] = s->acc[j * hd + d] / s->den[j];
+  }
+}
+
+}  // namespace model_internal
+
+using model_internal::kRowParallelShards;
+using model_internal::MatMulNT;
+using model_internal::Row;
+
+Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
+                            std::vector<float>* logits) const {
+  const ModelConfig& c = config;
+  if (logits == nullptr) return InvalidArgumentError("Forward: logits must not be null");
+  RETURN_IF_ERROR(model_internal::CheckView(c, kv, c.num_key_value_heads));
+  const PagedKvLayout& layout = kv.layout;
+
+  // ---- validate every sequence before touching the cache ----
+  std::vector<Row> rows;
+  std::vector<int> logit_rows;
+  RETURN_IF_ERROR(model_internal::BuildRows(c, layout, batch, &rows, &logit_rows));
 
   const int m = static_cast<int>(rows.size());
   const int hd = c.head_dim, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
@@ -191,16 +256,15 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     partial.resize(static_cast<size_t>(kRowParallelShards) * m * n);
     pool->ParallelFor(n, grain_for(n), [&](int64_t b, int64_t e) {
       for (int s = 0; s < kRowParallelShards; ++s) {
-        const int k0 = s * k / kRowParallelShards, k1 = (s + 1) * k / kRowParallelShards;
+        const int k0 = model_internal::ShardBegin(s, k), k1 = model_internal::ShardBegin(s + 1, k);
         MatMulNT(x + k0, m, k, w.data() + b * k + k0, static_cast<int>(e - b), k, k1 - k0,
                  partial.data() + static_cast<size_t>(s) * m * n + b, n);
       }
       const size_t stride = static_cast<size_t>(m) * n;
       for (int i = 0; i < m; ++i) {
         for (int64_t j = b; j < e; ++j) {
-          const float* p = partial.data() + static_cast<size_t>(i) * n + j;
-          float v = ((p[0] + p[stride]) + (p[2 * stride] + p[3 * stride])) +
-                    ((p[4 * stride] + p[5 * stride]) + (p[6 * stride] + p[7 * stride]));
+          float v =
+              model_internal::ShardTreeSum(partial.data() + static_cast<size_t>(i) * n + j, stride);
           if (!bias.empty()) v += bias[j];
           y[static_cast<size_t>(i) * n + j] = v;
         }
@@ -217,15 +281,8 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     std::memcpy(x.data() + static_cast<size_t>(i) * hsz,
                 weights.embed.data() + static_cast<size_t>(rows[i].token) * hsz, hsz * 4);
   }
-  const int half = hd / 2;
   auto rope = [&](float* vec, int pos) {
-    const float* cs = rope_cos.data() + static_cast<size_t>(pos) * half;
-    const float* sn = rope_sin.data() + static_cast<size_t>(pos) * half;
-    for (int i = 0; i < half; ++i) {
-      const float x1 = vec[i], x2 = vec[i + half];
-      vec[i] = x1 * cs[i] - x2 * sn[i];
-      vec[i + half] = x2 * cs[i] + x1 * sn[i];
-    }
+    model_internal::ApplyRope(vec, hd, pos, rope_cos.data(), rope_sin.data());
   };
 
   for (int layer = 0; layer < c.num_hidden_layers; ++layer) {
@@ -233,7 +290,7 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     uint8_t* base = kv.layer_base[layer];
     const float ks = kv.k_scale[layer], vs = kv.v_scale[layer];
 
-    RmsNorm(x.data(), m, hsz, w.input_norm.data(), eps, h.data());
+    model_internal::RmsNormRows(x.data(), 0, m, hsz, w.input_norm.data(), eps, h.data());
     linear(h.data(), hsz, w.wq, qd, w.bq, q.data());
     linear(h.data(), hsz, w.wk, kvd, w.bk, k.data());
     linear(h.data(), hsz, w.wv, kvd, w.bv, v.data());
@@ -249,10 +306,10 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
       const int block = sq.block_table[rows[i].pos / layout.block_size];
       const int slot = rows[i].pos % layout.block_size;
       for (int g = 0; g < nkv; ++g) {
-        StoreKv(k.data() + static_cast<size_t>(i) * kvd + g * hd, hd, layout.dtype, ks,
-                base + layout.Offset(block, 0, g, slot));
-        StoreKv(v.data() + static_cast<size_t>(i) * kvd + g * hd, hd, layout.dtype, vs,
-                base + layout.Offset(block, 1, g, slot));
+        model_internal::StoreKv(k.data() + static_cast<size_t>(i) * kvd + g * hd, hd, layout.dtype,
+                                ks, base + layout.Offset(block, 0, g, slot));
+        model_internal::StoreKv(v.data() + static_cast<size_t>(i) * kvd + g * hd, hd, layout.dtype,
+                                vs, base + layout.Offset(block, 1, g, slot));
       }
     }
     if (batch.on_layer_kv_written) batch.on_layer_kv_written(layer);
@@ -260,65 +317,20 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     // Attention, one task per (row, kv head): the `group` query heads sharing that KV head.
     const int64_t tasks = static_cast<int64_t>(m) * nkv;
     pool->ParallelFor(tasks, grain_for(tasks), [&](int64_t tb, int64_t te) {
-      std::vector<float> kbuf(static_cast<size_t>(kAttentionChunk) * hd),
-          vbuf(static_cast<size_t>(kAttentionChunk) * hd),
-          scores(static_cast<size_t>(group) * kAttentionChunk),
-          acc(static_cast<size_t>(group) * hd), mx(group), den(group);
+      model_internal::AttentionScratch scratch(group, hd);
       for (int64_t task = tb; task < te; ++task) {
         const int i = static_cast<int>(task / nkv), g = static_cast<int>(task % nkv);
-        const SequenceChunk& sq = batch.sequences[rows[i].seq];
-        const int pos = rows[i].pos;
-        const float* qg =
-            q.data() + static_cast<size_t>(i) * qd + static_cast<size_t>(g) * group * hd;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-        std::fill(den.begin(), den.end(), 0.0f);
-        for (int c0 = 0; c0 <= pos; c0 += kAttentionChunk) {
-          const int n = std::min(kAttentionChunk, pos + 1 - c0);
-          for (int t = 0; t < n; ++t) {
-            const int p = c0 + t;
-            const int block = sq.block_table[p / layout.block_size];
-            const int slot = p % layout.block_size;
-            LoadKv(base + layout.Offset(block, 0, g, slot), hd, layout.dtype, ks,
-                   kbuf.data() + static_cast<size_t>(t) * hd);
-            LoadKv(base + layout.Offset(block, 1, g, slot), hd, layout.dtype, vs,
-                   vbuf.data() + static_cast<size_t>(t) * hd);
-          }
-          // scores[j][t] = q_j . k_t (fixed-order dot), then * 1/sqrt(head_dim).
-          MatMulNT(qg, group, hd, kbuf.data(), n, hd, hd, scores.data(), kAttentionChunk);
-          for (int j = 0; j < group; ++j) {
-            float* sj = scores.data() + static_cast<size_t>(j) * kAttentionChunk;
-            float cmax = -std::numeric_limits<float>::infinity();
-            for (int t = 0; t < n; ++t) {
-              sj[t] *= attn_scale;
-              cmax = std::max(cmax, sj[t]);
-            }
-            const float new_max = std::max(mx[j], cmax);
-            const float corr = model_internal::Exp(mx[j] - new_max);
-            float* aj = acc.data() + static_cast<size_t>(j) * hd;
-            den[j] *= corr;
-            for (int d = 0; d < hd; ++d) aj[d] *= corr;
-            for (int t = 0; t < n; ++t) {
-              const float pr = model_internal::Exp(sj[t] - new_max);
-              den[j] += pr;
-              const float* vt = vbuf.data() + static_cast<size_t>(t) * hd;
-              for (int d = 0; d < hd; ++d) aj[d] += pr * vt[d];
-            }
-            mx[j] = new_max;
-          }
-        }
-        float* out =
-            attn.data() + static_cast<size_t>(i) * qd + static_cast<size_t>(g) * group * hd;
-        for (int j = 0; j < group; ++j) {
-          for (int d = 0; d < hd; ++d) out[j * hd + d] = acc[j * hd + d] / den[j];
-        }
+        const size_t off = static_cast<size_t>(i) * qd + static_cast<size_t>(g) * group * hd;
+        model_internal::AttendKvHead(q.data() + off, group, batch.sequences[rows[i].seq],
+                                     rows[i].pos, layout, base, g, ks, vs, attn_scale, &scratch,
+                                     attn.data() + off);
       }
     });
 
     row_parallel(attn.data(), qd, w.wo, hsz, w.bo, tmp.data());
     for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];
 
-    RmsNorm(x.data(), m, hsz, w.post_norm.data(), eps, h.data());
+    model_internal::RmsNormRows(x.data(), 0, m, hsz, w.post_norm.data(), eps, h.data());
     linear(h.data(), hsz, w.w_gate, im, {}, gate.data());
     linear(h.data(), hsz, w.w_up, im, {}, up.data());
     for (size_t e = 0; e < gate.size(); ++e) {
@@ -336,7 +348,8 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     std::memcpy(last.data() + static_cast<size_t>(r) * hsz,
                 x.data() + static_cast<size_t>(logit_rows[r]) * hsz, hsz * 4);
   }
-  RmsNorm(last.data(), nl, hsz, weights.final_norm.data(), eps, normed.data());
+  model_internal::RmsNormRows(last.data(), 0, nl, hsz, weights.final_norm.data(), eps,
+                              normed.data());
   logits->assign(static_cast<size_t>(nl) * c.vocab_size, 0.0f);
   const std::vector<float>& head = weights.LmHead();
   const int vocab = c.vocab_size;
