@@ -4,6 +4,7 @@
 #include <set>
 #include <utility>
 
+#include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
 #endif
@@ -21,6 +22,29 @@ PeerEndpoint DecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const
                       .host = p.remote_host,
                       .port = p.remote_port,
                       .rank = prefill_rank};
+}
+
+std::vector<DecodeCore::Pair> DecodeCore::PlanPairs(int prefill_tp) const {
+  const int heads = options_.num_kv_heads > 0 ? options_.num_kv_heads
+                                              : options_.tp_size * std::max(1, prefill_tp);
+  std::vector<Pair> out;
+  // Only the pairs and head indices matter here; the runtime turns heads into bytes.
+  auto plan = PlanTpTransfer({.prefill_tp = prefill_tp,
+                              .decode_tp = options_.tp_size,
+                              .num_kv_heads = heads,
+                              .head_dim = 1,
+                              .block_size = 1,
+                              .dtype_bytes = 1});
+  if (!plan.ok()) return out;
+  for (const TpSlice& s : plan->slices) {
+    const bool whole = s.src_whole && s.dst_whole;
+    out.push_back(Pair{.decode_rank = s.decode_rank,
+                       .prefill_rank = s.prefill_rank,
+                       .src_head_begin = whole ? 0 : s.src_head_begin,
+                       .dst_head_begin = whole ? 0 : s.dst_head_begin,
+                       .head_count = whole ? 0 : s.head_count});
+  }
+  return out;
 }
 
 void DecodeCore::SendReadDone(const std::string& request_id, const Request& r, const Pair& pair,
@@ -74,8 +98,10 @@ Result<DecodeCore::Match> DecodeCore::OnRequestAdded(const std::string& request_
   }
   Request r;
   r.params = params;
-  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
-    r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
+  r.pairs = PlanPairs(params.tp_size);
+  if (r.pairs.empty()) {
+    return InvalidArgumentError("kv_transfer_params.tp_size " + std::to_string(params.tp_size) +
+                                ": no TP plan to decode TP " + std::to_string(options_.tp_size));
   }
   // The last prompt token is always computed here (its logits give the first decode token).
   const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
@@ -128,6 +154,9 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
                                       .transfer_id = r.params.transfer_id,
                                       .prefill = Peer(r.params, pair.prefill_rank),
                                       .decode_rank = pair.decode_rank,
+                                      .src_head_begin = pair.src_head_begin,
+                                      .dst_head_begin = pair.dst_head_begin,
+                                      .head_count = pair.head_count,
                                       .local_block_ids = local,
                                       .remote_block_ids = remote});
   }
@@ -179,8 +208,8 @@ void DecodeCore::OnAbortedBeforeAdmission(const KvTransferParams& params) {
   if (!params.do_remote_prefill || params.mode != KvTransferMode::kRead) return;
   Request r;
   r.params = params;
-  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
-    SendReadDone("", r, Pair{.decode_rank = d, .prefill_rank = p}, ReadOutcome::kAborted, false);
+  for (const Pair& pair : PlanPairs(params.tp_size)) {
+    SendReadDone("", r, pair, ReadOutcome::kAborted, false);
   }
 }
 
@@ -214,6 +243,13 @@ void DecodeCore::OnReadCompleted(uint64_t read_id, const Status& status, TimePoi
     Fail(request_id, r,
          status.ok() ? CancelledError("READ cancelled") : status.WithPrefix("READ failed"));
   } else {
+#ifdef KVBRIDGE_PLANTED_FAULTS
+    if (sim::Planted().only_decode_rank0_notifies && pair.decode_rank != 0) {
+      pair.state = PairState::kValid;  // trusts its READ, never tells the prefill rank
+      Advance(request_id);
+      return;
+    }
+#endif
     pair.state = PairState::kAwaitingReply;
     pair.deadline = now + options_.reply_timeout;
     SendReadDone(request_id, r, pair, ReadOutcome::kOk, true);

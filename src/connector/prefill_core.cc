@@ -4,13 +4,32 @@
 #include <utility>
 
 #include "kvbridge/connector/kv_transfer_config.h"
+#include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
 #endif
 
 namespace kvbridge {
 
-PrefillCore::PrefillCore(Options options) : options_(std::move(options)) {}
+PrefillCore::PrefillCore(Options options) : options_(std::move(options)) {
+  if (options_.tp_size < 1) options_.tp_size = 1;
+}
+
+bool PrefillCore::ServesRank(int prefill_rank) const {
+  return options_.all_ranks ? prefill_rank >= 0 && prefill_rank < options_.tp_size
+                            : prefill_rank == options_.rank;
+}
+
+std::vector<std::pair<int, int>> PrefillCore::ExpectedPairs(int decode_tp) const {
+  // Without a head count, one that splits evenly over both sizes gives the even-split pairs.
+  const int heads =
+      options_.num_kv_heads > 0 ? options_.num_kv_heads : options_.tp_size * std::max(1, decode_tp);
+  std::vector<std::pair<int, int>> out;
+  for (const auto& pr : TpPlanPairs(options_.tp_size, decode_tp, heads)) {
+    if (options_.all_ranks || pr.second == options_.rank) out.push_back(pr);
+  }
+  return out;
+}
 
 std::string_view PrefillCore::ReasonName(DoneReason r) {
   switch (r) {
@@ -146,7 +165,7 @@ void PrefillCore::Reply(const ReadDoneMsg& msg, uint64_t reply_token, bool valid
   if (!msg.want_reply) return;
   HoldReplyMsg r{.transfer_id = msg.transfer_id,
                  .prefill_engine_id = options_.engine_id,
-                 .prefill_rank = options_.rank,
+                 .prefill_rank = msg.prefill_rank,
                  .decode_engine_id = msg.decode_engine_id,
                  .decode_rank = msg.decode_rank,
                  .hold_valid = valid,
@@ -157,7 +176,8 @@ void PrefillCore::Reply(const ReadDoneMsg& msg, uint64_t reply_token, bool valid
 void PrefillCore::ApplyReadDone(Transfer& t, const std::string& transfer_id, const ReadDoneMsg& msg,
                                 uint64_t reply_token, bool already_replied, bool complete,
                                 TimePoint now) {
-  auto prev = t.notified.find(msg.decode_rank);
+  const std::pair<int, int> pair{msg.decode_rank, msg.prefill_rank};
+  auto prev = t.notified.find(pair);
   if (prev != t.notified.end()) {
     ++counters_.notifications_ignored;  // duplicate: answer as the first time
     if (!already_replied) Reply(msg, reply_token, prev->second, prev->second ? "" : "duplicate");
@@ -172,7 +192,7 @@ void PrefillCore::ApplyReadDone(Transfer& t, const std::string& transfer_id, con
   for (const auto& [id, s] : t.siblings) any_held |= s.held;
   const bool valid = !already_replied && t.open && any_held;
   t.decode_tp = msg.decode_tp_size;
-  t.notified[msg.decode_rank] = valid;
+  t.notified[pair] = valid;
   if (!already_replied) {
     Reply(msg, reply_token, valid,
           valid ? "" : (t.open ? "not_held" : std::string(ReasonName(t.reason))));
@@ -183,9 +203,10 @@ void PrefillCore::ApplyReadDone(Transfer& t, const std::string& transfer_id, con
 void PrefillCore::MaybeComplete(Transfer& t, const std::string& transfer_id, TimePoint now) {
   if (t.open && t.decode_tp) {
     bool all = true;
-    for (int d : DecodeRanksReadingFrom(options_.rank, options_.tp_size, *t.decode_tp)) {
-      all &= t.notified.count(d) > 0;
-    }
+    for (const auto& pr : ExpectedPairs(*t.decode_tp)) all &= t.notified.count(pr) > 0;
+#ifdef KVBRIDGE_PLANTED_FAULTS
+    if (sim::Planted().release_before_all_ranks_read) all = !t.notified.empty();
+#endif
     if (all) {
       ++counters_.transfers_completed;
       Finish(transfer_id, DoneReason::kCompleted, now);
@@ -263,7 +284,7 @@ void PrefillCore::Park(ControlMessage msg, const std::string& transfer_id, uint6
 }
 
 void PrefillCore::OnReadDone(const ReadDoneMsg& msg, uint64_t reply_token, TimePoint now) {
-  if (msg.prefill_engine_id != options_.engine_id || msg.prefill_rank != options_.rank) {
+  if (msg.prefill_engine_id != options_.engine_id || !ServesRank(msg.prefill_rank)) {
     ++counters_.notifications_ignored;  // meant for another incarnation or rank
     Reply(msg, reply_token, false, "incarnation");
     return;
@@ -278,7 +299,7 @@ void PrefillCore::OnReadDone(const ReadDoneMsg& msg, uint64_t reply_token, TimeP
     // The transfer is gone. A duplicate is ignored; a first ReadDone arriving after a release
     // (the proxy's, racing an aborted decode) is the normal race and answered with the reason
     // (simulator seed 16).
-    auto n = tb->second.notified.find(msg.decode_rank);
+    auto n = tb->second.notified.find({msg.decode_rank, msg.prefill_rank});
     if (n != tb->second.notified.end()) ++counters_.notifications_ignored;
     bool valid = n != tb->second.notified.end() && n->second;
 #ifdef KVBRIDGE_PLANTED_FAULTS
@@ -297,8 +318,30 @@ void PrefillCore::OnReadDone(const ReadDoneMsg& msg, uint64_t reply_token, TimeP
   Park(parked, msg.transfer_id, 0, now);
 }
 
+void PrefillCore::OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now) {
+  if (!IsValidTransferId(transfer_id) || transfers_.count(transfer_id)) return;
+  auto [lo, hi] = parked_.equal_range(transfer_id);
+  for (auto p = lo; p != hi; ++p) {
+    // A release had nothing to release (simulator seed 36); anything else names a transfer
+    // that never existed here.
+    if (!std::holds_alternative<ReleaseMsg>(p->second.msg)) ++counters_.notifications_ignored;
+    ++counters_.parked_dropped;
+  }
+  parked_.erase(lo, hi);
+  if (tombstones_.count(transfer_id)) return;
+  tombstones_[transfer_id] =
+      Tombstone{.reason = DoneReason::kAborted, .notified = {}, .expires = now + options_.lease};
+  tombstone_order_.emplace_back(now + options_.lease, transfer_id);
+  while (static_cast<int64_t>(tombstone_order_.size()) > options_.max_tombstones) {
+    auto& [exp, id] = tombstone_order_.front();
+    auto tb = tombstones_.find(id);
+    if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
+    tombstone_order_.pop_front();
+  }
+}
+
 void PrefillCore::OnHeartbeat(const HeartbeatMsg& msg, TimePoint now) {
-  if (msg.prefill_engine_id != options_.engine_id || msg.prefill_rank != options_.rank) {
+  if (msg.prefill_engine_id != options_.engine_id || !ServesRank(msg.prefill_rank)) {
     ++counters_.notifications_ignored;
     return;
   }

@@ -33,12 +33,18 @@ struct PeerEndpoint {
 
 /// Decode: READ `remote_block_ids[i]` of `prefill` into local `local_block_ids[i]` (all layers of
 /// decode rank `decode_rank`'s heads). Report the end with DecodeCore::OnReadCompleted(read_id).
+/// With head_count > 0 only a head slice of each block moves (the TP plan, tp_plan.h): the
+/// prefill rank's heads [src_head_begin, +head_count) into the decode rank's [dst_head_begin,
+/// +head_count), rank-local indices, in both the K and the V half; 0: whole blocks.
 struct PostReadAction {
   uint64_t read_id = 0;  ///< unique per DecodeCore, > 0
   std::string request_id;
   std::string transfer_id;
   PeerEndpoint prefill;
   int decode_rank = 0;
+  int src_head_begin = 0;
+  int dst_head_begin = 0;
+  int head_count = 0;
   std::vector<int32_t> local_block_ids;
   std::vector<int32_t> remote_block_ids;
 };
@@ -70,26 +76,8 @@ struct ReportBlocksFreeAction {
   std::string request_id;
 };
 
-/// Prefill (WRITE mode): WRITE local blocks `local_block_ids[i]` into `decode`'s blocks
-/// `remote_block_ids[i]`, for layer `layer` (-1: every layer). Report the end with
-/// WritePrefillCore::OnWriteCompleted(write_id).
-struct PostWriteAction {
-  uint64_t write_id = 0;  ///< unique per WritePrefillCore, > 0
-  std::string transfer_id;
-  PeerEndpoint decode;  ///< engine_id / host / port / rank of the decode rank written to
-  int prefill_rank = 0;
-  int layer = -1;
-  std::vector<int32_t> local_block_ids;
-  std::vector<int32_t> remote_block_ids;
-};
-/// Prefill (WRITE mode): cancel write `write_id`; its OnWriteCompleted follows only once no more
-/// bytes can land.
-struct CancelWriteAction {
-  uint64_t write_id = 0;
-};
-
-using ConnectorAction = std::variant<PostReadAction, CancelReadAction, SendMessageAction,
-                                     ReportLoadDoneAction, ReportLoadFailedAction,
-                                     ReportBlocksFreeAction, PostWriteAction, CancelWriteAction>;
+using ConnectorAction =
+    std::variant<PostReadAction, CancelReadAction, SendMessageAction, ReportLoadDoneAction,
+                 ReportLoadFailedAction, ReportBlocksFreeAction>;
 
 }  // namespace kvbridge

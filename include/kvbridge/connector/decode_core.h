@@ -45,6 +45,10 @@ class DecodeCore {
   struct Options {
     std::string engine_id;  ///< this decode engine incarnation
     int tp_size = 1;        ///< this engine's TP size (decode ranks 0..tp_size-1)
+    /// The model's global KV heads, for the TP plan (tp_plan.h) that says which head slices
+    /// each decode rank reads from which prefill rank. 0: assume enough heads that they split
+    /// evenly over both TP sizes.
+    int num_kv_heads = 0;
     int block_size = 16;
     DurationUs reply_timeout = 10 * kSecond;
     DurationUs read_timeout = 30 * kSecond;
@@ -123,6 +127,9 @@ class DecodeCore {
   struct Pair {
     int decode_rank = 0;
     int prefill_rank = 0;
+    int src_head_begin = 0;  // the slice of the TP plan (rank-local heads)
+    int dst_head_begin = 0;
+    int head_count = 0;  // 0: whole blocks on both sides
     uint64_t read_id = 0;
     PairState state = PairState::kIdle;
     TimePoint deadline = 0;  // read or reply deadline, by state
@@ -138,6 +145,8 @@ class DecodeCore {
   };
 
   PeerEndpoint Peer(const KvTransferParams& p, int prefill_rank) const;
+  /// The pairs (and head slices) for a prefill of TP `prefill_tp`; empty when it cannot plan.
+  std::vector<Pair> PlanPairs(int prefill_tp) const;
   void SendReadDone(const std::string& request_id, const Request& r, const Pair& pair,
                     ReadOutcome outcome, bool want_reply);
   void Fail(const std::string& request_id, Request& r, Status status);

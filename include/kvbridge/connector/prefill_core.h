@@ -33,6 +33,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvbridge/common/clock.h"
@@ -46,8 +47,16 @@ class PrefillCore {
  public:
   struct Options {
     std::string engine_id;  ///< this engine incarnation (kv_transfer_params.remote_engine_id)
-    int rank = 0;           ///< this TP rank
+    int rank = 0;           ///< this TP rank (ignored when all_ranks)
     int tp_size = 1;
+    /// true: one core for every rank of the engine (ranks share one block table, as in the
+    /// runtime and the simulator): it takes messages for any prefill rank in [0, tp_size) and
+    /// completes a transfer when every (decode rank, prefill rank) pair of the TP plan
+    /// (tp_plan.h) has notified. false: the single rank `rank` and its pairs only.
+    bool all_ranks = false;
+    /// The model's global KV heads (the TP plan depends on them when fewer than a TP size).
+    /// 0: assume enough heads that they split evenly over both TP sizes.
+    int num_kv_heads = 0;
     DurationUs lease = 60 * kSecond;
     int64_t max_parked_messages = 4096;
     int64_t max_tombstones = 65536;
@@ -81,6 +90,13 @@ class PrefillCore {
   /// The engine aborted `request_id` (a sibling id or a parent id with n > 1). Returns true when
   /// blocks of it are held (they stay until ReportBlocksFree); unfinished siblings are unmapped.
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
+
+  /// A request with do_remote_decode `transfer_id` was aborted before the engine admitted it
+  /// (OnRequestAdded never ran): nothing was or will be held for it. Drops the messages parked
+  /// for it at once (a proxy's release racing the abort: dropped, not counted ignored) and
+  /// leaves a tombstone (TTL = lease) so later messages for it are answered, not parked for a
+  /// lease. A no-op when the transfer is registered (its own abort path owns it).
+  void OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now);
 
   /// A decode rank's ReadDone. Answers with HoldReplyMsg on `reply_token` when want_reply.
   void OnReadDone(const ReadDoneMsg& msg, uint64_t reply_token, TimePoint now);
@@ -124,11 +140,12 @@ class PrefillCore {
     std::optional<TimePoint> lease_deadline;  // set at the first hold
     TimePoint lease_floor = 0;                // heartbeats before the first hold
     std::optional<int> decode_tp;
-    std::map<int, bool> notified;  // decode rank -> hold was valid at its ReadDone
+    // (decode rank, prefill rank) -> hold was valid at its ReadDone
+    std::map<std::pair<int, int>, bool> notified;
   };
   struct Tombstone {
     DoneReason reason;
-    std::map<int, bool> notified;
+    std::map<std::pair<int, int>, bool> notified;
     TimePoint expires;
   };
   struct Parked {
@@ -139,6 +156,9 @@ class PrefillCore {
   };
 
   Transfer& Register(const std::string& transfer_id, TimePoint now);
+  bool ServesRank(int prefill_rank) const;
+  /// The (decode rank, prefill rank) pairs that must notify before a transfer completes.
+  std::vector<std::pair<int, int>> ExpectedPairs(int decode_tp) const;
   void ApplyReadDone(Transfer& t, const std::string& transfer_id, const ReadDoneMsg& msg,
                      uint64_t reply_token, bool already_replied, bool complete, TimePoint now);
   void MaybeComplete(Transfer& t, const std::string& transfer_id, TimePoint now);

@@ -38,6 +38,13 @@ struct PlantedFaults {
   /// DecodeCore: an abort during a load lets the engine free the destination blocks at once,
   /// while the READ may still land in them.
   bool free_decode_blocks_on_abort_during_load = false;
+  /// DecodeCore (TP): only decode rank 0 notifies the prefill ranks it read from; the other
+  /// decode ranks use their READ without a ReadDone (the prefill's hold is never released by
+  /// them).
+  bool only_decode_rank0_notifies = false;
+  /// PrefillCore (TP): a transfer completes at its first (decode rank, prefill rank)
+  /// notification instead of waiting for every pair of the TP plan.
+  bool release_before_all_ranks_read = false;
 };
 
 /// This thread's switches (all off by default).
