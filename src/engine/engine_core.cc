@@ -5,6 +5,7 @@
 
 #include "kvbridge/common/logging.h"
 #include "kvbridge/model/model.h"
+#include "kvbridge/model/tensor_parallel.h"
 
 namespace kvbridge {
 
@@ -29,24 +30,61 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
                                 "] (the model's max_position_embeddings)");
   }
 
+  const int tp = config.tensor_parallel_size;
+  RETURN_IF_ERROR(ValidateTensorParallelSize(mc, tp).WithPrefix("engine"));
+
   std::unique_ptr<EngineCore> core(new EngineCore());
   core->config_ = config;
   core->model_ = model;
   core->max_model_len_ = max_len;
   core->vocab_size_ = mc.vocab_size;
 
-  PagedKvLayout layout = model->KvLayout(1, config.block_size, config.kv_dtype);
+  ASSIGN_OR_RETURN(core->tp_model_, TensorParallelModel::Create(model, tp));
+  // kv_cache_memory_bytes covers every rank's storage: one block costs the sum of its ranks'
+  // bytes (more than T=1's when KV heads are replicated).
+  PagedKvLayout budget_layout = model->KvLayout(1, config.block_size, config.kv_dtype);
+  budget_layout.num_kv_heads = 0;
+  for (int r = 0; r < tp; ++r) budget_layout.num_kv_heads += core->tp_model_->kv_heads(r).size();
   int64_t num_blocks = config.num_blocks;
   if (num_blocks == 0) {
     ASSIGN_OR_RETURN(num_blocks,
-                     KvCacheStorage::BlocksForBudget(layout, config.kv_cache_memory_bytes));
+                     KvCacheStorage::BlocksForBudget(budget_layout, config.kv_cache_memory_bytes));
   }
   if (num_blocks >= (int64_t{1} << 31)) return InvalidArgumentError("engine: too many blocks");
-  layout.num_blocks = static_cast<int>(num_blocks);
-  ASSIGN_OR_RETURN(core->storage_, KvCacheStorage::Create(layout));
-  model->KvScales(config.kv_dtype, &core->storage_->mutable_view().k_scale,
-                  &core->storage_->mutable_view().v_scale);
-  if (config.debug_poison_kv_nan) core->storage_->FillNaN();
+  // One storage (memfd) per rank, all indexed by the same block ids.
+  size_t kv_bytes = 0;
+  for (int r = 0; r < tp; ++r) {
+    PagedKvLayout layout = core->tp_model_->KvLayout(r, static_cast<int>(num_blocks),
+                                                     config.block_size, config.kv_dtype);
+    ASSIGN_OR_RETURN(std::unique_ptr<KvCacheStorage> storage, KvCacheStorage::Create(layout));
+    model->KvScales(config.kv_dtype, &storage->mutable_view().k_scale,
+                    &storage->mutable_view().v_scale);
+    if (config.debug_poison_kv_nan) storage->FillNaN();
+    kv_bytes += storage->TotalBytes();
+    core->kv_views_.push_back(storage->view());
+    core->storages_.push_back(std::move(storage));
+  }
+  for (int r = 0; r < tp; ++r) {
+    const size_t bytes = core->tp_model_->RankWeightBytes(r);
+    if (tp > 1) {
+      KVB_LOG_INFO("engine: TP rank {}/{}: {} weight bytes owned ({:.2f} MiB), KV heads [{}, {})",
+                   r, tp, bytes, bytes / 1048576.0, core->tp_model_->kv_heads(r).begin,
+                   core->tp_model_->kv_heads(r).end);
+    }
+    if (metrics != nullptr) {
+      metrics
+          ->AddGauge("kvbridge_tp_rank_weight_bytes",
+                     "Bytes of fp32 weights owned by one tensor-parallel rank (its slices of "
+                     "q/k/v/o and gate/up/down; replicated embeddings, norms and lm_head not "
+                     "counted).",
+                     "rank=\"" + std::to_string(r) + "\"")
+          .Set(static_cast<double>(bytes));
+    }
+  }
+  if (tp > 1) {
+    KVB_LOG_INFO("engine: TP {}: {} replicated weight bytes shared by all ranks", tp,
+                 core->tp_model_->ReplicatedWeightBytes());
+  }
   ASSIGN_OR_RETURN(core->pool_,
                    BlockPool::Create({.num_blocks = num_blocks,
                                       .block_size = config.block_size,
@@ -75,28 +113,33 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
 
   if (config.connector_factory) {
     EngineHooks hooks;
-    hooks.kv_view = core->storage_->view();
+    hooks.kv_view = core->storages_[0]->view();
     hooks.model_fingerprint = model->fingerprint();
     hooks.metrics = metrics;
-    hooks.kv_shm_fd = core->storage_->shm_fd();
-    if (hooks.kv_shm_fd >= 0) hooks.kv_layer_offsets = core->storage_->layer_offsets();
-    hooks.tp_size = 1;
-    KvRankHooks& r0 = hooks.ranks.emplace_back();
-    r0.rank = 0;
-    r0.kv_view = hooks.kv_view;
-    r0.kv_head_begin = 0;
-    r0.kv_head_end = mc.num_key_value_heads;
-    r0.kv_shm_fd = hooks.kv_shm_fd;
-    r0.kv_layer_offsets = hooks.kv_layer_offsets;
+    hooks.kv_shm_fd = core->storages_[0]->shm_fd();
+    if (hooks.kv_shm_fd >= 0) hooks.kv_layer_offsets = core->storages_[0]->layer_offsets();
+    hooks.tp_size = tp;
+    for (int r = 0; r < tp; ++r) {
+      const KvCacheStorage& st = *core->storages_[r];
+      KvRankHooks& rh = hooks.ranks.emplace_back();
+      rh.rank = r;
+      rh.kv_view = st.view();
+      rh.kv_head_begin = core->tp_model_->kv_heads(r).begin;
+      rh.kv_head_end = core->tp_model_->kv_heads(r).end;
+      rh.kv_shm_fd = st.shm_fd();
+      if (rh.kv_shm_fd >= 0) rh.kv_layer_offsets = st.layer_offsets();
+    }
     hooks.wake = wake ? std::move(wake) : std::function<void()>([] {});
     ASSIGN_OR_RETURN(core->connector_, config.connector_factory(hooks));
     if (core->connector_ == nullptr)
       return InvalidArgumentError("engine: connector factory returned null");
     core->scheduler_->set_connector(core->connector_.get());
   }
-  KVB_LOG_INFO("engine: {} KV blocks of {} tokens ({} MiB), max_model_len {}, prefix caching {}",
-               num_blocks, config.block_size, core->storage_->TotalBytes() >> 20, max_len,
-               config.enable_prefix_caching ? "on" : "off");
+  KVB_LOG_INFO(
+      "engine: {} KV blocks of {} tokens ({} MiB over {} rank(s)), max_model_len {}, prefix "
+      "caching {}",
+      num_blocks, config.block_size, kv_bytes >> 20, tp, max_len,
+      config.enable_prefix_caching ? "on" : "off");
   return core;
 }
 
@@ -128,7 +171,9 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
     r.made_progress = false;
     return r;
   }
-  for (auto [src, dst] : batch.block_copies) storage_->CopyBlock(src, dst);
+  for (auto [src, dst] : batch.block_copies) {
+    for (auto& storage : storages_) storage->CopyBlock(src, dst);
+  }
   ForwardBatch fb = batch.ToForwardBatch();
   std::vector<std::string> ids;
   if (connector_ != nullptr) {
@@ -137,7 +182,7 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
       connector_->OnLayerKvWritten(layer, ids, now);
     };
   }
-  Status st = model_->Forward(fb, storage_->view(), &logits_);
+  Status st = tp_model_->Forward(fb, kv_views_, &logits_);
   if (!st.ok()) {
     KVB_LOG_ERROR("engine: forward failed: {}", st.ToString());
     scheduler_->FailBatch(batch, st, now);

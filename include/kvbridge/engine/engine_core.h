@@ -33,17 +33,19 @@
 #include "kvbridge/engine/kv_cache_storage.h"
 #include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/engine/scheduler.h"
+#include "kvbridge/model/tensor_parallel.h"
 
 namespace kvbridge {
 
 class EngineCore {
  public:
-  /// Sizes and allocates the KV cache (config.num_blocks, else kv_cache_memory_bytes), builds
+  /// Sizes and allocates the KV cache (config.num_blocks, else kv_cache_memory_bytes over all
+  /// ranks) — one KvCacheStorage per tensor-parallel rank, sharing one block pool — builds
   /// the scheduler and — when config.connector_factory is set — the connector, passing it the
   /// pool's memory, the model fingerprint, `metrics` and `wake`.
   /// Errors: InvalidArgument (bad config: block_size, max_num_seqs, max_num_batched_tokens,
-  /// max_model_len beyond the model's), ResourceExhausted (KV budget below one block), or the
-  /// connector factory's error.
+  /// max_model_len beyond the model's, tensor_parallel_size — see ValidateTensorParallelSize),
+  /// ResourceExhausted (KV budget below one block), or the connector factory's error.
   static Result<std::unique_ptr<EngineCore>> Create(const EngineConfig& config,
                                                     std::shared_ptr<const Model> model,
                                                     MetricsRegistry* metrics,
@@ -86,7 +88,12 @@ class EngineCore {
   const Scheduler& scheduler() const { return *scheduler_; }
   BlockPool& pool() { return *pool_; }
   const BlockPool& pool() const { return *pool_; }
-  KvCacheStorage& storage() { return *storage_; }
+  /// Rank 0's KV storage (with tensor_parallel_size 1 the whole cache).
+  KvCacheStorage& storage() { return *storages_[0]; }
+  /// Rank `rank`'s KV storage (its KV heads of every block; block ids shared by all ranks).
+  KvCacheStorage& storage(int rank) { return *storages_.at(rank); }
+  int tp_size() const { return static_cast<int>(storages_.size()); }
+  const TensorParallelModel& tp_model() const { return *tp_model_; }
   KvConnector* connector() { return connector_.get(); }
   const Model& model() const { return *model_; }
   const EngineConfig& config() const { return config_; }
@@ -98,7 +105,9 @@ class EngineCore {
   std::shared_ptr<const Model> model_;
   int max_model_len_ = 0;
   int vocab_size_ = 0;
-  std::unique_ptr<KvCacheStorage> storage_;
+  std::unique_ptr<TensorParallelModel> tp_model_;
+  std::vector<std::unique_ptr<KvCacheStorage>> storages_;  // one per rank
+  std::vector<PagedKvView> kv_views_;                      // storages_[r]->view()
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<KvConnector> connector_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -98,9 +98,18 @@ class KvConnector {
   /// Called at every engine step and whenever `wake` fired. Each id is reported exactly once.
   virtual StepReport Poll(TimePoint now) = 0;
 
-  /// WRITE mode: called after the forward pass wrote layer `layer`'s K/V for `request_ids`.
-  virtual void OnLayerKvWritten(int layer, std::span<const std::string> request_ids,
-                                TimePoint now) {}
+  /// One chunk of a forward pass as OnLayerKvWritten reports it (views valid for the call).
+  struct LayerKvChunk {
+    std::string_view request_id;         ///< the scheduled id
+    std::span<const int32_t> block_ids;  ///< its block table (token order)
+    int end_pos = 0;  ///< KV of positions [0, end_pos) of this layer is final after the call
+    /// True when this chunk ends the request's known tokens (a prompt's last chunk, or a decode
+    /// step): every position's KV of the layer is final.
+    bool completes_tokens = false;
+  };
+  /// WRITE mode: called after the forward pass wrote layer `layer`'s K/V for `chunks` (every
+  /// chunk of the batch), before the next layer is computed.
+  virtual void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) {}
 
   /// The next time Poll() must run even with no traffic (lease expiry, reply timeout), if any.
   virtual std::optional<TimePoint> NextDeadline() const = 0;
