@@ -190,11 +190,27 @@ class TransferAgent::Impl {
     m.v_scale = reg_.v_scale;
     m.model_fingerprint = cfg_.model_fingerprint;
     for (auto& b : backends_) {
+      // A backend never sees memory it cannot move (tcp/shm/ucx would treat a device pointer
+      // as host memory).
+      if (!b->Supports(m.memory_kind)) continue;
       ASSIGN_OR_RETURN(std::string ep, b->Start(reg_));
       if (!ep.empty()) m.endpoints[std::string(b->name())] = ep;
       b->Describe(m);
     }
-    if (m.endpoints.empty()) return FailedPreconditionError("no backend can serve this memory");
+    if (m.endpoints.empty()) {
+      if (m.memory_kind == MemoryKind::kCuda) {
+        return FailedPreconditionError(
+            "no configured backend moves CUDA device memory: configure backends = {\"cuda_ipc\"} "
+            "(built only with KVBRIDGE_WITH_CUDA; this build has: " +
+            [] {
+              std::string s;
+              for (const auto& n : AvailableBackends()) s += (s.empty() ? "" : ",") + n;
+              return s;
+            }() +
+            ")");
+      }
+      return FailedPreconditionError("no backend can serve this memory");
+    }
     m.compat_hash = ComputeCompatHash(m);
     std::lock_guard<std::mutex> l(mu_);
     meta_ = m;

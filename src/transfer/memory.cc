@@ -10,7 +10,13 @@
 namespace kvbridge::transfer {
 
 std::string_view MemoryKindName(MemoryKind kind) {
-  return kind == MemoryKind::kHost ? "host" : "cuda";
+  switch (kind) {
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kCuda:
+      return "cuda";
+  }
+  return "unknown";
 }
 
 KvRegistration KvRegistration::FromHostBuffer(const PagedKvLayout& layout,
@@ -31,6 +37,24 @@ KvRegistration KvRegistration::FromHostBuffer(const PagedKvLayout& layout,
   return reg;
 }
 
+KvRegistration KvRegistration::FromDeviceMemory(const PagedKvLayout& layout, void* base,
+                                                int device) {
+  KvRegistration reg;
+  reg.layout = layout;
+  const size_t lb = layout.LayerBytes();
+  for (int l = 0; l < layout.num_layers; ++l) {
+    MemoryRegion r;
+    r.kind = MemoryKind::kCuda;
+    r.device = device;
+    r.base = static_cast<uint8_t*>(base) + static_cast<size_t>(l) * lb;
+    r.bytes = lb;
+    reg.layers.push_back(r);
+  }
+  reg.k_scale.assign(layout.num_layers, 1.0f);
+  reg.v_scale.assign(layout.num_layers, 1.0f);
+  return reg;
+}
+
 Status KvRegistration::Validate() const {
   const PagedKvLayout& l = layout;
   if (l.num_layers <= 0 || l.num_kv_heads <= 0 || l.head_dim <= 0 || l.block_size <= 0 ||
@@ -43,9 +67,33 @@ Status KvRegistration::Validate() const {
   }
   for (size_t i = 0; i < layers.size(); ++i) {
     const MemoryRegion& r = layers[i];
-    if (r.kind != MemoryKind::kHost) {
-      return InvalidArgumentError("layer " + std::to_string(i) + ": memory kind " +
-                                  std::string(MemoryKindName(r.kind)) + " is not supported yet");
+    const std::string where = "layer " + std::to_string(i) + ": ";
+    if (r.kind != MemoryKind::kHost && r.kind != MemoryKind::kCuda) {
+      return InvalidArgumentError(where + "unknown memory kind " +
+                                  std::to_string(static_cast<int>(r.kind)));
+    }
+    if (r.kind != layers[0].kind) {
+      return InvalidArgumentError(where + "memory kind " + std::string(MemoryKindName(r.kind)) +
+                                  " differs from layer 0's (" +
+                                  std::string(MemoryKindName(layers[0].kind)) +
+                                  "): one registration is all host or all cuda");
+    }
+    if (r.kind == MemoryKind::kCuda) {
+      if (r.device < 0) {
+        return InvalidArgumentError(where + "cuda memory needs a device ordinal >= 0 (got " +
+                                    std::to_string(r.device) + ")");
+      }
+      if (r.device != layers[0].device) {
+        return InvalidArgumentError(where + "cuda device " + std::to_string(r.device) +
+                                    " differs from layer 0's (" + std::to_string(layers[0].device) +
+                                    "): one registration lives on one device");
+      }
+      if (r.shm_fd >= 0) {
+        return InvalidArgumentError(where + "cuda memory cannot carry an shm_fd");
+      }
+      if (reinterpret_cast<uintptr_t>(r.base) % 16 != 0) {
+        return InvalidArgumentError(where + "cuda memory base is not 16-byte aligned");
+      }
     }
     if (r.base == nullptr || r.bytes < l.LayerBytes()) {
       return InvalidArgumentError("layer " + std::to_string(i) + " region is smaller than " +

@@ -20,6 +20,9 @@
 #include "kvbridge/transfer/agent.h"
 #include "transfer/fill_pattern.h"
 #include "transfer/socket_util.h"
+#if KVBRIDGE_HAVE_CUDA_IPC
+#include "transfer/backends/cuda_ipc/cuda_bench.h"
+#endif
 
 namespace kvbridge::transfer {
 namespace {
@@ -438,10 +441,58 @@ Status Bench(const XferBenchOptions& o, nlohmann::json* out) {
   return OkStatus();
 }
 
+int RunCuda(const XferBenchOptions& o) {
+  if (o.backend != "cuda_ipc") {
+    std::fprintf(stderr,
+                 "xfer-bench: --mem cuda moves device memory with --backend cuda_ipc "
+                 "only (got --backend %s)\n",
+                 o.backend.c_str());
+    return 64;
+  }
+  if (o.serve || !o.peer.empty()) {
+    std::fprintf(stderr,
+                 "xfer-bench: --mem cuda spawns its own peer process (no --serve/--peer)\n");
+    return 64;
+  }
+#if KVBRIDGE_HAVE_CUDA_IPC
+  cuda_ipc::CudaBenchOptions c;
+  c.bytes = o.cuda_bytes;
+  c.runs = o.cuda_runs;
+  c.sizes = o.cuda_sizes;
+  c.device = o.device;
+  c.peer_device = o.peer_device;
+  c.lat_iters = o.lat_iters;
+  c.sweep = o.sweep;
+  c.baselines = !o.no_baselines;
+  c.out = o.out;
+  return cuda_ipc::RunCudaBench(c);
+#else
+  std::fprintf(stderr,
+               "xfer-bench: --mem cuda: this kvbridge was built without CUDA (configure with "
+               "-DKVBRIDGE_WITH_CUDA=ON where nvcc is installed; built backends: %s)\n",
+               [] {
+                 std::string s;
+                 for (const auto& n : AvailableBackends()) s += (s.empty() ? "" : ",") + n;
+                 return s;
+               }()
+                   .c_str());
+  return 2;
+#endif
+}
+
 }  // namespace
 
 int RunXferBench(const XferBenchOptions& o) {
   ::signal(SIGPIPE, SIG_IGN);
+  if (o.mem == "cuda") return RunCuda(o);
+  if (o.mem != "host") {
+    std::fprintf(stderr, "xfer-bench: --mem is host or cuda (got %s)\n", o.mem.c_str());
+    return 64;
+  }
+  if (o.backend == "cuda_ipc") {
+    std::fprintf(stderr, "xfer-bench: --backend cuda_ipc moves device memory: add --mem cuda\n");
+    return 64;
+  }
   if (o.serve) return Serve(o);
   nlohmann::json r;
   Status s = Bench(o, &r);

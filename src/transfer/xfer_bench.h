@@ -3,11 +3,15 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace kvbridge::transfer {
 
 struct XferBenchOptions {
-  std::string backend = "shm";  ///< shm | tcp | ucx
+  std::string backend = "shm";  ///< shm | tcp | ucx | cuda_ipc (with mem = "cuda")
+  /// "host": the agent benchmark below. "cuda": device pools and the cuda_ipc kernels
+  /// (transfer/backends/cuda_ipc/cuda_bench.h); needs a build with KVBRIDGE_WITH_CUDA.
+  std::string mem = "host";
   std::string op = "read";      ///< read | write
   uint64_t block_size = 16384;  ///< bytes per block (K+V of one layer); multiple of 128
   int blocks = 4096;            ///< blocks per transfer (scattered over a pool of 2x)
@@ -17,12 +21,23 @@ struct XferBenchOptions {
   bool json = false;
   int copy_threads = 1;
   int tcp_connections = 2;
+  // mem = "cuda" (CudaBenchOptions): block sizes, pool bytes per point, timed runs, GPUs.
+  std::vector<uint64_t> cuda_sizes = {4096, 8192, 16384, 32768, 65536, 131072, 262144};
+  uint64_t cuda_bytes = uint64_t{2} << 30;
+  int cuda_runs = 5;
+  int device = 0;
+  int peer_device = -1;  ///< -1 = same GPU as `device`
+  int lat_iters = 2000;
+  bool sweep = false;
+  bool no_baselines = false;
+  std::string out;  ///< Markdown table file (cuda mode)
   // Peer mode.
   bool serve = false;
   std::string listen = "127.0.0.1:0";
 };
 
 /// Runs the benchmark (or the peer when options.serve); returns the process exit code.
+/// mem = "cuda" without CUDA compiled in: a clear error and exit code 2.
 int RunXferBench(const XferBenchOptions& options);
 
 }  // namespace kvbridge::transfer

@@ -3,12 +3,18 @@
 // The engine's KV pool registers its per-layer regions with its TransferAgent once. Any host
 // memory can be registered (tcp moves it with readv/writev); memory that should also be reachable
 // by a same-host peer through the shm backend must be shareable, i.e. come from HostBuffer
-// (a memfd mapping the peer can map too). MemoryKind is ready for CUDA device memory (the future
-// cuda_ipc backend); today only kHost is accepted.
+// (a memfd mapping the peer can map too). CUDA device memory (MemoryKind::kCuda: a KV pool
+// allocated with cudaMalloc) is moved by the cuda_ipc backend only (built with
+// KVBRIDGE_WITH_CUDA): the agent exports CUDA IPC handles of the allocations at handshake and
+// a peer on the same host maps them (docs/gpu.md). Host backends never see device memory.
 //
 //   ASSIGN_OR_RETURN(HostBuffer buf, HostBuffer::Allocate(layout.LayerBytes() *
 //   layout.num_layers)); KvRegistration reg = KvRegistration::FromHostBuffer(layout, buf);
 //   RETURN_IF_ERROR(agent->RegisterMemory(reg));
+//
+//   // Device memory (agent configured with backends = {"cuda_ipc"}):
+//   void* kv = nullptr; cudaMalloc(&kv, layout.LayerBytes() * layout.num_layers);
+//   RETURN_IF_ERROR(agent->RegisterMemory(KvRegistration::FromDeviceMemory(layout, kv, 0)));
 #pragma once
 
 #include <cstddef>
@@ -45,7 +51,14 @@ struct KvRegistration {
 
   /// Layers laid out back to back in `buffer` (layer i at i * LayerBytes()).
   static KvRegistration FromHostBuffer(const PagedKvLayout& layout, const class HostBuffer& buffer);
-  /// Checks shape and sizes: InvalidArgument naming the bad field.
+  /// Layers laid out back to back in device memory at `base` (layer i at i * LayerBytes()) on
+  /// CUDA device `device`; `base` must come from cudaMalloc (or point inside such an allocation
+  /// of >= num_layers * LayerBytes() bytes). Pure bookkeeping: nothing is dereferenced here; the
+  /// cuda_ipc backend checks the allocation when the agent registers it.
+  static KvRegistration FromDeviceMemory(const PagedKvLayout& layout, void* base, int device);
+  /// Checks shape and sizes: InvalidArgument naming the bad field. Every layer must have the
+  /// same kind; kCuda layers have device >= 0 (all the same), a
+  /// 16-byte aligned base and no shm_fd.
   Status Validate() const;
 };
 

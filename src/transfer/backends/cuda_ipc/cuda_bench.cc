@@ -1,15 +1,7 @@
-// cuda_ipc_bench — READ (pull kernel) and WRITE (push kernel) of scattered KV blocks between two
-// processes on one GPU through CUDA IPC, against baselines measured in the same run: one
-// contiguous cudaMemcpyAsync of the same bytes, one cudaMemcpyAsync per block, and
-// cudaMemcpyBatchAsync (CUDA >= 12.8). Every method's result is checked (destination poisoned,
-// every byte compared on the GPU) before it is timed. Also: latency of a 64-block transfer
-// including its notification (p50/p99), and a sweep of kernel variants.
-//
-//   cuda_ipc_bench [--bytes 2147483648] [--runs 5] [--sizes 4096,16384,...] [--device 0]
-//                  [--lat-iters 2000] [--sweep] [--no-baselines] [--out table.md]
-//
-// Bandwidth = bytes moved (each byte counted once) / median time of `runs` timed runs (CUDA
-// events on the engine's stream). Exit code 1 when any check fails.
+// cuda_ipc/cuda_bench.cc — the cuda_ipc benchmark shared by `kvbridge xfer-bench --mem cuda` and
+// the standalone cuda_ipc_bench (cuda_bench.h says what it measures).
+#include "transfer/backends/cuda_ipc/cuda_bench.h"
+
 #include <cuda_runtime.h>
 #include <time.h>
 
@@ -29,21 +21,10 @@
 #include "transfer/backends/cuda_ipc/cuda_status.h"
 #include "transfer/backends/cuda_ipc/peer_link.h"
 
-using namespace kvbridge;
-using namespace kvbridge::cuda_ipc;
-
+namespace kvbridge::cuda_ipc {
 namespace {
 
-struct Args {
-  uint64_t bytes = uint64_t{2} << 30;
-  int runs = 5;
-  std::vector<uint64_t> sizes = {4096, 8192, 16384, 32768, 65536, 131072, 262144};
-  int device = 0;
-  int lat_iters = 2000;
-  bool sweep = false;
-  bool baselines = true;
-  std::string out;
-};
+using Args = CudaBenchOptions;
 
 [[noreturn]] void Die(const std::string& what, const Status& st) {
   std::fprintf(stderr, "FATAL %s: %s\n", what.c_str(), st.ToString().c_str());
@@ -86,6 +67,7 @@ Message Call(Channel& ch, MsgType t, std::string_view payload) {
 
 struct Ctx {
   Args args;
+  int peer_device = 0;
   Channel* ch = nullptr;
   CopyEngine* engine = nullptr;
   void* local = nullptr;
@@ -155,6 +137,17 @@ double Measure(Ctx& c, const std::string& name, CopyOp op, uint64_t bb,
   return double(c.args.bytes) / (Median(ms) * 1e-3) / 1e9;
 }
 
+// One copy of the whole pool: cudaMemcpyAsync on one GPU, cudaMemcpyPeerAsync across two.
+void ContiguousCopy(Ctx& c, CopyOp op, void* dst, const void* src, cudaStream_t s) {
+  if (c.peer_device == c.args.device) {
+    CUDA_OK(cudaMemcpyAsync(dst, src, c.args.bytes, cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  const int dst_dev = op == CopyOp::kRead ? c.args.device : c.peer_device;
+  const int src_dev = op == CopyOp::kRead ? c.peer_device : c.args.device;
+  CUDA_OK(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, c.args.bytes, s));
+}
+
 std::string Fmt(double gbs) {
   char b[32];
   if (gbs < 0) return "FAIL";
@@ -207,9 +200,7 @@ void BandwidthPoint(Ctx& c, uint64_t bb, CopyOp op, uint64_t* seed) {
       },
       true, seed);
   const double contig = Measure(
-      c, "contiguous", op, bb, identity,
-      [&] { CUDA_OK(cudaMemcpyAsync(dst, src, c.args.bytes, cudaMemcpyDeviceToDevice, s)); }, true,
-      seed);
+      c, "contiguous", op, bb, identity, [&] { ContiguousCopy(c, op, dst, src, s); }, true, seed);
   double per_block = -2, batch = -2;
   if (c.args.baselines) {
     std::vector<void*> dsts(n);
@@ -304,61 +295,65 @@ void Latency(Ctx& c, uint64_t bb, CopyOp op) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "missing value for %s\n", k.c_str());
-        std::exit(64);
-      }
-      return argv[++i];
-    };
-    if (k == "--bytes")
-      a.bytes = std::stoull(next());
-    else if (k == "--runs")
-      a.runs = std::stoi(next());
-    else if (k == "--device")
-      a.device = std::stoi(next());
-    else if (k == "--lat-iters")
-      a.lat_iters = std::stoi(next());
-    else if (k == "--sweep")
-      a.sweep = true;
-    else if (k == "--no-baselines")
-      a.baselines = false;
-    else if (k == "--out")
-      a.out = next();
-    else if (k == "--sizes") {
-      a.sizes.clear();
-      std::stringstream ss(next());
-      std::string tok;
-      while (std::getline(ss, tok, ',')) a.sizes.push_back(std::stoull(tok));
-    } else {
-      std::fprintf(stderr, "unknown argument %s\n", k.c_str());
+int RunCudaBench(const CudaBenchOptions& a) {
+  if (a.runs < 1 || a.bytes == 0 || a.bytes % 262144 != 0 || a.sizes.empty()) {
+    std::fprintf(stderr, "cuda bench: --runs >= 1 and --bytes a positive multiple of 256 KiB\n");
+    return 64;
+  }
+  for (uint64_t bb : a.sizes) {
+    if (bb < 4096 || bb % 4096 != 0 || a.bytes % bb != 0 || a.bytes / bb < 64) {
+      std::fprintf(stderr,
+                   "cuda bench: block size %llu must be a multiple of 4 KiB dividing --bytes "
+                   "into >= 64 blocks\n",
+                   (unsigned long long)bb);
       return 64;
     }
   }
-  if (a.runs < 1 || a.bytes % 262144 != 0) {
-    std::fprintf(stderr, "--runs >= 1 and --bytes a multiple of 256 KiB\n");
-    return 64;
+  Result<int> devices = CudaDeviceCount();
+  if (!devices.ok()) {
+    std::fprintf(stderr, "cuda bench: %s\n", devices.status().ToString().c_str());
+    return 2;
+  }
+  const int peer_device = a.peer_device < 0 ? a.device : a.peer_device;
+  if (a.device < 0 || a.device >= *devices || peer_device >= *devices) {
+    std::fprintf(stderr, "cuda bench: devices %d and %d requested, %d present\n", a.device,
+                 peer_device, *devices);
+    return 2;
   }
   Ctx c;
   c.args = a;
+  c.peer_device = peer_device;
+  if (peer_device != a.device) {
+    int fwd = 0, back = 0;
+    CUDA_OK(cudaDeviceCanAccessPeer(&fwd, a.device, peer_device));
+    CUDA_OK(cudaDeviceCanAccessPeer(&back, peer_device, a.device));
+    std::printf("cudaDeviceCanAccessPeer(%d -> %d) = %d, (%d -> %d) = %d\n", a.device, peer_device,
+                fwd, peer_device, a.device, back);
+    if (!fwd || !back) {
+      std::printf("RESULT: no peer access between GPU %d and GPU %d (no host-staged fallback)\n",
+                  a.device, peer_device);
+      return 3;
+    }
+  }
   CUDA_OK(cudaSetDevice(a.device));
   cudaDeviceProp prop{};
   CUDA_OK(cudaGetDeviceProperties(&prop, a.device));
   int rt = 0, drv = 0;
   CUDA_OK(cudaRuntimeGetVersion(&rt));
   CUDA_OK(cudaDriverGetVersion(&drv));
-  std::printf("device %d: %s, %d SMs, L2 %d MiB; CUDA runtime %d, driver %d; %llu MiB per point\n",
-              a.device, prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, rt, drv,
-              (unsigned long long)(a.bytes >> 20));
+  std::printf(
+      "device %d: %s, %d SMs, L2 %d MiB; CUDA runtime %d, driver %d; %llu MiB per point; "
+      "local pool + kernels on GPU %d, peer pool on GPU %d; contiguous baseline = %s\n",
+      a.device, prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, rt, drv,
+      (unsigned long long)(a.bytes >> 20), a.device, peer_device,
+      peer_device == a.device ? "cudaMemcpyAsync" : "cudaMemcpyPeerAsync");
 #if CUDART_VERSION < 12080
   std::printf("cudaMemcpyBatchAsync: absent (built against CUDA %d < 12.8)\n", CUDART_VERSION);
 #endif
 
-  PeerProcess peer = Must(SpawnPeer(DefaultPeerBinary(), a.device), "spawn peer");
+  PeerProcess peer =
+      Must(SpawnPeer(a.peer_binary.empty() ? DefaultPeerBinary() : a.peer_binary, peer_device),
+           "spawn peer");
   c.ch = peer.channel.get();
   Message hm = Call(*c.ch, MsgType::kAlloc, EncodeU64s(std::vector<uint64_t>{a.bytes}));
   IpcHandle handle = Must(IpcHandle::Parse(hm.payload), "handle");
@@ -375,6 +370,9 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
 
   c.table
+      << "GPU " << a.device << " (local pool, kernels) <-> GPU " << peer_device
+      << " (peer pool); contiguous = "
+      << (peer_device == a.device ? "cudaMemcpyAsync" : "cudaMemcpyPeerAsync") << "\n\n"
       << "| op | block | blocks | kernel GB/s | x contig | kernel+list upload GB/s | x contig | "
          "contiguous GB/s | per-block memcpy GB/s (x) | cudaMemcpyBatchAsync GB/s (x) |\n"
          "|---|---|---|---|---|---|---|---|---|---|\n";
@@ -389,8 +387,10 @@ int main(int argc, char** argv) {
       "|---|---|---|---|---|---|---|\n";
   c.table << lat_hdr;
   std::fputs(lat_hdr.c_str(), stdout);
-  for (uint64_t bb : {uint64_t{4096}, uint64_t{16384}, uint64_t{65536}}) {
-    for (CopyOp op : {CopyOp::kRead, CopyOp::kWrite}) Latency(c, bb, op);
+  if (a.lat_iters > 0) {
+    for (uint64_t bb : {uint64_t{4096}, uint64_t{16384}, uint64_t{65536}}) {
+      for (CopyOp op : {CopyOp::kRead, CopyOp::kWrite}) Latency(c, bb, op);
+    }
   }
 
   if (a.sweep) {
@@ -409,8 +409,7 @@ int main(int argc, char** argv) {
             [&] {
               char* src = static_cast<char*>(op == CopyOp::kRead ? c.remote : c.local);
               char* dst = static_cast<char*>(op == CopyOp::kRead ? c.local : c.remote);
-              CUDA_OK(
-                  cudaMemcpyAsync(dst, src, a.bytes, cudaMemcpyDeviceToDevice, c.engine->stream()));
+              ContiguousCopy(c, op, dst, src, c.engine->stream());
             },
             true, &seed);
         for (int unroll : {4, 8}) {
@@ -473,3 +472,5 @@ int main(int argc, char** argv) {
   std::printf("%s\n", c.failed ? "RESULT: FAILED CHECKS" : "RESULT: all checks passed");
   return c.failed ? 1 : 0;
 }
+
+}  // namespace kvbridge::cuda_ipc
