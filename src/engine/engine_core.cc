@@ -175,11 +175,17 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
     for (auto& storage : storages_) storage->CopyBlock(src, dst);
   }
   ForwardBatch fb = batch.ToForwardBatch();
-  std::vector<std::string> ids;
+  std::vector<KvConnector::LayerKvChunk> layer_chunks;
   if (connector_ != nullptr) {
-    for (const ScheduledChunk& c : batch.chunks) ids.push_back(c.request_id);
-    fb.on_layer_kv_written = [this, &ids, now](int layer) {
-      connector_->OnLayerKvWritten(layer, ids, now);
+    for (const ScheduledChunk& c : batch.chunks) {
+      layer_chunks.push_back(
+          {.request_id = c.request_id,
+           .block_ids = std::span<const int32_t>(c.block_table, static_cast<size_t>(c.num_blocks)),
+           .end_pos = c.start_pos + c.num_tokens,
+           .completes_tokens = c.compute_logits});
+    }
+    fb.on_layer_kv_written = [this, &layer_chunks, now](int layer) {
+      connector_->OnLayerKvWritten(layer, layer_chunks, now);
     };
   }
   Status st = tp_model_->Forward(fb, kv_views_, &logits_);

@@ -70,13 +70,21 @@ struct KvBridgeStats {
   int64_t load_failures = 0;
   int64_t loads_done = 0;
   double bytes_read = 0;
+  // WRITE mode (docs/metrics.md): prefill side
+  int64_t writes_inflight = 0;
+  double bytes_written = 0;
+  // WRITE mode: decode side, sums over its write-mode loads (microseconds, as WriteDone reports)
+  int64_t write_loads_done = 0;
+  int64_t write_overlap_us_sum = 0;   ///< prefill's last layer computed → this decode's go
+  int64_t write_transfer_us_sum = 0;  ///< prefill's first WRITE posted → last WRITE done
+  int64_t write_compute_us_sum = 0;   ///< prefill's first → last layer of the final chunk
   bool idle = true;
 };
 
 class KvBridgeRuntime {
  public:
-  /// InvalidArgument for a bad tp_rank/tp_size or a config mode this build does not run
-  /// (write: Unimplemented).
+  /// InvalidArgument for a bad tp_rank/tp_size. Both modes run in every engine: a request's
+  /// kv_transfer_params.mode picks READ or WRITE (the config's mode is what it registers).
   static Result<std::shared_ptr<KvBridgeRuntime>> Create(KvBridgeOptions options);
   ~KvBridgeRuntime();
   KvBridgeRuntime(const KvBridgeRuntime&) = delete;

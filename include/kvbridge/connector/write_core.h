@@ -126,6 +126,10 @@ class WritePrefillCore {
   bool Idle() const { return transfers_.empty() && parked_.empty(); }
   int64_t NumTransfers() const { return static_cast<int64_t>(transfers_.size()); }
   int64_t NumParked() const { return static_cast<int64_t>(parked_.size()); }
+  /// True when `transfer_id` is registered or recently ended here (routes a proxy release).
+  bool Knows(const std::string& transfer_id) const {
+    return transfers_.count(transfer_id) > 0 || tombstones_.count(transfer_id) > 0;
+  }
   /// Distinct blocks held for unfinished writes (requests finished and held).
   int64_t NumHeldBlocks() const;
   /// WRITEs posted and not yet completed.
