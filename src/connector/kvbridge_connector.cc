@@ -27,22 +27,20 @@ namespace {
 using nlohmann::json;
 namespace xfer = transfer;
 
-constexpr const char *kTokenHeader = "X-KVBridge-Cluster-Token";
+constexpr const char* kTokenHeader = "X-KVBridge-Cluster-Token";
 
 std::string RandomHex(int n) {
   std::random_device rd;
   std::mt19937_64 g(
       (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-      static_cast<uint64_t>(
-          std::chrono::steady_clock::now().time_since_epoch().count()));
-  static const char *kHex = "0123456789abcdef";
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  static const char* kHex = "0123456789abcdef";
   std::string s;
-  for (int i = 0; i < n; ++i)
-    s += kHex[g() % 16];
+  for (int i = 0; i < n; ++i) s += kHex[g() % 16];
   return s;
 }
 
-std::string AgentName(const std::string &engine_id, int rank) {
+std::string AgentName(const std::string& engine_id, int rank) {
   return engine_id + "/rank" + std::to_string(rank);
 }
 
@@ -63,33 +61,32 @@ struct EvWriteEnded {
   double seconds;
 };
 struct EvPeer {
-  std::string key; // engine_id + "/rank" + r
+  std::string key;  // engine_id + "/rank" + r
   Result<std::string> agent_name;
 };
 using Event = std::variant<EvReadEnded, EvMessage, EvPeer, EvWriteEnded>;
 
-} // namespace
+}  // namespace
 
 // Shared between the runtime handle, the engine's connector, HTTP routes and
 // agent callbacks.
 class KvBridgeRuntime::Impl {
-public:
+ public:
   KvBridgeOptions options;
   std::string engine_id;
 
   std::mutex mu;
-  std::deque<Event> inbox;                            // guarded by mu
-  std::function<void()> wake;                         // guarded by mu
-  std::string metadata_blob;                          // guarded by mu
-  std::map<std::string, std::set<int>> held_snapshot; // guarded by mu
-  std::map<uint64_t, xfer::Notification> reply_paths; // guarded by mu
-  uint64_t next_reply_token = 1;                      // guarded by mu
-  bool connector_made = false;                        // guarded by mu
-  std::map<std::string, std::string>
-      peer_backends;   // guarded by mu: peer agent -> backend
-  KvBridgeStats stats; // guarded by mu
+  std::deque<Event> inbox;                             // guarded by mu
+  std::function<void()> wake;                          // guarded by mu
+  std::string metadata_blob;                           // guarded by mu
+  std::map<std::string, std::set<int>> held_snapshot;  // guarded by mu
+  std::map<uint64_t, xfer::Notification> reply_paths;  // guarded by mu
+  uint64_t next_reply_token = 1;                       // guarded by mu
+  bool connector_made = false;                         // guarded by mu
+  std::map<std::string, std::string> peer_backends;    // guarded by mu: peer agent -> backend
+  KvBridgeStats stats;                                 // guarded by mu
   std::atomic<int64_t> reads_inflight{0};
-  std::atomic<int> block_size{16}; // the engine's, once its connector exists
+  std::atomic<int> block_size{16};  // the engine's, once its connector exists
 
   void Push(Event e) {
     std::function<void()> w;
@@ -98,8 +95,7 @@ public:
       inbox.push_back(std::move(e));
       w = wake;
     }
-    if (w)
-      w();
+    if (w) w();
   }
   std::deque<Event> TakeInbox() {
     std::lock_guard<std::mutex> l(mu);
@@ -114,7 +110,7 @@ namespace {
 // One background thread running queued jobs (metadata fetch + AddPeer: may
 // block on the network).
 class Worker {
-public:
+ public:
   Worker() : thread_([this] { Run(); }) {}
   ~Worker() {
     {
@@ -132,13 +128,12 @@ public:
     cv_.notify_all();
   }
 
-private:
+ private:
   void Run() {
     std::unique_lock<std::mutex> l(mu_);
     while (true) {
       cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
-      if (stop_)
-        return;
+      if (stop_) return;
       auto job = std::move(jobs_.front());
       jobs_.pop_front();
       l.unlock();
@@ -156,11 +151,10 @@ private:
 // Watches posted READ handles (the agent has no completion callback) and
 // reports their end.
 class ReadWatcher {
-public:
+ public:
   // `writes`: the handles are WRITEs (EvWriteEnded) instead of READs
   // (EvReadEnded).
-  explicit ReadWatcher(std::shared_ptr<KvBridgeRuntime::Impl> impl,
-                       bool writes = false)
+  explicit ReadWatcher(std::shared_ptr<KvBridgeRuntime::Impl> impl, bool writes = false)
       : impl_(std::move(impl)), writes_(writes), thread_([this] { Run(); }) {}
   ~ReadWatcher() {
     {
@@ -173,13 +167,12 @@ public:
   void Add(uint64_t read_id, xfer::TransferHandle h) {
     {
       std::lock_guard<std::mutex> l(mu_);
-      items_.push_back(
-          {read_id, std::move(h), std::chrono::steady_clock::now()});
+      items_.push_back({read_id, std::move(h), std::chrono::steady_clock::now()});
     }
     cv_.notify_all();
   }
 
-private:
+ private:
   struct Item {
     uint64_t read_id;
     xfer::TransferHandle handle;
@@ -189,8 +182,7 @@ private:
     std::unique_lock<std::mutex> l(mu_);
     while (true) {
       cv_.wait(l, [&] { return stop_ || !items_.empty(); });
-      if (stop_)
-        return;
+      if (stop_) return;
       std::vector<Item> done;
       for (auto it = items_.begin(); it != items_.end();) {
         if (it->handle.state() != xfer::TransferState::kPending) {
@@ -201,13 +193,10 @@ private:
         }
       }
       l.unlock();
-      for (Item &d : done) {
-        const double secs = std::chrono::duration<double>(
-                                std::chrono::steady_clock::now() - d.t0)
-                                .count();
-        Status st = d.handle.state() == xfer::TransferState::kDone
-                        ? OkStatus()
-                        : d.handle.status();
+      for (Item& d : done) {
+        const double secs =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - d.t0).count();
+        Status st = d.handle.state() == xfer::TransferState::kDone ? OkStatus() : d.handle.status();
         if (st.ok() && d.handle.state() != xfer::TransferState::kDone)
           st = InternalError("READ failed");
         if (writes_) {
@@ -216,8 +205,7 @@ private:
           impl_->Push(EvReadEnded{d.read_id, st, secs});
         }
       }
-      if (done.empty())
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (done.empty()) std::this_thread::sleep_for(std::chrono::microseconds(50));
       l.lock();
     }
   }
@@ -227,16 +215,14 @@ private:
   std::condition_variable cv_;
   std::vector<Item> items_;
   bool stop_ = false;
-  std::thread thread_; // last: starts after the members it uses
+  std::thread thread_;  // last: starts after the members it uses
 };
 
 class KvBridgeConnector final : public KvConnector {
-public:
-  static Result<std::unique_ptr<KvConnector>>
-  Create(std::shared_ptr<KvBridgeRuntime::Impl> impl,
-         const EngineHooks &hooks) {
-    auto c =
-        std::unique_ptr<KvBridgeConnector>(new KvBridgeConnector(impl, hooks));
+ public:
+  static Result<std::unique_ptr<KvConnector>> Create(std::shared_ptr<KvBridgeRuntime::Impl> impl,
+                                                     const EngineHooks& hooks) {
+    auto c = std::unique_ptr<KvBridgeConnector>(new KvBridgeConnector(impl, hooks));
     RETURN_IF_ERROR(c->Init());
     return std::unique_ptr<KvConnector>(std::move(c));
   }
@@ -261,13 +247,10 @@ public:
     agent_.reset();
   }
 
-  Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo &req,
-                                       int num_local_computed,
+  Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req, int num_local_computed,
                                        TimePoint now) override {
-    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null())
-      return Match{};
-    ASSIGN_OR_RETURN(KvTransferParams p,
-                     ParseKvTransferParams(*req.kv_transfer_params, Limits()));
+    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return Match{};
+    ASSIGN_OR_RETURN(KvTransferParams p, ParseKvTransferParams(*req.kv_transfer_params, Limits()));
     Match m;
     if (p.mode == KvTransferMode::kWrite) {
       ASSIGN_OR_RETURN(m, WriteRequestAdded(req, p, num_local_computed, now));
@@ -277,14 +260,12 @@ public:
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
-      RETURN_IF_ERROR(
-          prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
+      RETURN_IF_ERROR(prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
     } else {
       if (!opt().config.IsConsumer())
         return InvalidArgumentError("this engine is not a kv_consumer");
       ASSIGN_OR_RETURN(DecodeCore::Match dm,
-                       decode_.OnRequestAdded(req.request_id, p,
-                                              req.num_prompt_tokens,
+                       decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
                                               num_local_computed, now));
       asked_.insert(req.parent_id);
       m.num_external_tokens = dm.num_external_tokens;
@@ -297,43 +278,34 @@ public:
     return m;
   }
 
-  void UpdateStateAfterAlloc(const ConnectorRequestInfo &req,
-                             std::span<const int32_t> block_ids,
-                             int num_local_computed, int num_external,
-                             TimePoint now) override {
+  void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
+                             int num_local_computed, int num_external, TimePoint now) override {
     if (write_decodes_.erase(req.request_id)) {
-      wdecode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed,
-                                 num_external, now);
+      wdecode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
       PerformAll(now);
       return;
     }
-    decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed,
-                              num_external, now);
+    decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
     PerformAll(now);
   }
 
-  FinishDecision RequestFinished(const ConnectorRequestInfo &req,
-                                 std::span<const int32_t> block_ids,
-                                 std::string_view finish_reason,
+  FinishDecision RequestFinished(const ConnectorRequestInfo& req,
+                                 std::span<const int32_t> block_ids, std::string_view finish_reason,
                                  TimePoint now) override {
     FinishDecision d;
     asked_.erase(req.parent_id);
-    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null())
-      return d;
+    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return d;
     auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
-    if (!p.ok() || !p->do_remote_decode)
-      return d;
+    if (!p.ok() || !p->do_remote_decode) return d;
     const int bs = block_size();
-    const size_t nb =
-        static_cast<size_t>((req.num_prompt_tokens + bs - 1) / bs);
-    std::vector<int32_t> prompt_blocks(
-        block_ids.begin(), block_ids.begin() + std::min(nb, block_ids.size()));
+    const size_t nb = static_cast<size_t>((req.num_prompt_tokens + bs - 1) / bs);
+    std::vector<int32_t> prompt_blocks(block_ids.begin(),
+                                       block_ids.begin() + std::min(nb, block_ids.size()));
     if (p->mode == KvTransferMode::kWrite) {
-      d.hold_blocks =
-          wprefill_.OnRequestFinished(req.request_id, prompt_blocks, now);
+      d.hold_blocks = wprefill_.OnRequestFinished(req.request_id, prompt_blocks, now);
     } else {
-      d.hold_blocks = prefill_.OnRequestFinished(req.request_id, p->transfer_id,
-                                                 prompt_blocks, now);
+      d.hold_blocks =
+          prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
     }
     KvTransferParams out;
     out.do_remote_prefill = true;
@@ -353,15 +325,14 @@ public:
     return d;
   }
 
-  bool RequestAborted(const ConnectorRequestInfo &req, TimePoint now) override {
+  bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override {
     bool keep = prefill_.OnRequestAborted(req.request_id, now);
     keep = decode_.OnRequestAborted(req.request_id, now) || keep;
     keep = wprefill_.OnRequestAborted(req.request_id, now) || keep;
     keep = wdecode_.OnRequestAborted(req.request_id, now) || keep;
     write_decodes_.erase(req.request_id);
     if (req.request_id == req.parent_id && !asked_.count(req.parent_id) &&
-        req.kv_transfer_params != nullptr &&
-        !req.kv_transfer_params->is_null()) {
+        req.kv_transfer_params != nullptr && !req.kv_transfer_params->is_null()) {
       // Aborted while still queued (the connector never saw it): the prefill
       // must not wait for its lease.
       auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
@@ -379,12 +350,12 @@ public:
   }
 
   StepReport Poll(TimePoint now) override {
-    for (Event &e : impl_->TakeInbox()) {
-      if (auto *r = std::get_if<EvReadEnded>(&e)) {
+    for (Event& e : impl_->TakeInbox()) {
+      if (auto* r = std::get_if<EvReadEnded>(&e)) {
         OnReadEnded(*r, now);
-      } else if (auto *m = std::get_if<EvMessage>(&e)) {
+      } else if (auto* m = std::get_if<EvMessage>(&e)) {
         OnMessage(*m, now);
-      } else if (auto *w = std::get_if<EvWriteEnded>(&e)) {
+      } else if (auto* w = std::get_if<EvWriteEnded>(&e)) {
         OnWriteEnded(*w, now);
       } else {
         OnPeer(std::get<EvPeer>(e), now);
@@ -402,127 +373,113 @@ public:
 
   std::optional<TimePoint> NextDeadline() const override {
     std::optional<TimePoint> best;
-    for (auto d : {prefill_.NextDeadline(), decode_.NextDeadline(),
-                   wprefill_.NextDeadline(), wdecode_.NextDeadline()}) {
-      if (d && (!best || *d < *best))
-        best = d;
+    for (auto d : {prefill_.NextDeadline(), decode_.NextDeadline(), wprefill_.NextDeadline(),
+                   wdecode_.NextDeadline()}) {
+      if (d && (!best || *d < *best)) best = d;
     }
     return best;
   }
 
-  void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks,
-                        TimePoint now) override {
-    if (wprefill_.NumTransfers() == 0)
-      return; // no WRITE-mode prefill request here
+  void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override {
+    if (wprefill_.NumTransfers() == 0) return;  // no WRITE-mode prefill request here
     // The layer's real time (`now` is the step's start): the overlap is
     // measured from it.
     const TimePoint at = SteadyNow();
-    for (const LayerKvChunk &c : chunks) {
+    for (const LayerKvChunk& c : chunks) {
       if (c.completes_tokens)
-        wprefill_.OnLayerComputed(std::string(c.request_id), layer, c.block_ids,
-                                  at);
+        wprefill_.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, at);
     }
     PerformAll(now);
   }
 
   bool Idle() const override {
     std::lock_guard<std::mutex> l(impl_->mu);
-    return prefill_.Idle() && decode_.Idle() && wprefill_.Idle() &&
-           wdecode_.Idle() && impl_->inbox.empty() && handles_.empty() &&
-           write_handles_.empty();
+    return prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
+           impl_->inbox.empty() && handles_.empty() && write_handles_.empty();
   }
 
-private:
+ private:
   struct PeerState {
-    std::string agent_name; // set when ready
+    std::string agent_name;  // set when ready
     bool ready = false;
     std::vector<ConnectorAction> queued;
   };
 
-  KvBridgeConnector(std::shared_ptr<KvBridgeRuntime::Impl> impl,
-                    const EngineHooks &hooks)
-      : impl_(std::move(impl)), hooks_(hooks),
-        prefill_(
-            {.engine_id = impl_->engine_id,
-             .rank = impl_->options.tp_rank,
-             .tp_size = impl_->options.tp_size,
-             .lease = impl_->options.config.lease,
-             .max_parked_messages = impl_->options.config.max_parked_messages}),
-        decode_(
-            {.engine_id = impl_->engine_id,
-             .tp_size = impl_->options.tp_size,
-             .block_size = hooks.kv_view.layout.block_size,
-             .reply_timeout = impl_->options.config.reply_timeout,
-             .read_timeout = impl_->options.config.read_timeout,
-             .heartbeat_interval = impl_->options.config.EffectiveHeartbeat(),
-             .load_failure_policy = impl_->options.config.load_failure_policy}),
-        wprefill_(
-            {.engine_id = impl_->engine_id,
-             .rank = impl_->options.tp_rank,
-             .tp_size = impl_->options.tp_size,
-             .block_size = hooks.kv_view.layout.block_size,
-             .num_layers = hooks.kv_view.layout.num_layers,
-             .lease = impl_->options.config.lease,
-             .max_parked_messages = impl_->options.config.max_parked_messages}),
+  KvBridgeConnector(std::shared_ptr<KvBridgeRuntime::Impl> impl, const EngineHooks& hooks)
+      : impl_(std::move(impl)),
+        hooks_(hooks),
+        prefill_({.engine_id = impl_->engine_id,
+                  .rank = impl_->options.tp_rank,
+                  .tp_size = impl_->options.tp_size,
+                  .lease = impl_->options.config.lease,
+                  .max_parked_messages = impl_->options.config.max_parked_messages}),
+        decode_({.engine_id = impl_->engine_id,
+                 .tp_size = impl_->options.tp_size,
+                 .block_size = hooks.kv_view.layout.block_size,
+                 .reply_timeout = impl_->options.config.reply_timeout,
+                 .read_timeout = impl_->options.config.read_timeout,
+                 .heartbeat_interval = impl_->options.config.EffectiveHeartbeat(),
+                 .load_failure_policy = impl_->options.config.load_failure_policy}),
+        wprefill_({.engine_id = impl_->engine_id,
+                   .rank = impl_->options.tp_rank,
+                   .tp_size = impl_->options.tp_size,
+                   .block_size = hooks.kv_view.layout.block_size,
+                   .num_layers = hooks.kv_view.layout.num_layers,
+                   .lease = impl_->options.config.lease,
+                   .max_parked_messages = impl_->options.config.max_parked_messages}),
         wdecode_({.engine_id = impl_->engine_id,
                   .tp_size = impl_->options.tp_size,
                   .block_size = hooks.kv_view.layout.block_size,
                   .write_timeout = WriteTimeout(impl_->options.config),
-                  .load_failure_policy =
-                      impl_->options.config.load_failure_policy}) {}
+                  .load_failure_policy = impl_->options.config.load_failure_policy}) {}
 
   // The decode's bound on a WRITE: the prefill's lease plus a grace for message
   // delays.
-  static DurationUs WriteTimeout(const KvTransferConfig &c) {
+  static DurationUs WriteTimeout(const KvTransferConfig& c) {
     return c.lease + std::max<DurationUs>(2 * kSecond, c.lease / 4);
   }
 
-  const KvBridgeOptions &opt() const { return impl_->options; }
+  const KvBridgeOptions& opt() const { return impl_->options; }
   int block_size() const { return hooks_.kv_view.layout.block_size; }
   KvTransferParamsLimits Limits() const { return {.block_size = block_size()}; }
 
   Status Init() {
-    const PagedKvLayout &layout = hooks_.kv_view.layout;
+    const PagedKvLayout& layout = hooks_.kv_view.layout;
     impl_->block_size.store(layout.block_size);
     xfer::AgentConfig ac;
     ac.name = AgentName(impl_->engine_id, opt().tp_rank);
     switch (opt().config.transport) {
-    case KvTransport::kAuto:
-      ac.backends = {"shm", "tcp"};
-      break;
-    case KvTransport::kShm:
-      ac.backends = {"shm"};
-      ac.force_backend = "shm";
-      break;
-    case KvTransport::kTcp:
-      ac.backends = {"tcp"};
-      ac.force_backend = "tcp";
-      break;
-    case KvTransport::kUcx:
-      ac.backends = {"ucx"};
-      ac.force_backend = "ucx";
-      break;
+      case KvTransport::kAuto:
+        ac.backends = {"shm", "tcp"};
+        break;
+      case KvTransport::kShm:
+        ac.backends = {"shm"};
+        ac.force_backend = "shm";
+        break;
+      case KvTransport::kTcp:
+        ac.backends = {"tcp"};
+        ac.force_backend = "tcp";
+        break;
+      case KvTransport::kUcx:
+        ac.backends = {"ucx"};
+        ac.force_backend = "ucx";
+        break;
     }
     ac.bind_host = opt().bind_host;
     ac.tp_size = opt().tp_size;
     ac.tp_rank = opt().tp_rank;
     ac.head_begin = opt().tp_rank * layout.num_kv_heads;
     ac.model_fingerprint = hooks_.model_fingerprint;
-    ac.reply_timeout_ms =
-        static_cast<int>(opt().config.reply_timeout / kMillisecond);
+    ac.reply_timeout_ms = static_cast<int>(opt().config.reply_timeout / kMillisecond);
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
-    ac.hold_check = [weak](std::string_view tid,
-                           const std::vector<int> &blocks) {
+    ac.hold_check = [weak](std::string_view tid, const std::vector<int>& blocks) {
       auto impl = weak.lock();
-      if (!impl)
-        return false;
+      if (!impl) return false;
       std::lock_guard<std::mutex> l(impl->mu);
       auto it = impl->held_snapshot.find(std::string(tid));
-      if (it == impl->held_snapshot.end())
-        return false;
+      if (it == impl->held_snapshot.end()) return false;
       for (int b : blocks) {
-        if (!it->second.count(b))
-          return false;
+        if (!it->second.count(b)) return false;
       }
       return true;
     };
@@ -530,9 +487,8 @@ private:
     // The pool is shareable with a same-host peer (shm backend) when the engine
     // gave its memfd and one offset per layer; otherwise only tcp/ucx can move
     // it.
-    const bool shareable =
-        hooks_.kv_shm_fd >= 0 && hooks_.kv_layer_offsets.size() ==
-                                     static_cast<size_t>(layout.num_layers);
+    const bool shareable = hooks_.kv_shm_fd >= 0 &&
+                           hooks_.kv_layer_offsets.size() == static_cast<size_t>(layout.num_layers);
     if (opt().config.transport == KvTransport::kShm && !shareable) {
       return FailedPreconditionError(
           "kv connector: transport \"shm\" needs the engine's KV pool in "
@@ -550,18 +506,16 @@ private:
           .base = hooks_.kv_view.layer_base[l],
           .bytes = layout.LayerBytes(),
           .shm_fd = shareable ? hooks_.kv_shm_fd : -1,
-          .shm_offset =
-              shareable ? static_cast<size_t>(hooks_.kv_layer_offsets[l]) : 0});
+          .shm_offset = shareable ? static_cast<size_t>(hooks_.kv_layer_offsets[l]) : 0});
     }
     reg.k_scale = hooks_.kv_view.k_scale;
     reg.v_scale = hooks_.kv_view.v_scale;
-    RETURN_IF_ERROR(agent_->RegisterMemory(reg).WithPrefix(
-        "kv connector: registering the KV pool"));
+    RETURN_IF_ERROR(
+        agent_->RegisterMemory(reg).WithPrefix("kv connector: registering the KV pool"));
     ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent_->Metadata());
     agent_->SetNotificationHandler([weak](xfer::Notification n) {
       auto impl = weak.lock();
-      if (!impl)
-        return;
+      if (!impl) return;
       auto m = DecodeMessage(n.payload);
       if (!m.ok()) {
         KVB_LOG_WARN("kv connector: bad control message from {}: {}", n.peer,
@@ -579,101 +533,84 @@ private:
     worker_ = std::make_unique<Worker>();
     watcher_ = std::make_unique<ReadWatcher>(impl_);
     write_watcher_ = std::make_unique<ReadWatcher>(impl_, /*writes=*/true);
-    if (hooks_.metrics != nullptr)
-      RegisterMetrics(*hooks_.metrics);
+    if (hooks_.metrics != nullptr) RegisterMetrics(*hooks_.metrics);
     {
       std::lock_guard<std::mutex> l(impl_->mu);
       impl_->metadata_blob = xfer::EncodeMetadata(md);
       impl_->wake = hooks_.wake;
     }
-    KVB_LOG_INFO("kv connector: engine {} ({}), agent {} backends {}",
-                 impl_->engine_id, KvRoleName(opt().config.role), ac.name,
-                 json(md.endpoints).dump());
+    KVB_LOG_INFO("kv connector: engine {} ({}), agent {} backends {}", impl_->engine_id,
+                 KvRoleName(opt().config.role), ac.name, json(md.endpoints).dump());
     return OkStatus();
   }
 
-  void RegisterMetrics(MetricsRegistry &reg) {
+  void RegisterMetrics(MetricsRegistry& reg) {
     auto impl = impl_;
-    reg.AddCallbackGauge(
-        "kvbridge_kv_transfers_inflight", "KV READs posted and not yet ended.",
-        [impl] { return static_cast<double>(impl->reads_inflight.load()); });
-    reg.AddCallbackGauge(
-        "kvbridge_kv_notifications_parked",
-        "Control messages parked for transfers not yet registered.", [impl] {
-          std::lock_guard<std::mutex> l(impl->mu);
-          return static_cast<double>(impl->stats.parked);
-        });
-    reg.AddCallbackGauge(
-        "kvbridge_kv_transfer_table_entries",
-        "Prefill transfer-table entries (transfer ids with mapped siblings).",
-        [impl] {
-          std::lock_guard<std::mutex> l(impl->mu);
-          return static_cast<double>(impl->stats.transfers);
-        });
-    m_bytes_ = &reg.AddCounter(
-        "kvbridge_kv_transfer_bytes_total",
-        "Bytes of KV moved by transfers this engine posted (READs as a decode, "
-        "WRITEs as a prefill).");
-    m_seconds_ = &reg.AddHistogram(
-        "kvbridge_kv_transfer_seconds",
-        "Decode side: time from posting a KV READ to its end (READ mode); "
-        "from the prefill's first layer WRITE posted to its last done (WRITE).",
-        Histogram::FineLatencyBucketsSeconds());
-    m_lease_ = &reg.AddCounter(
-        "kvbridge_kv_lease_expired_total",
-        "Transfer holds freed by lease expiry (0 in fault-free runs).");
-    m_load_fail_ = &reg.AddCounter(
-        "kvbridge_kv_load_failures_total",
-        "Remote KV loads that failed (recomputed or failed by policy).");
-    m_write_overlap_ =
-        &reg.AddHistogram("kvbridge_kv_write_overlap_seconds",
-                          "WRITE mode, decode side: time from the prefill's "
-                          "last layer computed to this decode's "
-                          "go (all writes landed and confirmed).",
+    reg.AddCallbackGauge("kvbridge_kv_transfers_inflight", "KV READs posted and not yet ended.",
+                         [impl] { return static_cast<double>(impl->reads_inflight.load()); });
+    reg.AddCallbackGauge("kvbridge_kv_notifications_parked",
+                         "Control messages parked for transfers not yet registered.", [impl] {
+                           std::lock_guard<std::mutex> l(impl->mu);
+                           return static_cast<double>(impl->stats.parked);
+                         });
+    reg.AddCallbackGauge("kvbridge_kv_transfer_table_entries",
+                         "Prefill transfer-table entries (transfer ids with mapped siblings).",
+                         [impl] {
+                           std::lock_guard<std::mutex> l(impl->mu);
+                           return static_cast<double>(impl->stats.transfers);
+                         });
+    m_bytes_ =
+        &reg.AddCounter("kvbridge_kv_transfer_bytes_total",
+                        "Bytes of KV moved by transfers this engine posted (READs as a decode, "
+                        "WRITEs as a prefill).");
+    m_seconds_ =
+        &reg.AddHistogram("kvbridge_kv_transfer_seconds",
+                          "Decode side: time from posting a KV READ to its end (READ mode); "
+                          "from the prefill's first layer WRITE posted to its last done (WRITE).",
                           Histogram::FineLatencyBucketsSeconds());
-    m_ignored_ = &reg.AddCounter(
-        "kvbridge_kv_notifications_ignored_total",
-        "Duplicate, late, unknown or expired control messages and "
-        "completions (0 in fault-free runs).");
+    m_lease_ = &reg.AddCounter("kvbridge_kv_lease_expired_total",
+                               "Transfer holds freed by lease expiry (0 in fault-free runs).");
+    m_load_fail_ = &reg.AddCounter("kvbridge_kv_load_failures_total",
+                                   "Remote KV loads that failed (recomputed or failed by policy).");
+    m_write_overlap_ = &reg.AddHistogram("kvbridge_kv_write_overlap_seconds",
+                                         "WRITE mode, decode side: time from the prefill's "
+                                         "last layer computed to this decode's "
+                                         "go (all writes landed and confirmed).",
+                                         Histogram::FineLatencyBucketsSeconds());
+    m_ignored_ = &reg.AddCounter("kvbridge_kv_notifications_ignored_total",
+                                 "Duplicate, late, unknown or expired control messages and "
+                                 "completions (0 in fault-free runs).");
   }
 
-  void EnsurePeer(const std::string &engine_id, const std::string &host,
-                  int port, int rank) {
+  void EnsurePeer(const std::string& engine_id, const std::string& host, int port, int rank) {
     const std::string key = AgentName(engine_id, rank);
-    if (peers_.count(key))
-      return;
+    if (peers_.count(key)) return;
     peers_[key];
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
-    xfer::TransferAgent *agent = agent_.get();
+    xfer::TransferAgent* agent = agent_.get();
     const std::string token = opt().cluster_token;
     worker_->Add([weak, agent, key, host, port, rank, token] {
       auto impl = weak.lock();
-      if (!impl)
-        return;
+      if (!impl) return;
       Result<std::string> out = [&]() -> Result<std::string> {
         httplib::Client cli(host, port);
         cli.set_connection_timeout(2, 0);
         cli.set_read_timeout(5, 0);
         httplib::Headers h;
-        if (!token.empty())
-          h.emplace(kTokenHeader, token);
+        if (!token.empty()) h.emplace(kTokenHeader, token);
         auto res = cli.Get("/v1/kv/metadata?rank=" + std::to_string(rank), h);
         if (!res) {
-          return UnavailableError(
-              "GET http://" + host + ":" + std::to_string(port) +
-              "/v1/kv/metadata: " + httplib::to_string(res.error()));
+          return UnavailableError("GET http://" + host + ":" + std::to_string(port) +
+                                  "/v1/kv/metadata: " + httplib::to_string(res.error()));
         }
         if (res->status != 200) {
-          return UnavailableError(
-              "GET /v1/kv/metadata from " + host + ":" + std::to_string(port) +
-              ": HTTP " + std::to_string(res->status) + " " + res->body);
+          return UnavailableError("GET /v1/kv/metadata from " + host + ":" + std::to_string(port) +
+                                  ": HTTP " + std::to_string(res->status) + " " + res->body);
         }
-        ASSIGN_OR_RETURN(xfer::AgentMetadata md,
-                         xfer::DecodeMetadata(res->body));
+        ASSIGN_OR_RETURN(xfer::AgentMetadata md, xfer::DecodeMetadata(res->body));
         if (md.agent_name != key) {
-          return UnavailableError(
-              "prefill at " + host + ":" + std::to_string(port) + " is " +
-              md.agent_name + ", not " + key + " (restarted?)");
+          return UnavailableError("prefill at " + host + ":" + std::to_string(port) + " is " +
+                                  md.agent_name + ", not " + key + " (restarted?)");
         }
         ASSIGN_OR_RETURN(std::string backend, agent->AddPeer(md));
         KVB_LOG_INFO("kv connector: peer {} via {}", key, backend);
@@ -687,19 +624,18 @@ private:
     });
   }
 
-  void OnPeer(const EvPeer &e, TimePoint now) {
+  void OnPeer(const EvPeer& e, TimePoint now) {
     auto it = peers_.find(e.key);
-    if (it == peers_.end())
-      return;
+    if (it == peers_.end()) return;
     std::vector<ConnectorAction> queued;
     queued.swap(it->second.queued);
     if (!e.agent_name.ok()) {
       KVB_LOG_WARN("kv connector: {}", e.agent_name.status().ToString());
-      peers_.erase(it); // the next request retries the fetch
-      for (ConnectorAction &a : queued) {
-        if (auto *r = std::get_if<PostReadAction>(&a)) {
+      peers_.erase(it);  // the next request retries the fetch
+      for (ConnectorAction& a : queued) {
+        if (auto* r = std::get_if<PostReadAction>(&a)) {
           decode_.OnReadCompleted(r->read_id, e.agent_name.status(), now);
-        } else if (auto *w = std::get_if<PostWriteAction>(&a)) {
+        } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
           wprefill_.OnWriteCompleted(w->write_id, e.agent_name.status(), now);
         }
         // Messages to an unreachable prefill are dropped: its lease frees the
@@ -709,29 +645,24 @@ private:
     }
     it->second.ready = true;
     it->second.agent_name = *e.agent_name;
-    for (ConnectorAction &a : queued)
-      Perform(a, now);
+    for (ConnectorAction& a : queued) Perform(a, now);
   }
 
-  void OnReadEnded(const EvReadEnded &e, TimePoint now) {
+  void OnReadEnded(const EvReadEnded& e, TimePoint now) {
     auto it = handles_.find(e.read_id);
     if (it == handles_.end()) {
-      if (m_ignored_)
-        m_ignored_->Inc();
+      if (m_ignored_) m_ignored_->Inc();
       return;
     }
     if (e.status.ok()) {
-      if (m_bytes_)
-        m_bytes_->Inc(static_cast<double>(it->second.bytes));
+      if (m_bytes_) m_bytes_->Inc(static_cast<double>(it->second.bytes));
       bytes_read_ += static_cast<double>(it->second.bytes);
-      if (m_seconds_)
-        m_seconds_->Observe(e.seconds);
-      if (opt().debug_corrupt_first_read_block &&
-          it->second.first_local_block >= 0) {
-        const PagedKvLayout &l = hooks_.kv_view.layout;
+      if (m_seconds_) m_seconds_->Observe(e.seconds);
+      if (opt().debug_corrupt_first_read_block && it->second.first_local_block >= 0) {
+        const PagedKvLayout& l = hooks_.kv_view.layout;
         hooks_.kv_view
-            .layer_base[0][static_cast<size_t>(it->second.first_local_block) *
-                           l.BlockBytes()] ^= 0x40;
+            .layer_base[0][static_cast<size_t>(it->second.first_local_block) * l.BlockBytes()] ^=
+            0x40;
       }
     }
     handles_.erase(it);
@@ -739,21 +670,19 @@ private:
     decode_.OnReadCompleted(e.read_id, e.status, now);
   }
 
-  void OnMessage(EvMessage &e, TimePoint now) {
+  void OnMessage(EvMessage& e, TimePoint now) {
     if (OnWriteMessage(e, now)) {
-      if (e.reply_token != 0)
-        unused_tokens_.push_back(e.reply_token);
+      if (e.reply_token != 0) unused_tokens_.push_back(e.reply_token);
       return;
     }
-    if (auto *rd = std::get_if<ReadDoneMsg>(&e.msg)) {
+    if (auto* rd = std::get_if<ReadDoneMsg>(&e.msg)) {
       prefill_.OnReadDone(*rd, e.reply_token, now);
-    } else if (auto *hb = std::get_if<HeartbeatMsg>(&e.msg)) {
+    } else if (auto* hb = std::get_if<HeartbeatMsg>(&e.msg)) {
       prefill_.OnHeartbeat(*hb, now);
-    } else if (auto *rel = std::get_if<ReleaseMsg>(&e.msg)) {
+    } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg)) {
       Status st = prefill_.OnRelease(*rel, now);
-      if (!st.ok())
-        KVB_LOG_WARN("kv connector: release: {}", st.ToString());
-    } else if (auto *hr = std::get_if<HoldReplyMsg>(&e.msg)) {
+      if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
+    } else if (auto* hr = std::get_if<HoldReplyMsg>(&e.msg)) {
       decode_.OnHoldReply(*hr, now);
     }
     if (e.reply_token != 0) {
@@ -773,26 +702,22 @@ private:
       append(decode_.TakeActions());
       append(wprefill_.TakeActions());
       append(wdecode_.TakeActions());
-      if (acts.empty())
-        break;
-      for (ConnectorAction &a : acts)
-        Perform(a, now);
+      if (acts.empty()) break;
+      for (ConnectorAction& a : acts) Perform(a, now);
     }
     SyncState();
   }
 
-  void Perform(ConnectorAction &a, TimePoint now) {
-    if (auto *r = std::get_if<PostReadAction>(&a)) {
-      PeerState *peer = Ready(r->prefill.engine_id, r->prefill.rank);
+  void Perform(ConnectorAction& a, TimePoint now) {
+    if (auto* r = std::get_if<PostReadAction>(&a)) {
+      PeerState* peer = Ready(r->prefill.engine_id, r->prefill.rank);
       if (peer == nullptr) {
-        EnsurePeer(r->prefill.engine_id, r->prefill.host, r->prefill.port,
-                   r->prefill.rank);
-        peers_[AgentName(r->prefill.engine_id, r->prefill.rank)]
-            .queued.push_back(a);
+        EnsurePeer(r->prefill.engine_id, r->prefill.host, r->prefill.port, r->prefill.rank);
+        peers_[AgentName(r->prefill.engine_id, r->prefill.rank)].queued.push_back(a);
         return;
       }
       PostRead(*r, peer->agent_name, now);
-    } else if (auto *c = std::get_if<CancelReadAction>(&a)) {
+    } else if (auto* c = std::get_if<CancelReadAction>(&a)) {
       auto it = handles_.find(c->read_id);
       if (it != handles_.end()) {
         it->second.handle.Cancel();
@@ -800,50 +725,46 @@ private:
       }
       // Not posted yet (queued behind a metadata fetch): drop it from the queue
       // and end it.
-      for (auto &[key, peer] : peers_) {
-        auto &q = peer.queued;
-        auto qi =
-            std::find_if(q.begin(), q.end(), [&](const ConnectorAction &x) {
-              auto *pr = std::get_if<PostReadAction>(&x);
-              return pr != nullptr && pr->read_id == c->read_id;
-            });
+      for (auto& [key, peer] : peers_) {
+        auto& q = peer.queued;
+        auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
+          auto* pr = std::get_if<PostReadAction>(&x);
+          return pr != nullptr && pr->read_id == c->read_id;
+        });
         if (qi != q.end()) {
           q.erase(qi);
-          decode_.OnReadCompleted(
-              c->read_id, CancelledError("cancelled before posting"), now);
+          decode_.OnReadCompleted(c->read_id, CancelledError("cancelled before posting"), now);
           return;
         }
       }
     } else if (std::holds_alternative<PostWriteAction>(a) ||
                std::holds_alternative<CancelWriteAction>(a)) {
       PerformWrite(a, now);
-    } else if (auto *s = std::get_if<SendMessageAction>(&a)) {
-      if (auto *wb = std::get_if<WriteBlocksMsg>(&s->msg)) {
+    } else if (auto* s = std::get_if<SendMessageAction>(&a)) {
+      if (auto* wb = std::get_if<WriteBlocksMsg>(&s->msg)) {
         std::lock_guard<std::mutex> l(impl_->mu);
         wb->decode_host = opt().advertise_host;
         wb->decode_port = opt().advertise_port;
       }
       SendMessage(*s, a, now);
-    } else if (auto *d = std::get_if<ReportLoadDoneAction>(&a)) {
+    } else if (auto* d = std::get_if<ReportLoadDoneAction>(&a)) {
       report_.finished_recving.push_back(d->request_id);
       Wake();
-    } else if (auto *f = std::get_if<ReportLoadFailedAction>(&a)) {
-      report_.failed_recving.push_back(
-          {f->request_id, f->recompute, f->status});
+    } else if (auto* f = std::get_if<ReportLoadFailedAction>(&a)) {
+      report_.failed_recving.push_back({f->request_id, f->recompute, f->status});
       Wake();
-    } else if (auto *fr = std::get_if<ReportBlocksFreeAction>(&a)) {
+    } else if (auto* fr = std::get_if<ReportBlocksFreeAction>(&a)) {
       report_.finished_sending.push_back(fr->request_id);
       Wake();
     }
   }
 
-  PeerState *Ready(const std::string &engine_id, int rank) {
+  PeerState* Ready(const std::string& engine_id, int rank) {
     auto it = peers_.find(AgentName(engine_id, rank));
     return it != peers_.end() && it->second.ready ? &it->second : nullptr;
   }
 
-  void PostRead(const PostReadAction &r, const std::string &peer,
-                TimePoint now) {
+  void PostRead(const PostReadAction& r, const std::string& peer, TimePoint now) {
     xfer::TransferSpec spec;
     spec.op = xfer::TransferOp::kRead;
     spec.peer = peer;
@@ -863,31 +784,27 @@ private:
       decode_.OnReadCompleted(r.read_id, h.status(), now);
       return;
     }
-    handles_[r.read_id] = Posted{
-        *h, bytes, r.local_block_ids.empty() ? -1 : r.local_block_ids[0]};
+    handles_[r.read_id] = Posted{*h, bytes, r.local_block_ids.empty() ? -1 : r.local_block_ids[0]};
     impl_->reads_inflight.store(static_cast<int64_t>(handles_.size()));
     watcher_->Add(r.read_id, *h);
   }
 
-  void SendMessage(const SendMessageAction &s, ConnectorAction &a,
-                   TimePoint now) {
+  void SendMessage(const SendMessageAction& s, ConnectorAction& a, TimePoint now) {
     const std::string payload = EncodeMessage(s.msg);
     if (s.reply_token != 0) {
       xfer::Notification n;
       {
         std::lock_guard<std::mutex> l(impl_->mu);
         auto it = impl_->reply_paths.find(s.reply_token);
-        if (it == impl_->reply_paths.end())
-          return;
+        if (it == impl_->reply_paths.end()) return;
         n = it->second;
         impl_->reply_paths.erase(it);
       }
       Status st = agent_->Reply(n, payload);
-      if (!st.ok())
-        KVB_LOG_WARN("kv connector: reply to {}: {}", n.peer, st.ToString());
+      if (!st.ok()) KVB_LOG_WARN("kv connector: reply to {}: {}", n.peer, st.ToString());
       return;
     }
-    PeerState *peer = Ready(s.to.engine_id, s.to.rank);
+    PeerState* peer = Ready(s.to.engine_id, s.to.rank);
     if (peer == nullptr) {
       EnsurePeer(s.to.engine_id, s.to.host, s.to.port, s.to.rank);
       peers_[AgentName(s.to.engine_id, s.to.rank)].queued.push_back(a);
@@ -895,16 +812,16 @@ private:
     }
     std::string tid;
     bool want_reply = false;
-    if (auto *rd = std::get_if<ReadDoneMsg>(&s.msg)) {
+    if (auto* rd = std::get_if<ReadDoneMsg>(&s.msg)) {
       tid = rd->transfer_id;
       want_reply = rd->want_reply;
-    } else if (auto *hb = std::get_if<HeartbeatMsg>(&s.msg)) {
+    } else if (auto* hb = std::get_if<HeartbeatMsg>(&s.msg)) {
       tid = hb->transfer_id;
-    } else if (auto *wb = std::get_if<WriteBlocksMsg>(&s.msg)) {
+    } else if (auto* wb = std::get_if<WriteBlocksMsg>(&s.msg)) {
       tid = wb->transfer_id;
-    } else if (auto *wd = std::get_if<WriteDoneMsg>(&s.msg)) {
+    } else if (auto* wd = std::get_if<WriteDoneMsg>(&s.msg)) {
       tid = wd->transfer_id;
-    } else if (auto *wc = std::get_if<WriteCancelMsg>(&s.msg)) {
+    } else if (auto* wc = std::get_if<WriteCancelMsg>(&s.msg)) {
       tid = wc->transfer_id;
     }
     xfer::ReplyCallback cb;
@@ -912,10 +829,8 @@ private:
       std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
       cb = [weak](Result<std::string> r) {
         auto impl = weak.lock();
-        if (!impl)
-          return;
-        if (!r.ok())
-          return; // no reply: the decode core's reply timeout decides
+        if (!impl) return;
+        if (!r.ok()) return;  // no reply: the decode core's reply timeout decides
         auto m = DecodeMessage(*r);
         if (!m.ok() || !std::holds_alternative<HoldReplyMsg>(*m)) {
           KVB_LOG_WARN("kv connector: bad hold reply");
@@ -925,38 +840,31 @@ private:
       };
     }
     Status st = agent_->Notify(peer->agent_name, tid, payload, std::move(cb));
-    if (!st.ok())
-      KVB_LOG_WARN("kv connector: notify {}: {}", peer->agent_name,
-                   st.ToString());
+    if (!st.ok()) KVB_LOG_WARN("kv connector: notify {}: {}", peer->agent_name, st.ToString());
   }
 
   void Wake() {
-    if (hooks_.wake)
-      hooks_.wake();
+    if (hooks_.wake) hooks_.wake();
   }
 
   // ---- WRITE mode (write_core.h; docs/protocol.md "WRITE mode") ----
 
-  Result<Match> WriteRequestAdded(const ConnectorRequestInfo &req,
-                                  const KvTransferParams &p,
+  Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
                                   int num_local_computed, TimePoint now) {
     Match m;
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
-      RETURN_IF_ERROR(wprefill_.OnRequestAdded(
-          req.request_id, req.n, p.transfer_id, req.num_prompt_tokens, now));
+      RETURN_IF_ERROR(wprefill_.OnRequestAdded(req.request_id, req.n, p.transfer_id,
+                                               req.num_prompt_tokens, now));
       return m;
     }
-    if (!opt().config.IsConsumer())
-      return InvalidArgumentError("this engine is not a kv_consumer");
-    ASSIGN_OR_RETURN(WriteDecodeCore::Match dm,
-                     wdecode_.OnRequestAdded(req.request_id, p,
-                                             req.num_prompt_tokens,
-                                             num_local_computed, now));
+    if (!opt().config.IsConsumer()) return InvalidArgumentError("this engine is not a kv_consumer");
+    ASSIGN_OR_RETURN(
+        WriteDecodeCore::Match dm,
+        wdecode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
     asked_.insert(req.parent_id);
-    if (dm.num_external_tokens > 0)
-      write_decodes_.insert(req.request_id);
+    if (dm.num_external_tokens > 0) write_decodes_.insert(req.request_id);
     m.num_external_tokens = dm.num_external_tokens;
     m.load_async = dm.load_async;
     for (int r = 0; r < p.tp_size; ++r)
@@ -966,67 +874,61 @@ private:
 
   // Routes a WRITE-mode message (and a release naming a WRITE transfer). False:
   // not one.
-  bool OnWriteMessage(EvMessage &e, TimePoint now) {
-    if (auto *wb = std::get_if<WriteBlocksMsg>(&e.msg)) {
+  bool OnWriteMessage(EvMessage& e, TimePoint now) {
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&e.msg)) {
       // The decode's agent must be known before the first WRITE (and the
       // WriteDone) to it.
-      if (wb->prefill_engine_id == impl_->engine_id &&
-          !wb->decode_host.empty() && wb->decode_port > 0) {
-        EnsurePeer(wb->decode_engine_id, wb->decode_host, wb->decode_port,
-                   wb->decode_rank);
+      if (wb->prefill_engine_id == impl_->engine_id && !wb->decode_host.empty() &&
+          wb->decode_port > 0) {
+        EnsurePeer(wb->decode_engine_id, wb->decode_host, wb->decode_port, wb->decode_rank);
       }
       wprefill_.OnWriteBlocks(*wb, now);
-    } else if (auto *wc = std::get_if<WriteCancelMsg>(&e.msg)) {
+    } else if (auto* wc = std::get_if<WriteCancelMsg>(&e.msg)) {
       wprefill_.OnWriteCancel(*wc, now);
-    } else if (auto *wd = std::get_if<WriteDoneMsg>(&e.msg)) {
+    } else if (auto* wd = std::get_if<WriteDoneMsg>(&e.msg)) {
       wdecode_.OnWriteDone(*wd, now);
-    } else if (auto *rel = std::get_if<ReleaseMsg>(&e.msg);
+    } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg);
                rel && wprefill_.Knows(rel->transfer_id)) {
       Status st = wprefill_.OnRelease(*rel, now);
-      if (!st.ok())
-        KVB_LOG_WARN("kv connector: release: {}", st.ToString());
+      if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
     } else {
       return false;
     }
     return true;
   }
 
-  void PerformWrite(ConnectorAction &a, TimePoint now) {
-    if (auto *w = std::get_if<PostWriteAction>(&a)) {
-      PeerState *peer = Ready(w->decode.engine_id, w->decode.rank);
+  void PerformWrite(ConnectorAction& a, TimePoint now) {
+    if (auto* w = std::get_if<PostWriteAction>(&a)) {
+      PeerState* peer = Ready(w->decode.engine_id, w->decode.rank);
       if (peer == nullptr) {
-        EnsurePeer(w->decode.engine_id, w->decode.host, w->decode.port,
-                   w->decode.rank);
-        peers_[AgentName(w->decode.engine_id, w->decode.rank)].queued.push_back(
-            a);
+        EnsurePeer(w->decode.engine_id, w->decode.host, w->decode.port, w->decode.rank);
+        peers_[AgentName(w->decode.engine_id, w->decode.rank)].queued.push_back(a);
         return;
       }
       PostWrite(*w, peer->agent_name, now);
       return;
     }
-    const auto &c = std::get<CancelWriteAction>(a);
+    const auto& c = std::get<CancelWriteAction>(a);
     auto it = write_handles_.find(c.write_id);
     if (it != write_handles_.end()) {
       it->second.handle.Cancel();
       return;
     }
-    for (auto &[key, peer] : peers_) {
-      auto &q = peer.queued;
-      auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction &x) {
-        auto *pw = std::get_if<PostWriteAction>(&x);
+    for (auto& [key, peer] : peers_) {
+      auto& q = peer.queued;
+      auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
+        auto* pw = std::get_if<PostWriteAction>(&x);
         return pw != nullptr && pw->write_id == c.write_id;
       });
       if (qi != q.end()) {
         q.erase(qi);
-        wprefill_.OnWriteCompleted(
-            c.write_id, CancelledError("cancelled before posting"), now);
+        wprefill_.OnWriteCompleted(c.write_id, CancelledError("cancelled before posting"), now);
         return;
       }
     }
   }
 
-  void PostWrite(const PostWriteAction &w, const std::string &peer,
-                 TimePoint now) {
+  void PostWrite(const PostWriteAction& w, const std::string& peer, TimePoint now) {
     xfer::TransferSpec spec;
     spec.op = xfer::TransferOp::kWrite;
     spec.peer = peer;
@@ -1051,16 +953,14 @@ private:
     write_watcher_->Add(w.write_id, *h);
   }
 
-  void OnWriteEnded(const EvWriteEnded &e, TimePoint now) {
+  void OnWriteEnded(const EvWriteEnded& e, TimePoint now) {
     auto it = write_handles_.find(e.write_id);
     if (it == write_handles_.end()) {
-      if (m_ignored_)
-        m_ignored_->Inc();
+      if (m_ignored_) m_ignored_->Inc();
       return;
     }
     if (e.status.ok()) {
-      if (m_bytes_)
-        m_bytes_->Inc(static_cast<double>(it->second.bytes));
+      if (m_bytes_) m_bytes_->Inc(static_cast<double>(it->second.bytes));
       bytes_written_ += static_cast<double>(it->second.bytes);
     }
     write_handles_.erase(it);
@@ -1073,42 +973,35 @@ private:
     auto held = prefill_.HeldBlocksByTransfer();
     // tcp serves a peer's WRITE only into blocks a WRITE-mode decode reserved
     // for that transfer.
-    for (auto &[tid, blocks] : wdecode_.WritableBlocksByTransfer()) {
-      auto &v = held[tid];
+    for (auto& [tid, blocks] : wdecode_.WritableBlocksByTransfer()) {
+      auto& v = held[tid];
       v.insert(v.end(), blocks.begin(), blocks.end());
     }
-    const auto &pc = prefill_.counters();
-    const auto &dc = decode_.counters();
-    const auto &wpc = wprefill_.counters();
-    const auto &wdc = wdecode_.counters();
-    const int64_t ignored =
-        pc.notifications_ignored + dc.notifications_ignored +
-        wpc.notifications_ignored + wdc.notifications_ignored;
+    const auto& pc = prefill_.counters();
+    const auto& dc = decode_.counters();
+    const auto& wpc = wprefill_.counters();
+    const auto& wdc = wdecode_.counters();
+    const int64_t ignored = pc.notifications_ignored + dc.notifications_ignored +
+                            wpc.notifications_ignored + wdc.notifications_ignored;
     const int64_t lease = pc.lease_expired + wpc.lease_expired;
     const int64_t fails = dc.load_failures + wdc.load_failures;
-    if (m_lease_)
-      m_lease_->Inc(static_cast<double>(lease - synced_lease_));
-    if (m_ignored_)
-      m_ignored_->Inc(static_cast<double>(ignored - synced_ignored_));
-    if (m_load_fail_)
-      m_load_fail_->Inc(static_cast<double>(fails - synced_fail_));
+    if (m_lease_) m_lease_->Inc(static_cast<double>(lease - synced_lease_));
+    if (m_ignored_) m_ignored_->Inc(static_cast<double>(ignored - synced_ignored_));
+    if (m_load_fail_) m_load_fail_->Inc(static_cast<double>(fails - synced_fail_));
     synced_lease_ = lease;
     synced_ignored_ = ignored;
     synced_fail_ = fails;
-    for (const WriteDecodeCore::LoadTiming &t : wdecode_.TakeLoadTimings()) {
-      if (m_write_overlap_)
-        m_write_overlap_->Observe(static_cast<double>(t.overlap_us) * 1e-6);
-      if (m_seconds_)
-        m_seconds_->Observe(static_cast<double>(t.write_us) * 1e-6);
+    for (const WriteDecodeCore::LoadTiming& t : wdecode_.TakeLoadTimings()) {
+      if (m_write_overlap_) m_write_overlap_->Observe(static_cast<double>(t.overlap_us) * 1e-6);
+      if (m_seconds_) m_seconds_->Observe(static_cast<double>(t.write_us) * 1e-6);
     }
     std::lock_guard<std::mutex> l(impl_->mu);
     impl_->held_snapshot.clear();
-    for (auto &[tid, blocks] : held)
+    for (auto& [tid, blocks] : held)
       impl_->held_snapshot[tid] = std::set<int>(blocks.begin(), blocks.end());
-    for (uint64_t t : unused_tokens_)
-      impl_->reply_paths.erase(t);
+    for (uint64_t t : unused_tokens_) impl_->reply_paths.erase(t);
     unused_tokens_.clear();
-    KvBridgeStats &s = impl_->stats;
+    KvBridgeStats& s = impl_->stats;
     s.transfers = prefill_.NumTransfers() + wprefill_.NumTransfers();
     s.held_blocks = prefill_.NumHeldBlocks() + wprefill_.NumHeldBlocks();
     s.parked = prefill_.NumParked() + wprefill_.NumParked();
@@ -1125,8 +1018,8 @@ private:
     s.write_overlap_us_sum = wdc.overlap_us_sum;
     s.write_transfer_us_sum = wdc.write_us_sum;
     s.write_compute_us_sum = wdc.compute_us_sum;
-    s.idle = prefill_.Idle() && decode_.Idle() && wprefill_.Idle() &&
-             wdecode_.Idle() && handles_.empty() && write_handles_.empty();
+    s.idle = prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
+             handles_.empty() && write_handles_.empty();
   }
 
   struct Posted {
@@ -1139,105 +1032,89 @@ private:
   EngineHooks hooks_;
   PrefillCore prefill_;
   DecodeCore decode_;
-  WritePrefillCore wprefill_; // WRITE mode, prefill side
-  WriteDecodeCore wdecode_;   // WRITE mode, decode side
+  WritePrefillCore wprefill_;  // WRITE mode, prefill side
+  WriteDecodeCore wdecode_;    // WRITE mode, decode side
   std::unique_ptr<xfer::TransferAgent> agent_;
   std::unique_ptr<Worker> worker_;
   std::unique_ptr<ReadWatcher> watcher_;
-  std::unique_ptr<ReadWatcher>
-      write_watcher_; // WRITE handles (write mode, prefill side)
-  std::map<std::string, PeerState>
-      peers_; // "<engine>/rank<r>" -> state (engine thread)
-  std::map<uint64_t, Posted> handles_; // read id -> posted READ (engine thread)
-  std::map<uint64_t, Posted>
-      write_handles_; // write id -> posted WRITE (engine thread)
-  std::set<std::string>
-      write_decodes_; // WRITE-mode decode requests awaiting allocation
+  std::unique_ptr<ReadWatcher> write_watcher_;  // WRITE handles (write mode, prefill side)
+  std::map<std::string, PeerState> peers_;      // "<engine>/rank<r>" -> state (engine thread)
+  std::map<uint64_t, Posted> handles_;          // read id -> posted READ (engine thread)
+  std::map<uint64_t, Posted> write_handles_;    // write id -> posted WRITE (engine thread)
+  std::set<std::string> write_decodes_;         // WRITE-mode decode requests awaiting allocation
   double bytes_written_ = 0;
-  Histogram *m_write_overlap_ = nullptr;
+  Histogram* m_write_overlap_ = nullptr;
   std::vector<uint64_t> unused_tokens_;
-  std::set<std::string>
-      asked_; // parents with do_remote_prefill seen by GetNumNewMatchedTokens
+  std::set<std::string> asked_;  // parents with do_remote_prefill seen by GetNumNewMatchedTokens
   StepReport report_;
   double bytes_read_ = 0;
   int64_t synced_lease_ = 0, synced_ignored_ = 0, synced_fail_ = 0;
-  Counter *m_bytes_ = nullptr;
-  Histogram *m_seconds_ = nullptr;
-  Counter *m_lease_ = nullptr;
-  Counter *m_load_fail_ = nullptr;
-  Counter *m_ignored_ = nullptr;
+  Counter* m_bytes_ = nullptr;
+  Histogram* m_seconds_ = nullptr;
+  Counter* m_lease_ = nullptr;
+  Counter* m_load_fail_ = nullptr;
+  Counter* m_ignored_ = nullptr;
 };
 
-} // namespace
+}  // namespace
 
-KvBridgeRuntime::KvBridgeRuntime(std::shared_ptr<Impl> impl)
-    : impl_(std::move(impl)) {}
+KvBridgeRuntime::KvBridgeRuntime(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KvBridgeRuntime::~KvBridgeRuntime() = default;
 
-Result<std::shared_ptr<KvBridgeRuntime>>
-KvBridgeRuntime::Create(KvBridgeOptions options) {
-  if (options.tp_size < 1 || options.tp_rank < 0 ||
-      options.tp_rank >= options.tp_size) {
-    return InvalidArgumentError(
-        "kv connector: tp_rank must be in [0, tp_size)");
+Result<std::shared_ptr<KvBridgeRuntime>> KvBridgeRuntime::Create(KvBridgeOptions options) {
+  if (options.tp_size < 1 || options.tp_rank < 0 || options.tp_rank >= options.tp_size) {
+    return InvalidArgumentError("kv connector: tp_rank must be in [0, tp_size)");
   }
   if (options.tp_size != 1) {
-    return UnimplementedError(
-        "kv connector: tensor parallelism is not supported yet");
+    return UnimplementedError("kv connector: tensor parallelism is not supported yet");
   }
   auto impl = std::make_shared<Impl>();
   impl->engine_id =
-      (options.config.engine_id.empty() ? std::string("kvb")
-                                        : options.config.engine_id) +
-      "-" + RandomHex(12);
+      (options.config.engine_id.empty() ? std::string("kvb") : options.config.engine_id) + "-" +
+      RandomHex(12);
   impl->options = std::move(options);
   return std::shared_ptr<KvBridgeRuntime>(new KvBridgeRuntime(std::move(impl)));
 }
 
 KvConnectorFactory KvBridgeRuntime::Factory() {
   std::shared_ptr<Impl> impl = impl_;
-  return
-      [impl](const EngineHooks &hooks) -> Result<std::unique_ptr<KvConnector>> {
-        {
-          std::lock_guard<std::mutex> l(impl->mu);
-          if (impl->connector_made) {
-            return FailedPreconditionError(
-                "kv connector: one engine per KvBridgeRuntime");
-          }
-          impl->connector_made = true;
-        }
-        return KvBridgeConnector::Create(impl, hooks);
-      };
+  return [impl](const EngineHooks& hooks) -> Result<std::unique_ptr<KvConnector>> {
+    {
+      std::lock_guard<std::mutex> l(impl->mu);
+      if (impl->connector_made) {
+        return FailedPreconditionError("kv connector: one engine per KvBridgeRuntime");
+      }
+      impl->connector_made = true;
+    }
+    return KvBridgeConnector::Create(impl, hooks);
+  };
 }
 
-std::function<Status(nlohmann::json &)> KvBridgeRuntime::ValidateHook() const {
+std::function<Status(nlohmann::json&)> KvBridgeRuntime::ValidateHook() const {
   std::shared_ptr<Impl> impl = impl_;
-  return [impl](nlohmann::json &j) -> Status {
+  return [impl](nlohmann::json& j) -> Status {
     // The remote pool size is unknown here; the transfer agent checks ranges
     // when posting.
-    ASSIGN_OR_RETURN(
-        KvTransferParams p,
-        ParseKvTransferParams(j, {.block_size = impl->block_size.load()}));
+    ASSIGN_OR_RETURN(KvTransferParams p,
+                     ParseKvTransferParams(j, {.block_size = impl->block_size.load()}));
     if (p.do_remote_decode && !impl->options.config.IsProducer()) {
-      return InvalidArgumentError(
-          "kv_transfer_params.do_remote_decode: this engine is a " +
-          std::string(KvRoleName(impl->options.config.role)));
+      return InvalidArgumentError("kv_transfer_params.do_remote_decode: this engine is a " +
+                                  std::string(KvRoleName(impl->options.config.role)));
     }
     if (p.do_remote_prefill && !impl->options.config.IsConsumer()) {
-      return InvalidArgumentError(
-          "kv_transfer_params.do_remote_prefill: this engine is a " +
-          std::string(KvRoleName(impl->options.config.role)));
+      return InvalidArgumentError("kv_transfer_params.do_remote_prefill: this engine is a " +
+                                  std::string(KvRoleName(impl->options.config.role)));
     }
     j = KvTransferParamsToJson(p);
     return OkStatus();
   };
 }
 
-Status KvBridgeRuntime::InstallRoutes(server::ApiServer &srv) {
+Status KvBridgeRuntime::InstallRoutes(server::ApiServer& srv) {
   std::shared_ptr<Impl> impl = impl_;
-  server::ApiServer *s = &srv;
-  RETURN_IF_ERROR(srv.RegisterRoute(
-      "GET", "/v1/kv/metadata", [impl, s](const server::HttpRequest &r) {
+  server::ApiServer* s = &srv;
+  RETURN_IF_ERROR(
+      srv.RegisterRoute("GET", "/v1/kv/metadata", [impl, s](const server::HttpRequest& r) {
         if (!s->CheckClusterToken(r))
           return server::OpenAiErrorResponse(403, "cluster token required");
         std::lock_guard<std::mutex> l(impl->mu);
@@ -1246,46 +1123,36 @@ Status KvBridgeRuntime::InstallRoutes(server::ApiServer &srv) {
         }
         return server::HttpResponse{.status = 200, .body = impl->metadata_blob};
       }));
-  return srv.RegisterRoute(
-      "POST", "/v1/kv/release", [impl, s](const server::HttpRequest &r) {
-        if (!s->CheckClusterToken(r))
-          return server::OpenAiErrorResponse(403, "cluster token required");
-        json j = json::parse(r.body, nullptr, false);
-        if (j.is_discarded() || !j.is_object()) {
-          return server::OpenAiErrorResponse(
-              400, "body must be a JSON object {\"transfer_id\"}");
-        }
-        j["type"] = "release";
-        if (!j.contains("prefill_engine_id"))
-          j["prefill_engine_id"] = "";
-        auto m = DecodeMessage(j.dump());
-        if (!m.ok())
-          return server::OpenAiErrorResponse(400, m.status().message());
-        const ReleaseMsg rel = std::get<ReleaseMsg>(*m);
-        if (!rel.prefill_engine_id.empty() &&
-            rel.prefill_engine_id != impl->engine_id) {
-          return server::OpenAiErrorResponse(
-              404, "engine " + rel.prefill_engine_id +
-                       " is not this incarnation (" + impl->engine_id + ")");
-        }
-        impl->Push(EvMessage{rel, 0});
-        return server::HttpResponse{
-            .status = 200,
-            .body =
-                json{{"transfer_id", rel.transfer_id}, {"status", "accepted"}}
-                    .dump()};
-      });
+  return srv.RegisterRoute("POST", "/v1/kv/release", [impl, s](const server::HttpRequest& r) {
+    if (!s->CheckClusterToken(r)) return server::OpenAiErrorResponse(403, "cluster token required");
+    json j = json::parse(r.body, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      return server::OpenAiErrorResponse(400, "body must be a JSON object {\"transfer_id\"}");
+    }
+    j["type"] = "release";
+    if (!j.contains("prefill_engine_id")) j["prefill_engine_id"] = "";
+    auto m = DecodeMessage(j.dump());
+    if (!m.ok()) return server::OpenAiErrorResponse(400, m.status().message());
+    const ReleaseMsg rel = std::get<ReleaseMsg>(*m);
+    if (!rel.prefill_engine_id.empty() && rel.prefill_engine_id != impl->engine_id) {
+      return server::OpenAiErrorResponse(
+          404,
+          "engine " + rel.prefill_engine_id + " is not this incarnation (" + impl->engine_id + ")");
+    }
+    impl->Push(EvMessage{rel, 0});
+    return server::HttpResponse{
+        .status = 200,
+        .body = json{{"transfer_id", rel.transfer_id}, {"status", "accepted"}}.dump()};
+  });
 }
 
-void KvBridgeRuntime::SetAdvertisedEndpoint(const std::string &host, int port) {
+void KvBridgeRuntime::SetAdvertisedEndpoint(const std::string& host, int port) {
   std::lock_guard<std::mutex> l(impl_->mu);
   impl_->options.advertise_host = host;
   impl_->options.advertise_port = port;
 }
 
-const std::string &KvBridgeRuntime::engine_id() const {
-  return impl_->engine_id;
-}
+const std::string& KvBridgeRuntime::engine_id() const { return impl_->engine_id; }
 
 std::map<std::string, std::string> KvBridgeRuntime::PeerBackends() const {
   std::lock_guard<std::mutex> l(impl_->mu);
@@ -1295,13 +1162,10 @@ std::map<std::string, std::string> KvBridgeRuntime::PeerBackends() const {
 std::vector<std::string> KvBridgeRuntime::LocalBackends() const {
   std::lock_guard<std::mutex> l(impl_->mu);
   std::vector<std::string> out;
-  if (impl_->metadata_blob.empty())
-    return out;
+  if (impl_->metadata_blob.empty()) return out;
   auto md = xfer::DecodeMetadata(impl_->metadata_blob);
-  if (!md.ok())
-    return out;
-  for (const auto &[name, ep] : md->endpoints)
-    out.push_back(name);
+  if (!md.ok()) return out;
+  for (const auto& [name, ep] : md->endpoints) out.push_back(name);
   return out;
 }
 
@@ -1312,4 +1176,4 @@ KvBridgeStats KvBridgeRuntime::Stats() const {
   return s;
 }
 
-} // namespace kvbridge
+}  // namespace kvbridge
