@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <numeric>
@@ -28,6 +30,13 @@ constexpr uint64_t kPool = uint64_t{64} << 20;
 constexpr uint64_t kLayer = kPool / 2;
 constexpr uint64_t kBlock = 16384;
 constexpr uint64_t kBlocksPerLayer = kLayer / kBlock;
+
+// GPUs from the environment (issue 12: across two GPUs): KVB_GPU_LOCAL (this process),
+// KVB_GPU_PEER (the cuda_ipc_peer process serving the other Backend).
+int EnvDevice(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v ? std::atoi(v) : 0;
+}
 
 TEST(CudaIpcBackend, HostMemoryIsNotServed) {
   BackendContext ctx;
@@ -56,7 +65,12 @@ class CudaIpcBackendTest : public ::testing::Test {
   void SetUp() override {
     Result<int> n = cuda_ipc::CudaDeviceCount();
     if (!n.ok()) GTEST_SKIP() << "skipped: " << n.status().message();
-    auto p = cuda_ipc::SpawnPeer(cuda_ipc::DefaultPeerBinary(), 0);
+    const int local_dev = EnvDevice("KVB_GPU_LOCAL"), peer_dev = EnvDevice("KVB_GPU_PEER");
+    if (std::max(local_dev, peer_dev) >= *n) {
+      GTEST_SKIP() << "skipped: GPUs " << local_dev << " and " << peer_dev << " asked, " << *n
+                   << " present";
+    }
+    auto p = cuda_ipc::SpawnPeer(cuda_ipc::DefaultPeerBinary(), peer_dev);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     peer_ = std::move(*p);
     ASSERT_EQ(Call(MsgType::kAlloc, U64(kPool)).type, MsgType::kHandle);
@@ -69,13 +83,13 @@ class CudaIpcBackendTest : public ::testing::Test {
     meta_.layer_bytes = {kLayer, kLayer};
     meta_.memory_kind = MemoryKind::kCuda;
 
-    auto pool = cuda_ipc::DevicePool::Create(0, kPool);
+    auto pool = cuda_ipc::DevicePool::Create(local_dev, kPool);
     ASSERT_TRUE(pool.ok()) << pool.status().ToString();
     pool_ = std::move(*pool);
     for (int i = 0; i < 2; ++i) {
       MemoryRegion r;
       r.kind = MemoryKind::kCuda;
-      r.device = 0;
+      r.device = local_dev;
       r.base = static_cast<uint8_t*>(pool_->data()) + i * kLayer;
       r.bytes = kLayer;
       reg_.layers.push_back(r);

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -26,6 +27,13 @@ namespace kvbridge::cuda_ipc {
 namespace {
 
 constexpr uint64_t kPoolBytes = uint64_t{128} << 20;  // 128 MiB on each side
+
+// GPUs from the environment, so the suite also runs across two GPUs (issue 12):
+// KVB_GPU_LOCAL (this process: local pool, kernels), KVB_GPU_PEER (the peer process's pool).
+int EnvDevice(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v ? std::atoi(v) : 0;
+}
 
 // ---- CPU-only checks (run everywhere) ----
 
@@ -104,7 +112,13 @@ class CudaIpcTest : public ::testing::Test {
   void SetUp() override {
     Result<int> n = CudaDeviceCount();
     if (!n.ok()) GTEST_SKIP() << "skipped: " << n.status().message();
-    auto p = SpawnPeer(DefaultPeerBinary(), 0);
+    local_dev_ = EnvDevice("KVB_GPU_LOCAL");
+    peer_dev_ = EnvDevice("KVB_GPU_PEER");
+    if (std::max(local_dev_, peer_dev_) >= *n) {
+      GTEST_SKIP() << "skipped: GPUs " << local_dev_ << " and " << peer_dev_ << " asked, " << *n
+                   << " present";
+    }
+    auto p = SpawnPeer(DefaultPeerBinary(), peer_dev_);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     peer_ = std::move(*p);
     Message m = Call(MsgType::kAlloc, EncodeU64s(std::vector<uint64_t>{kPoolBytes}));
@@ -113,13 +127,14 @@ class CudaIpcTest : public ::testing::Test {
     ASSERT_TRUE(h.ok()) << h.status().ToString();
     EXPECT_EQ(h->bytes, kPoolBytes);
     EXPECT_EQ(h->pid, peer_.pid);
-    auto imported = ImportedPool::Open(*h, 0);
+    EXPECT_EQ(h->device, peer_dev_);
+    auto imported = ImportedPool::Open(*h, local_dev_);
     ASSERT_TRUE(imported.ok()) << imported.status().ToString();
     remote_pool_ = std::move(*imported);
-    auto local = DevicePool::Create(0, kPoolBytes);
+    auto local = DevicePool::Create(local_dev_, kPoolBytes);
     ASSERT_TRUE(local.ok()) << local.status().ToString();
     local_pool_ = std::move(*local);
-    auto e = CopyEngine::Create({.device = 0});
+    auto e = CopyEngine::Create({.device = local_dev_});
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     engine_ = std::move(*e);
   }
@@ -170,6 +185,7 @@ class CudaIpcTest : public ::testing::Test {
   BlockRegion Local(uint64_t bb) { return {local_pool_->data(), bb, kPoolBytes / bb}; }
   BlockRegion Remote(uint64_t bb) { return {remote_pool_->data(), bb, kPoolBytes / bb}; }
 
+  int local_dev_ = 0, peer_dev_ = 0;
   PeerProcess peer_;
   std::unique_ptr<ImportedPool> remote_pool_;
   std::unique_ptr<DevicePool> local_pool_;
@@ -337,11 +353,11 @@ TEST_F(CudaIpcTest, BadHandlesAreRefused) {
   auto h = local_pool_->Export();
   ASSERT_TRUE(h.ok());
   // Our own handle cannot be opened by ourselves.
-  EXPECT_EQ(ImportedPool::Open(*h, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ImportedPool::Open(*h, local_dev_).status().code(), StatusCode::kInvalidArgument);
   IpcHandle garbage = *h;
   garbage.pid = peer_.pid;
   for (auto& c : garbage.handle) c = static_cast<char>(0x5a);
-  auto r = ImportedPool::Open(garbage, 0);
+  auto r = ImportedPool::Open(garbage, local_dev_);
   EXPECT_FALSE(r.ok());
   EXPECT_EQ(ImportedPool::Open(garbage, 99).status().code(), StatusCode::kInvalidArgument);
   // The context is still usable afterwards.
