@@ -3,7 +3,10 @@
 // Moves KV blocks between engines (P/D): READ pulls a peer's blocks into local ones, WRITE
 // pushes local blocks into a peer's. Backends: shm (same host, one-sided memcpy between memfd
 // mappings), tcp (two-sided readv/writev straight from/into registered memory, asks the owner
-// whether blocks are held), ucx (when built). DESIGN.md "Transfer agent"; docs/transfer.md.
+// whether blocks are held), ucx (when built), cuda_ipc (CUDA device memory of processes on one
+// host, one gather/scatter kernel per transfer; when built with KVBRIDGE_WITH_CUDA; register
+// with KvRegistration::FromDeviceMemory). DESIGN.md "Transfer agent"; docs/transfer.md,
+// docs/gpu.md.
 //
 //   AgentConfig cfg; cfg.name = "prefill-0/rank0"; cfg.model_fingerprint = fp;
 //   ASSIGN_OR_RETURN(auto agent, TransferAgent::Create(cfg));
@@ -42,7 +45,8 @@ namespace kvbridge::transfer {
 
 struct AgentConfig {
   std::string name;  ///< Required; unique per rank (peer id).
-  /// Backends to start, in preference order ("shm", "tcp", "ucx" when built).
+  /// Backends to start, in preference order ("shm", "tcp", "ucx" / "cuda_ipc" when built).
+  /// Only those that move the registered MemoryKind are started (device memory: cuda_ipc).
   std::vector<std::string> backends = {"shm", "tcp"};
   /// When set, every peer uses this backend (AddPeer fails if either side lacks it).
   std::string force_backend;
