@@ -43,6 +43,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_flag("--no-baselines", o->no_baselines,
                    "cuda: skip per-block memcpy and cudaMemcpyBatchAsync");
       sub.add_option("--out", o->out, "cuda: also write the markdown table here");
+      sub.add_flag("--agent", o->agent,
+                   "cuda: time the TransferAgent path (--op, --block-size, --blocks, --layers, "
+                   "--iters) against a contiguous copy of the same bytes");
       sub.add_flag("--serve", o->serve, "run as the peer process");
       sub.add_option("--listen", o->listen, "peer mode: HOST:PORT to listen on")
           ->capture_default_str();

@@ -21,7 +21,14 @@
 #include "transfer/fill_pattern.h"
 #include "transfer/socket_util.h"
 #if KVBRIDGE_HAVE_CUDA_IPC
+#include <cuda_runtime.h>
+
+#include <numeric>
+
+#include "transfer/backends/cuda_ipc/block_copy.h"
 #include "transfer/backends/cuda_ipc/cuda_bench.h"
+#include "transfer/backends/cuda_ipc/cuda_status.h"
+#include "transfer/backends/cuda_ipc/peer_link.h"
 #endif
 
 namespace kvbridge::transfer {
@@ -441,6 +448,155 @@ Status Bench(const XferBenchOptions& o, nlohmann::json* out) {
   return OkStatus();
 }
 
+#if KVBRIDGE_HAVE_CUDA_IPC
+// --mem cuda --agent: the whole agent path over device memory. This process: a TransferAgent
+// (cuda_ipc) over a cudaMalloc pool on --device; the peer: cuda_ipc_peer serving a cuda_ipc
+// Backend over its pool on --peer-device, split into --layers regions. One transfer = --blocks
+// scattered blocks x every layer (Prepare once, Post + Wait per iteration: address-list build,
+// upload, one kernel, event, finish callback). Checked once (poisoned destination, every byte
+// compared on the GPU) before timing; baseline = one contiguous copy of the same bytes
+// (cudaMemcpyAsync, cudaMemcpyPeerAsync across GPUs) timed the same way (post to done).
+Status CudaAgentBench(const XferBenchOptions& o, nlohmann::json* out) {
+  using cuda_ipc::MsgType;
+  if (o.block_size == 0 || o.block_size % 128 != 0 || o.blocks < 1 || o.layers < 1 || o.iters < 1) {
+    return InvalidArgumentError("--block-size (multiple of 128), --blocks, --layers, --iters");
+  }
+  ASSIGN_OR_RETURN(int ndev, cuda_ipc::CudaDeviceCount());
+  const int dev = o.device, peer_dev = o.peer_device < 0 ? o.device : o.peer_device;
+  if (dev < 0 || dev >= ndev || peer_dev >= ndev) {
+    return InvalidArgumentError("GPUs " + std::to_string(dev) + " and " + std::to_string(peer_dev) +
+                                " asked, " + std::to_string(ndev) + " present");
+  }
+  const int nb = 2 * o.blocks;
+  const PagedKvLayout layout = LayoutFor(o.block_size, nb, o.layers);
+  const uint64_t pool_bytes = layout.LayerBytes() * o.layers;
+  const uint64_t units = uint64_t(nb) * o.layers;
+  auto call = [](cuda_ipc::Channel& ch, MsgType t,
+                 std::string_view p) -> Result<cuda_ipc::Message> {
+    RETURN_IF_ERROR(ch.Send(t, p));
+    ASSIGN_OR_RETURN(cuda_ipc::Message m, ch.Recv(120000));
+    if (m.type == MsgType::kError) return InternalError("peer: " + m.payload);
+    return m;
+  };
+  auto u64 = [](uint64_t v) { return cuda_ipc::EncodeU64s(std::vector<uint64_t>{v}); };
+  ASSIGN_OR_RETURN(cuda_ipc::PeerProcess peer,
+                   cuda_ipc::SpawnPeer(cuda_ipc::DefaultPeerBinary(), peer_dev));
+  cuda_ipc::Channel& ch = *peer.channel;
+  ASSIGN_OR_RETURN(cuda_ipc::Message hm, call(ch, MsgType::kAlloc, u64(pool_bytes)));
+  ASSIGN_OR_RETURN(cuda_ipc::IpcHandle handle, cuda_ipc::IpcHandle::Parse(hm.payload));
+  ASSIGN_OR_RETURN(auto pool, cuda_ipc::DevicePool::Create(dev, pool_bytes));
+  const TransferOp op = o.op == "write" ? TransferOp::kWrite : TransferOp::kRead;
+  const uint64_t bytes = uint64_t(o.blocks) * layout.BlockBytes() * o.layers;
+  cudaStream_t s = nullptr;
+  RETURN_IF_ERROR(cuda_ipc::CudaStatus(cudaSetDevice(dev), "cudaSetDevice"));
+  RETURN_IF_ERROR(cuda_ipc::CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                                       "cudaStreamCreate"));
+  std::unique_ptr<CUstream_st, void (*)(cudaStream_t)> stream_guard(
+      s, [](cudaStream_t x) { cudaStreamDestroy(x); });
+  // Baseline first, through our own mapping of the peer's pool (closed before the agent maps
+  // it): one contiguous copy of the transfer's bytes, timed post -> done like the transfers.
+  std::vector<double> times, base;
+  {
+    ASSIGN_OR_RETURN(auto remote, cuda_ipc::ImportedPool::Open(handle, dev));
+    void* dst = op == TransferOp::kRead ? pool->data() : remote->data();
+    void* src = op == TransferOp::kRead ? remote->data() : pool->data();
+    for (int i = 0; i < o.iters + 1; ++i) {
+      const auto t0 = Clock::now();
+      cudaError_t e = dev == peer_dev
+                          ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)
+                          : cudaMemcpyPeerAsync(dst, op == TransferOp::kRead ? dev : peer_dev, src,
+                                                op == TransferOp::kRead ? peer_dev : dev, bytes, s);
+      RETURN_IF_ERROR(cuda_ipc::CudaStatus(e, "contiguous copy"));
+      RETURN_IF_ERROR(cuda_ipc::CudaStatus(cudaStreamSynchronize(s), "contiguous copy"));
+      if (i > 0) base.push_back(Us(Clock::now() - t0));  // first = warm-up
+    }
+  }
+  ASSIGN_OR_RETURN(cuda_ipc::Message ep, call(ch, MsgType::kServeBackend, u64(o.layers)));
+  if (ep.type != MsgType::kEndpoint || ep.payload.size() <= 8) {
+    return InternalError("peer: no cuda_ipc endpoint");
+  }
+  AgentConfig cfg;
+  cfg.name = "xfer-bench";
+  cfg.backends = {"cuda_ipc"};
+  cfg.force_backend = "cuda_ipc";
+  cfg.model_fingerprint = "xfer-bench";
+  ASSIGN_OR_RETURN(auto agent, TransferAgent::Create(cfg));
+  RETURN_IF_ERROR(
+      agent->RegisterMemory(KvRegistration::FromDeviceMemory(layout, pool->data(), dev)));
+  // The peer serves a bare Backend (no agent): its metadata is ours with its name, incarnation
+  // and endpoint (same layout, same host).
+  ASSIGN_OR_RETURN(AgentMetadata pm, agent->Metadata());
+  pm.agent_name = "cuda-ipc-peer";
+  std::memcpy(&pm.incarnation, ep.payload.data(), 8);
+  pm.endpoints = {{"cuda_ipc", ep.payload.substr(8)}};
+  ASSIGN_OR_RETURN(std::string backend, agent->AddPeer(pm));
+
+  std::mt19937 rng(7);
+  std::vector<int> a(nb), b(nb);
+  std::iota(a.begin(), a.end(), 0);
+  std::iota(b.begin(), b.end(), 0);
+  std::shuffle(a.begin(), a.end(), rng);
+  std::shuffle(b.begin(), b.end(), rng);
+  TransferSpec spec{op, pm.agent_name, {}};
+  std::vector<int32_t> src_of(units, -1);
+  for (int i = 0; i < o.blocks; ++i) {
+    spec.blocks.push_back({a[i], b[i]});
+    for (int l = 0; l < o.layers; ++l) {
+      if (op == TransferOp::kRead)
+        src_of[uint64_t(l) * nb + a[i]] = l * nb + b[i];
+      else
+        src_of[uint64_t(l) * nb + b[i]] = l * nb + a[i];
+    }
+  }
+  ASSIGN_OR_RETURN(auto prepared, agent->Prepare(spec));
+  if (prepared->bytes() != bytes) return InternalError("prepared bytes differ from the shape");
+  // Check once: source pattern 301, destination poisoned with 302.
+  RETURN_IF_ERROR(call(ch, MsgType::kFill, u64(op == TransferOp::kRead ? 301 : 302)).status());
+  RETURN_IF_ERROR(
+      cuda_ipc::FillPattern(pool->data(), pool_bytes, op == TransferOp::kRead ? 302 : 301, s));
+  RETURN_IF_ERROR(cuda_ipc::CudaStatus(cudaStreamSynchronize(s), "fill"));
+  auto post_wait = [&]() -> Status {
+    ASSIGN_OR_RETURN(TransferHandle h, agent->Post(prepared));
+    if (!h.Wait(60000)) return DeadlineExceededError("transfer did not finish");
+    return h.state() == TransferState::kDone ? OkStatus() : h.status();
+  };
+  RETURN_IF_ERROR(post_wait());
+  uint64_t bad = 0;
+  if (op == TransferOp::kRead) {
+    ASSIGN_OR_RETURN(bad, cuda_ipc::VerifyBlocks({pool->data(), layout.BlockBytes(), units}, src_of,
+                                                 301, 302, s));
+  } else {
+    ASSIGN_OR_RETURN(cuda_ipc::Message m,
+                     call(ch, MsgType::kVerify,
+                          cuda_ipc::VerifySpec{301, 302, layout.BlockBytes(), src_of}.Encode()));
+    ASSIGN_OR_RETURN(std::vector<uint64_t> v, cuda_ipc::DecodeU64s(m.payload));
+    bad = v.empty() ? ~uint64_t{0} : v[0];
+  }
+  if (bad != 0) return InternalError(std::to_string(bad) + " mismatched 8-byte words");
+  for (int i = 0; i < o.iters; ++i) {
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(post_wait());
+    times.push_back(Us(Clock::now() - t0));
+  }
+  agent.reset();
+  RETURN_IF_ERROR(peer.Stop(10000));
+  const double p50 = Percentile(times, 0.5), b50 = Percentile(base, 0.5);
+  *out = {{"backend", backend},
+          {"mem", "cuda"},
+          {"device", dev},
+          {"peer_device", peer_dev},
+          {"bytes", bytes},
+          {"segments", prepared->segment_count()},
+          {"gbps_p50", bytes / p50 / 1e3},
+          {"p50_us", p50},
+          {"p99_us", Percentile(times, 0.99)},
+          {"baseline", dev == peer_dev ? "cudaMemcpyAsync" : "cudaMemcpyPeerAsync"},
+          {"baseline_gbps_p50", bytes / b50 / 1e3},
+          {"ratio", b50 / p50}};
+  return OkStatus();
+}
+#endif
+
 int RunCuda(const XferBenchOptions& o) {
   if (o.backend != "cuda_ipc") {
     std::fprintf(stderr,
@@ -455,6 +611,27 @@ int RunCuda(const XferBenchOptions& o) {
     return 64;
   }
 #if KVBRIDGE_HAVE_CUDA_IPC
+  if (o.agent) {
+    nlohmann::json r;
+    Status st = CudaAgentBench(o, &r);
+    if (!st.ok()) {
+      std::fprintf(stderr, "xfer-bench --mem cuda --agent: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    std::printf(
+        "xfer-bench cuda_ipc agent %s GPU %d <-> GPU %d: %d blocks x %llu B x %d layers = %llu B "
+        "in %llu segments, verified\n  transfer (post -> done): %.1f GB/s p50; p50 %.1f us, p99 "
+        "%.1f us\n  baseline (%s, post -> done): %.1f GB/s -> ratio %.3f\n",
+        o.op.c_str(), r["device"].get<int>(), r["peer_device"].get<int>(), o.blocks,
+        static_cast<unsigned long long>(o.block_size), o.layers,
+        static_cast<unsigned long long>(r["bytes"].get<uint64_t>()),
+        static_cast<unsigned long long>(r["segments"].get<uint64_t>()), r["gbps_p50"].get<double>(),
+        r["p50_us"].get<double>(), r["p99_us"].get<double>(),
+        r["baseline"].get<std::string>().c_str(), r["baseline_gbps_p50"].get<double>(),
+        r["ratio"].get<double>());
+    if (o.json) std::printf("%s\n", r.dump().c_str());
+    return 0;
+  }
   cuda_ipc::CudaBenchOptions c;
   c.bytes = o.cuda_bytes;
   c.runs = o.cuda_runs;

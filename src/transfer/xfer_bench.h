@@ -31,6 +31,9 @@ struct XferBenchOptions {
   bool sweep = false;
   bool no_baselines = false;
   std::string out;  ///< Markdown table file (cuda mode)
+  /// cuda: measure the TransferAgent path (cuda_ipc backend) with --op/--block-size/--blocks/
+  /// --layers/--iters instead of the kernel benchmark.
+  bool agent = false;
   // Peer mode.
   bool serve = false;
   std::string listen = "127.0.0.1:0";
