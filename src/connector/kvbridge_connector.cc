@@ -16,6 +16,7 @@
 #include "kvbridge/common/logging.h"
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/prefill_core.h"
+#include "kvbridge/connector/tp_plan.h"
 #include "kvbridge/connector/write_core.h"
 #include "kvbridge/server/api_server.h"
 #include "kvbridge/transfer/agent.h"
@@ -81,6 +82,8 @@ class KvBridgeRuntime::Impl {
   std::string metadata_blob;                           // guarded by mu
   std::map<std::string, std::set<int>> held_snapshot;  // guarded by mu
   std::map<uint64_t, xfer::Notification> reply_paths;  // guarded by mu
+  std::map<uint64_t, int> reply_ranks;  // guarded by mu: token -> local rank (absent: rank 0)
+  std::vector<std::string> rank_metadata_blobs;  // guarded by mu: rank r's metadata, r < tp
   uint64_t next_reply_token = 1;                       // guarded by mu
   bool connector_made = false;                         // guarded by mu
   std::map<std::string, std::string> peer_backends;    // guarded by mu: peer agent -> backend
@@ -234,6 +237,8 @@ class KvBridgeConnector final : public KvConnector {
       impl_->metadata_blob.clear();
       impl_->held_snapshot.clear();
       impl_->reply_paths.clear();
+      impl_->reply_ranks.clear();
+      impl_->rank_metadata_blobs.clear();
     }
     // Order: stop the threads that call into the agent, then the agent (joins
     // its threads).
@@ -244,6 +249,7 @@ class KvBridgeConnector final : public KvConnector {
       agent_->SetNotificationHandler(nullptr);
       agent_->SetHoldCheck(nullptr);
     }
+    StopRankAgents();
     agent_.reset();
   }
 
@@ -318,7 +324,7 @@ class KvBridgeConnector final : public KvConnector {
     }
     out.remote_block_ids = prompt_blocks;
     out.remote_num_tokens = req.num_prompt_tokens;
-    out.tp_size = opt().tp_size;
+    out.tp_size = EngineTp(hooks_);
     out.mode = p->mode;
     d.kv_transfer_params = KvTransferParamsToJson(out);
     PerformAll(now);
@@ -410,11 +416,14 @@ class KvBridgeConnector final : public KvConnector {
         hooks_(hooks),
         prefill_({.engine_id = impl_->engine_id,
                   .rank = impl_->options.tp_rank,
-                  .tp_size = impl_->options.tp_size,
+                  .tp_size = EngineTp(hooks),
+                  .all_ranks = true,
+                  .num_kv_heads = GlobalKvHeads(hooks),
                   .lease = impl_->options.config.lease,
                   .max_parked_messages = impl_->options.config.max_parked_messages}),
         decode_({.engine_id = impl_->engine_id,
-                 .tp_size = impl_->options.tp_size,
+                 .tp_size = EngineTp(hooks),
+                 .num_kv_heads = GlobalKvHeads(hooks),
                  .block_size = hooks.kv_view.layout.block_size,
                  .reply_timeout = impl_->options.config.reply_timeout,
                  .read_timeout = impl_->options.config.read_timeout,
@@ -466,9 +475,9 @@ class KvBridgeConnector final : public KvConnector {
         break;
     }
     ac.bind_host = opt().bind_host;
-    ac.tp_size = opt().tp_size;
-    ac.tp_rank = opt().tp_rank;
-    ac.head_begin = opt().tp_rank * layout.num_kv_heads;
+    ac.tp_size = EngineTp(hooks_);
+    ac.tp_rank = 0;
+    ac.head_begin = hooks_.ranks.empty() ? 0 : hooks_.ranks[0].kv_head_begin;
     ac.model_fingerprint = hooks_.model_fingerprint;
     ac.reply_timeout_ms = static_cast<int>(opt().config.reply_timeout / kMillisecond);
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
@@ -539,6 +548,7 @@ class KvBridgeConnector final : public KvConnector {
       impl_->metadata_blob = xfer::EncodeMetadata(md);
       impl_->wake = hooks_.wake;
     }
+    RETURN_IF_ERROR(InitRankAgents(ac, xfer::EncodeMetadata(md)));
     KVB_LOG_INFO("kv connector: engine {} ({}), agent {} backends {}", impl_->engine_id,
                  KvRoleName(opt().config.role), ac.name, json(md.endpoints).dump());
     return OkStatus();
@@ -588,8 +598,10 @@ class KvBridgeConnector final : public KvConnector {
     peers_[key];
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
     xfer::TransferAgent* agent = agent_.get();
+    std::vector<xfer::TransferAgent*> rank_agents;  // ranks 1.. read and notify on their own
+    for (auto& a : rank_agents_) rank_agents.push_back(a.get());
     const std::string token = opt().cluster_token;
-    worker_->Add([weak, agent, key, host, port, rank, token] {
+    worker_->Add([weak, agent, rank_agents, key, host, port, rank, token] {
       auto impl = weak.lock();
       if (!impl) return;
       Result<std::string> out = [&]() -> Result<std::string> {
@@ -598,7 +610,7 @@ class KvBridgeConnector final : public KvConnector {
         cli.set_read_timeout(5, 0);
         httplib::Headers h;
         if (!token.empty()) h.emplace(kTokenHeader, token);
-        auto res = cli.Get("/v1/kv/metadata?rank=" + std::to_string(rank), h);
+        auto res = cli.Get("/v1/kv/metadata/" + std::to_string(rank), h);
         if (!res) {
           return UnavailableError("GET http://" + host + ":" + std::to_string(port) +
                                   "/v1/kv/metadata: " + httplib::to_string(res.error()));
@@ -613,6 +625,7 @@ class KvBridgeConnector final : public KvConnector {
                                   md.agent_name + ", not " + key + " (restarted?)");
         }
         ASSIGN_OR_RETURN(std::string backend, agent->AddPeer(md));
+        for (xfer::TransferAgent* a : rank_agents) RETURN_IF_ERROR(a->AddPeer(md).status());
         KVB_LOG_INFO("kv connector: peer {} via {}", key, backend);
         {
           std::lock_guard<std::mutex> l(impl->mu);
@@ -771,7 +784,15 @@ class KvBridgeConnector final : public KvConnector {
     for (size_t i = 0; i < r.local_block_ids.size(); ++i) {
       spec.blocks.push_back({r.local_block_ids[i], r.remote_block_ids[i]});
     }
-    auto prepared = agent_->Prepare(spec);
+    xfer::TransferAgent* agent = AgentFor(r.decode_rank);
+    if (agent == nullptr) {
+      decode_.OnReadCompleted(
+          r.read_id, InternalError("no transfer agent for rank " + std::to_string(r.decode_rank)),
+          now);
+      return;
+    }
+    SetHeadSlice(r, spec);
+    auto prepared = agent->Prepare(spec);
     if (!prepared.ok()) {
       decode_.OnReadCompleted(r.read_id, prepared.status(), now);
       return;
@@ -779,7 +800,7 @@ class KvBridgeConnector final : public KvConnector {
     xfer::PostOptions po;
     po.transfer_id = r.transfer_id;
     const uint64_t bytes = (*prepared)->bytes();
-    auto h = agent_->Post(*prepared, po);
+    auto h = agent->Post(*prepared, po);
     if (!h.ok()) {
       decode_.OnReadCompleted(r.read_id, h.status(), now);
       return;
@@ -793,14 +814,22 @@ class KvBridgeConnector final : public KvConnector {
     const std::string payload = EncodeMessage(s.msg);
     if (s.reply_token != 0) {
       xfer::Notification n;
+      int via = 0;  // the local rank whose agent received the message
       {
         std::lock_guard<std::mutex> l(impl_->mu);
         auto it = impl_->reply_paths.find(s.reply_token);
         if (it == impl_->reply_paths.end()) return;
         n = it->second;
         impl_->reply_paths.erase(it);
+        auto rr = impl_->reply_ranks.find(s.reply_token);
+        if (rr != impl_->reply_ranks.end()) {
+          via = rr->second;
+          impl_->reply_ranks.erase(rr);
+        }
       }
-      Status st = agent_->Reply(n, payload);
+      xfer::TransferAgent* reply_agent = AgentFor(via);
+      if (reply_agent == nullptr) return;
+      Status st = reply_agent->Reply(n, payload);
       if (!st.ok()) KVB_LOG_WARN("kv connector: reply to {}: {}", n.peer, st.ToString());
       return;
     }
@@ -839,8 +868,139 @@ class KvBridgeConnector final : public KvConnector {
         impl->Push(EvMessage{std::move(*m), 0});
       };
     }
-    Status st = agent_->Notify(peer->agent_name, tid, payload, std::move(cb));
+    xfer::TransferAgent* from = AgentFor(SenderRank(s.msg));
+    if (from == nullptr) return;
+    Status st = from->Notify(peer->agent_name, tid, payload, std::move(cb));
     if (!st.ok()) KVB_LOG_WARN("kv connector: notify {}: {}", peer->agent_name, st.ToString());
+  }
+
+  // ---- Tensor parallelism: one transfer agent per rank (docs/protocol.md "Tensor
+  // parallelism"). Rank 0's agent is agent_; ranks 1.. are rank_agents_[r - 1]. ----
+
+  static int EngineTp(const EngineHooks& h) { return std::max(1, h.tp_size); }
+  // The model's global KV heads (a rank's kv_head_end is at most that; rank 0 alone at TP 1).
+  static int GlobalKvHeads(const EngineHooks& h) {
+    int heads = h.kv_view.layout.num_kv_heads;
+    for (const KvRankHooks& r : h.ranks) heads = std::max(heads, r.kv_head_end);
+    return heads;
+  }
+
+  xfer::TransferAgent* AgentFor(int rank) const {
+    if (rank == 0) return agent_.get();
+    if (rank < 0 || rank > static_cast<int>(rank_agents_.size())) return nullptr;
+    return rank_agents_[static_cast<size_t>(rank) - 1].get();
+  }
+
+  // The local rank that sends `m`: a decode rank's messages leave from its own agent.
+  static int SenderRank(const ControlMessage& m) {
+    if (auto* rd = std::get_if<ReadDoneMsg>(&m)) return rd->decode_rank;
+    if (auto* hb = std::get_if<HeartbeatMsg>(&m)) return hb->decode_rank;
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&m)) return wb->decode_rank;
+    if (auto* wd = std::get_if<WriteDoneMsg>(&m)) return wd->prefill_rank;
+    if (auto* wc = std::get_if<WriteCancelMsg>(&m)) return wc->decode_rank;
+    return 0;
+  }
+
+  // A READ of a head slice (the TP plan): the same head range inside each K and V half block.
+  void SetHeadSlice(const PostReadAction& r, xfer::TransferSpec& spec) const {
+    if (r.head_count <= 0) return;
+    const PagedKvLayout& l = hooks_.kv_view.layout;  // block_size/head_dim/dtype equal on all ranks
+    const xfer::ByteRange src = xfer::HeadRangeBytes(l, r.src_head_begin, r.head_count);
+    const xfer::ByteRange dst = xfer::HeadRangeBytes(l, r.dst_head_begin, r.head_count);
+    spec.remote_range = src;
+    spec.local_range = dst;
+  }
+
+  // Checks the engine's rank hooks against the TP plan's head split and starts the agents of
+  // ranks 1..tp-1 (each registers its rank's KV shard, shares the hold check, and answers
+  // notifications on its own reply path). `rank0_blob` is rank 0's metadata.
+  Status InitRankAgents(const xfer::AgentConfig& rank0, const std::string& rank0_blob) {
+    const int tp = EngineTp(hooks_);
+    if (opt().tp_size != 1 && opt().tp_size != tp) {
+      return FailedPreconditionError("kv connector: options.tp_size " +
+                                     std::to_string(opt().tp_size) + " != the engine's " +
+                                     std::to_string(tp));
+    }
+    const int heads = GlobalKvHeads(hooks_);
+    if (tp > 1 && static_cast<int>(hooks_.ranks.size()) != tp) {
+      return FailedPreconditionError("kv connector: engine TP " + std::to_string(tp) + " gave " +
+                                     std::to_string(hooks_.ranks.size()) + " rank hooks");
+    }
+    for (const KvRankHooks& rh : hooks_.ranks) {
+      const TpHeadRange want = TpRankHeads(rh.rank, tp, heads);
+      if (rh.kv_head_begin != want.begin || rh.kv_head_end - rh.kv_head_begin != want.count ||
+          rh.kv_view.layout.num_kv_heads != want.count) {
+        return FailedPreconditionError("kv connector: rank " + std::to_string(rh.rank) +
+                                       " holds KV heads [" + std::to_string(rh.kv_head_begin) +
+                                       ", " + std::to_string(rh.kv_head_end) +
+                                       "), the TP plan expects [" + std::to_string(want.begin) +
+                                       ", " + std::to_string(want.begin + want.count) + ")");
+      }
+    }
+    std::vector<std::string> blobs = {rank0_blob};
+    std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
+    for (int r = 1; r < tp; ++r) {
+      const KvRankHooks& rh = hooks_.ranks[static_cast<size_t>(r)];
+      xfer::AgentConfig ac = rank0;
+      ac.name = AgentName(impl_->engine_id, r);
+      ac.tp_rank = r;
+      ac.head_begin = rh.kv_head_begin;
+      ASSIGN_OR_RETURN(auto agent, xfer::TransferAgent::Create(ac));
+      const PagedKvLayout& layout = rh.kv_view.layout;
+      const bool shareable =
+          rh.kv_shm_fd >= 0 && rh.kv_layer_offsets.size() == static_cast<size_t>(layout.num_layers);
+      if (opt().config.transport == KvTransport::kShm && !shareable) {
+        return FailedPreconditionError("kv connector: transport \"shm\" needs rank " +
+                                       std::to_string(r) + "'s KV pool in shareable memory");
+      }
+      xfer::KvRegistration reg;
+      reg.layout = layout;
+      for (int l = 0; l < layout.num_layers; ++l) {
+        reg.layers.push_back(xfer::MemoryRegion{
+            .kind = xfer::MemoryKind::kHost,
+            .device = -1,
+            .base = rh.kv_view.layer_base[l],
+            .bytes = layout.LayerBytes(),
+            .shm_fd = shareable ? rh.kv_shm_fd : -1,
+            .shm_offset = shareable ? static_cast<size_t>(rh.kv_layer_offsets[l]) : 0});
+      }
+      reg.k_scale = rh.kv_view.k_scale;
+      reg.v_scale = rh.kv_view.v_scale;
+      RETURN_IF_ERROR(agent->RegisterMemory(reg).WithPrefix("kv connector: registering rank " +
+                                                            std::to_string(r) + "'s KV shard"));
+      ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent->Metadata());
+      blobs.push_back(xfer::EncodeMetadata(md));
+      agent->SetNotificationHandler([weak, r](xfer::Notification n) {
+        auto impl = weak.lock();
+        if (!impl) return;
+        auto m = DecodeMessage(n.payload);
+        if (!m.ok()) {
+          KVB_LOG_WARN("kv connector: bad control message from {}: {}", n.peer,
+                       m.status().ToString());
+          return;
+        }
+        uint64_t token = 0;
+        if (n.wants_reply) {
+          std::lock_guard<std::mutex> l(impl->mu);
+          token = impl->next_reply_token++;
+          impl->reply_paths[token] = n;
+          impl->reply_ranks[token] = r;
+        }
+        impl->Push(EvMessage{std::move(*m), token});
+      });
+      rank_agents_.push_back(std::move(agent));
+    }
+    std::lock_guard<std::mutex> l(impl_->mu);
+    impl_->rank_metadata_blobs = std::move(blobs);
+    return OkStatus();
+  }
+
+  void StopRankAgents() {
+    for (auto& a : rank_agents_) {
+      a->SetNotificationHandler(nullptr);
+      a->SetHoldCheck(nullptr);
+    }
+    rank_agents_.clear();
   }
 
   void Wake() {
@@ -1035,6 +1195,7 @@ class KvBridgeConnector final : public KvConnector {
   WritePrefillCore wprefill_;  // WRITE mode, prefill side
   WriteDecodeCore wdecode_;    // WRITE mode, decode side
   std::unique_ptr<xfer::TransferAgent> agent_;
+  std::vector<std::unique_ptr<xfer::TransferAgent>> rank_agents_;  // ranks 1..tp-1 (TP)
   std::unique_ptr<Worker> worker_;
   std::unique_ptr<ReadWatcher> watcher_;
   std::unique_ptr<ReadWatcher> write_watcher_;  // WRITE handles (write mode, prefill side)
@@ -1064,9 +1225,6 @@ KvBridgeRuntime::~KvBridgeRuntime() = default;
 Result<std::shared_ptr<KvBridgeRuntime>> KvBridgeRuntime::Create(KvBridgeOptions options) {
   if (options.tp_size < 1 || options.tp_rank < 0 || options.tp_rank >= options.tp_size) {
     return InvalidArgumentError("kv connector: tp_rank must be in [0, tp_size)");
-  }
-  if (options.tp_size != 1) {
-    return UnimplementedError("kv connector: tensor parallelism is not supported yet");
   }
   auto impl = std::make_shared<Impl>();
   impl->engine_id =
@@ -1110,6 +1268,31 @@ std::function<Status(nlohmann::json&)> KvBridgeRuntime::ValidateHook() const {
   };
 }
 
+namespace {
+
+// GET /v1/kv/metadata/<rank>: that TP rank's transfer-agent metadata (endpoints, tp_size,
+// tp_rank, head range, layout); 404 for a rank the engine does not have.
+std::function<server::HttpResponse(const server::HttpRequest&)> RankMetadataRoute(
+    std::shared_ptr<KvBridgeRuntime::Impl> impl, server::ApiServer* s) {
+  return [impl, s](const server::HttpRequest& r) {
+    if (!s->CheckClusterToken(r)) return server::OpenAiErrorResponse(403, "cluster token required");
+    const int rank = r.path_matches.size() > 1 ? std::stoi(r.path_matches[1]) : 0;
+    std::lock_guard<std::mutex> l(impl->mu);
+    if (impl->metadata_blob.empty())
+      return server::OpenAiErrorResponse(503, "kv connector not ready");
+    if (rank == 0) return server::HttpResponse{.status = 200, .body = impl->metadata_blob};
+    if (rank >= static_cast<int>(impl->rank_metadata_blobs.size())) {
+      return server::OpenAiErrorResponse(
+          404, "no TP rank " + std::to_string(rank) + " on this engine (tp_size " +
+                   std::to_string(std::max<size_t>(1, impl->rank_metadata_blobs.size())) + ")");
+    }
+    return server::HttpResponse{.status = 200,
+                                .body = impl->rank_metadata_blobs[static_cast<size_t>(rank)]};
+  };
+}
+
+}  // namespace
+
 Status KvBridgeRuntime::InstallRoutes(server::ApiServer& srv) {
   std::shared_ptr<Impl> impl = impl_;
   server::ApiServer* s = &srv;
@@ -1123,6 +1306,8 @@ Status KvBridgeRuntime::InstallRoutes(server::ApiServer& srv) {
         }
         return server::HttpResponse{.status = 200, .body = impl->metadata_blob};
       }));
+  RETURN_IF_ERROR(
+      srv.RegisterRoute("GET", R"(/v1/kv/metadata/(\d{1,4}))", RankMetadataRoute(impl, s)));
   return srv.RegisterRoute("POST", "/v1/kv/release", [impl, s](const server::HttpRequest& r) {
     if (!s->CheckClusterToken(r)) return server::OpenAiErrorResponse(403, "cluster token required");
     json j = json::parse(r.body, nullptr, false);

@@ -76,8 +76,26 @@ struct ReportBlocksFreeAction {
   std::string request_id;
 };
 
-using ConnectorAction =
-    std::variant<PostReadAction, CancelReadAction, SendMessageAction, ReportLoadDoneAction,
-                 ReportLoadFailedAction, ReportBlocksFreeAction>;
+/// Prefill (WRITE mode): WRITE local blocks `local_block_ids[i]` into `decode`'s blocks
+/// `remote_block_ids[i]`, for layer `layer` (-1: every layer). Report the end with
+/// WritePrefillCore::OnWriteCompleted(write_id).
+struct PostWriteAction {
+  uint64_t write_id = 0;  ///< unique per WritePrefillCore, > 0
+  std::string transfer_id;
+  PeerEndpoint decode;  ///< engine_id / host / port / rank of the decode rank written to
+  int prefill_rank = 0;
+  int layer = -1;
+  std::vector<int32_t> local_block_ids;
+  std::vector<int32_t> remote_block_ids;
+};
+/// Prefill (WRITE mode): cancel write `write_id`; its OnWriteCompleted follows only once no more
+/// bytes can land.
+struct CancelWriteAction {
+  uint64_t write_id = 0;
+};
+
+using ConnectorAction = std::variant<PostReadAction, CancelReadAction, SendMessageAction,
+                                     ReportLoadDoneAction, ReportLoadFailedAction,
+                                     ReportBlocksFreeAction, PostWriteAction, CancelWriteAction>;
 
 }  // namespace kvbridge
