@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <list>
 #include <mutex>
 #include <numeric>
@@ -145,15 +146,23 @@ class Completer {
   std::thread thread_;
 };
 
+// The registered layers, sorted by base: Contains is a binary search (a transfer checks every
+// segment, e.g. 64 blocks x 32 layers = 2048 of them; a linear scan over the layers cost ~50 us
+// per such transfer on the H200 host).
 struct LocalLayers {
-  std::vector<uint8_t*> base;
-  std::vector<uint64_t> bytes;
+  std::vector<std::pair<uint8_t*, uint64_t>> regions;  // (base, bytes), sorted by base
+  void Add(uint8_t* base, uint64_t bytes) {
+    regions.insert(std::upper_bound(regions.begin(), regions.end(), std::make_pair(base, bytes)),
+                   {base, bytes});
+  }
+  // True when [p, p + n) lies inside one registered layer (layers never overlap, so only the
+  // last one starting at or below p can hold it).
   bool Contains(const uint8_t* p, uint64_t n) const {
-    for (size_t i = 0; i < base.size(); ++i) {
-      if (p >= base[i] && n <= bytes[i] && static_cast<uint64_t>(p - base[i]) <= bytes[i] - n)
-        return true;
-    }
-    return false;
+    auto it = std::upper_bound(regions.begin(), regions.end(), p,
+                               [](const uint8_t* x, const auto& r) { return x < r.first; });
+    if (it == regions.begin()) return false;
+    const auto& [base, bytes] = *std::prev(it);
+    return n <= bytes && static_cast<uint64_t>(p - base) <= bytes - n;
   }
 };
 
@@ -200,6 +209,7 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
       unit = std::gcd(unit, s.length);
     }
     std::vector<AddressPair> units;
+    if (unit != 0) units.reserve(job->total_bytes / unit);
     for (const Segment& s : segs) {
       uint8_t* remote = map_->layer_base[s.remote_layer] + s.remote_offset;
       for (uint64_t off = 0; off < s.length; off += unit)
@@ -306,8 +316,7 @@ class CudaIpcBackend : public Backend {
       PutU32(layers, idx);
       PutU64(layers, static_cast<uint64_t>(r.base - alloc.first));
       PutU64(layers, r.bytes);
-      local_.base.push_back(r.base);
-      local_.bytes.push_back(r.bytes);
+      local_.Add(r.base, r.bytes);
     }
     table_.clear();
     PutU32(table_, 0);  // status OK
