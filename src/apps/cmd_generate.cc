@@ -10,6 +10,7 @@
 
 #include "apps/command_registry.h"
 #include "kvbridge/model/model.h"
+#include "kvbridge/model/tensor_parallel.h"
 
 namespace {
 
@@ -22,6 +23,7 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::string kv_dtype = "fp32";  // same default as `serve --kv-cache-dtype auto`
   int threads = 0;
+  int tensor_parallel_size = 1;
 };
 
 // Valid UTF-8 and printable ASCII pass through; other bytes print as \xNN (random-weight
@@ -86,6 +88,11 @@ int RunGenerate(const GenerateOptions& o) {
     return 1;
   }
   const kvbridge::Model& model = **loaded;
+  auto tp = kvbridge::TensorParallelModel::Create(*loaded, o.tensor_parallel_size);
+  if (!tp.ok()) {
+    std::fprintf(stderr, "error: %s\n", tp.status().ToString().c_str());
+    return 2;
+  }
   const auto& tok = model.tokenizer();
   std::vector<int32_t> ids;
   if (!o.prompt_ids.empty()) {
@@ -119,7 +126,13 @@ int RunGenerate(const GenerateOptions& o) {
   const int num_blocks = (total + block_size - 1) / block_size;
   std::vector<float> ks, vs;
   model.KvScales(dtype, &ks, &vs);
-  kvbridge::LocalKvCache kv(model.KvLayout(num_blocks, block_size, dtype), ks, vs);
+  // One KV cache per tensor-parallel rank (its KV heads), all indexed by the same block table.
+  std::vector<kvbridge::LocalKvCache> kv;
+  std::vector<kvbridge::PagedKvView> views;
+  for (int r = 0; r < (*tp)->tp_size(); ++r) {
+    kv.emplace_back((*tp)->KvLayout(r, num_blocks, block_size, dtype), ks, vs);
+  }
+  for (const auto& k : kv) views.push_back(k.view());
   std::vector<int32_t> table(num_blocks);
   for (int i = 0; i < num_blocks; ++i) table[i] = i;
 
@@ -130,7 +143,7 @@ int RunGenerate(const GenerateOptions& o) {
   kvbridge::ForwardBatch prefill;
   prefill.sequences.push_back(
       {ids.data(), static_cast<int>(ids.size()), 0, table.data(), num_blocks, true});
-  if (auto st = model.Forward(prefill, kv.view(), &logits); !st.ok()) {
+  if (auto st = (*tp)->Forward(prefill, views, &logits); !st.ok()) {
     std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
     return 1;
   }
@@ -148,7 +161,7 @@ int RunGenerate(const GenerateOptions& o) {
     if (static_cast<int>(out.size()) >= o.max_tokens) break;
     kvbridge::ForwardBatch step;
     step.sequences.push_back({&next, 1, pos, table.data(), num_blocks, true});
-    if (auto st = model.Forward(step, kv.view(), &logits); !st.ok()) {
+    if (auto st = (*tp)->Forward(step, views, &logits); !st.ok()) {
       std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
       return 1;
     }
@@ -161,11 +174,11 @@ int RunGenerate(const GenerateOptions& o) {
   std::printf("%s\n", Printable(tok.Decode(out)).c_str());
   std::fprintf(stderr,
                "prompt %zu tokens in %.3f s (%.0f tok/s); generated %zu tokens%s in %.3f s "
-               "(%.1f tok/s); kv %s; model %s\n",
+               "(%.1f tok/s); kv %s; tp %d; model %s\n",
                ids.size(), prefill_s, ids.size() / std::max(prefill_s, 1e-9), out.size(),
                eos_note.c_str(), decode_s,
                out.size() > 1 ? (out.size() - 1) / std::max(decode_s, 1e-9) : 0.0,
-               o.kv_dtype.c_str(), model.fingerprint().c_str());
+               o.kv_dtype.c_str(), o.tensor_parallel_size, model.fingerprint().c_str());
   return 0;
 }
 
@@ -188,7 +201,11 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--kv-dtype", o->kv_dtype, "fp32 | bf16 | fp8")
           ->check(CLI::IsMember({"fp32", "bf16", "fp8"}))
           ->capture_default_str();
-      sub.add_option("--threads", o->threads, "compute threads (0 = all cores)")
+      sub.add_option("--threads", o->threads, "compute threads at TP 1 (0 = all cores)")
+          ->capture_default_str();
+      sub.add_option("--tensor-parallel-size,--tp", o->tensor_parallel_size,
+                     "tensor-parallel ranks (threads, one each); divides 8 and the head count; "
+                     "output is bitwise the same at every size")
           ->capture_default_str();
       return [o] { return RunGenerate(*o); };
     });

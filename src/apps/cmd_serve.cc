@@ -39,6 +39,7 @@ struct ServeOptions {
   int max_waiting_requests = 1024;
   int http_threads = 128;
   int model_threads = 0;
+  int tensor_parallel_size = 1;
   std::string kv_transfer_config;
   std::string cluster_token;
   std::string advertise_host;
@@ -87,6 +88,7 @@ int RunServe(const ServeOptions& o) {
   ec.max_model_len = o.max_model_len;
   ec.max_waiting_requests = o.max_waiting_requests;
   ec.seed = o.seed;
+  ec.tensor_parallel_size = o.tensor_parallel_size;
 
   server::ServerConfig sc;
   sc.host = o.host;
@@ -232,6 +234,11 @@ const bool kRegistered = RegisterCommand(
           ->capture_default_str();
       sub.add_option("--model-threads", o->model_threads,
                      "Threads inside one forward pass (0: hardware concurrency, at most 8)")
+          ->capture_default_str();
+      sub.add_option("--tensor-parallel-size,--tp", o->tensor_parallel_size,
+                     "Tensor-parallel ranks inside this engine (one thread each, own weight "
+                     "slices and KV heads); must divide 8 and the model's head count. Output is "
+                     "bitwise the same at every size")
           ->capture_default_str();
       sub.add_option("--kv-transfer-config", o->kv_transfer_config,
                      "P/D connector JSON, e.g. '{\"kv_connector\":\"KVBridgeConnector\","

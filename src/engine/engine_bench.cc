@@ -2,11 +2,12 @@
 // no thread hand-off) at several concurrencies. Not a test: figures go to docs/engine.md.
 //
 //   build/bin/engine_bench [--model DIR | --preset small] [--prompt 64] [--max-tokens 64]
-//                          [--concurrency 1,2,4,8,16,32,64] [--threads 0]
+//                          [--concurrency 1,2,4,8,16,32,64] [--threads 0] [--tp 1]
 //
 // Each run: `concurrency` requests (distinct byte prompts, greedy, ignore_eos) added at once,
 // stepped until all finish. Reports steps, wall seconds, steps/s, generated tokens/s and
-// computed tokens/s (prompt + generated).
+// computed tokens/s (prompt + generated). `--tp T` runs the engine with T tensor-parallel rank
+// threads (then `--threads` only matters at T = 1).
 #include <unistd.h>
 
 #include <chrono>
@@ -25,7 +26,7 @@ using namespace kvbridge;
 
 int main(int argc, char** argv) {
   std::string model_dir, preset = "small";
-  int prompt_len = 64, max_tokens = 64, threads = 0;
+  int prompt_len = 64, max_tokens = 64, threads = 0, tp = 1;
   std::vector<int> conc = {1, 2, 4, 8, 16, 32, 64};
   SetLogLevel("warn");
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -40,6 +41,8 @@ int main(int argc, char** argv) {
       max_tokens = std::atoi(v.c_str());
     else if (k == "--threads")
       threads = std::atoi(v.c_str());
+    else if (k == "--tp")
+      tp = std::atoi(v.c_str());
     else if (k == "--concurrency") {
       conc.clear();
       std::stringstream ss(v);
@@ -69,8 +72,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::shared_ptr<const Model> m = std::move(model).value();
-  std::printf("model %s (%d layers, hidden %d), prompt %d, max_tokens %d\n", model_dir.c_str(),
-              m->config().num_hidden_layers, m->config().hidden_size, prompt_len, max_tokens);
+  std::printf("model %s (%d layers, hidden %d), prompt %d, max_tokens %d, tp %d, threads %d\n",
+              model_dir.c_str(), m->config().num_hidden_layers, m->config().hidden_size, prompt_len,
+              max_tokens, tp, threads);
   std::printf("%6s %7s %9s %9s %12s %12s\n", "conc", "steps", "wall_s", "steps/s", "gen_tok/s",
               "all_tok/s");
   for (int c : conc) {
@@ -78,6 +82,7 @@ int main(int argc, char** argv) {
     cfg.num_blocks = static_cast<int64_t>(c) * ((prompt_len + max_tokens) / 16 + 2) + 16;
     cfg.max_num_seqs = std::max(64, c);
     cfg.enable_prefix_caching = false;  // distinct prompts anyway; measure compute
+    cfg.tensor_parallel_size = tp;
     auto core_or = EngineCore::Create(cfg, m, nullptr, {});
     if (!core_or.ok()) {
       std::fprintf(stderr, "%s\n", core_or.status().ToString().c_str());
