@@ -69,7 +69,7 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                      "Stop the sweep when a batch's mean and p50 latency exceed this (s)");
       sub.add_flag("--no-shuffle-input", c->no_shuffle, "Keep the prompts' order");
       sub.add_option("--seed", o.seed, "Seed for shuffling and jitter")->capture_default_str();
-      sub.add_flag("--stream", o.stream, "Request SSE streams");
+      sub.add_flag("--stream", o.stream, "Request SSE streams; reports TTFT and TPOT");
       sub.add_flag("--json", c->json, "Print a JSON summary instead of the table");
       auto* drain = sub.add_option("--check-drain", o.drain_urls,
                                    "After each batch, wait for these instances' KV to drain "

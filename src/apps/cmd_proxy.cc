@@ -18,6 +18,7 @@ struct ProxyCliOptions {
   std::string routing = "least-loaded";
   int heartbeat_timeout_ms = 3000;
   int request_timeout_s = 600;
+  int upstream_idle_timeout_ms = 1000;
 };
 
 int RunProxy(ProxyCliOptions& cli) {
@@ -32,6 +33,7 @@ int RunProxy(ProxyCliOptions& cli) {
   cli.proxy.routing = *routing;
   cli.proxy.heartbeat_timeout = cli.heartbeat_timeout_ms * kvbridge::kMillisecond;
   cli.proxy.request_timeout = cli.request_timeout_s * kvbridge::kSecond;
+  cli.proxy.upstream_idle_timeout = cli.upstream_idle_timeout_ms * kvbridge::kMillisecond;
   // Signals are taken synchronously by this thread; block them before any thread starts.
   sigset_t set;
   sigemptyset(&set);
@@ -67,6 +69,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--routing", o->routing, "least-loaded|round-robin")->capture_default_str();
       sub.add_flag("--prefill-forward-n", o->proxy.prefill_forward_n,
                    "Send the client's n to the prefill leg (default n=1)");
+      sub.add_flag("--colocated", o->proxy.colocated,
+                   "No P/D: send each request whole to one --decode instance (colocated "
+                   "engines behind this proxy, e.g. to compare with P/D)");
       sub.add_option("--cluster-token", o->proxy.cluster_token,
                      "Token sent on legs/releases and required from registering engines");
       sub.add_option("--heartbeat-timeout-ms", o->heartbeat_timeout_ms,
@@ -75,6 +80,14 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--request-timeout-s", o->request_timeout_s, "Bound on one client request")
           ->capture_default_str();
       sub.add_option("--threads", o->proxy.threads, "Event-loop threads")->capture_default_str();
+      sub.add_option("--upstream-max-idle", o->proxy.upstream_max_idle,
+                     "Idle keep-alive connections kept per engine (0 = a new one per leg)")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 4096));
+      sub.add_option("--upstream-idle-timeout-ms", o->upstream_idle_timeout_ms,
+                     "Close idle engine connections after this long")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 3600000));
       return [o] { return RunProxy(*o); };
     });
 

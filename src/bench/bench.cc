@@ -57,6 +57,8 @@ std::unique_ptr<httplib::Client> MakeClient(const HostPort& hp, double timeout_s
 struct Sample {
   bool ok = false;
   double latency_s = 0;
+  double ttft_s = -1;  // streaming: to the first event that carries a choice
+  double n = 1;
   double prompt_tokens = 0;
   double completion_tokens = 0;
   double cached_tokens = 0;
@@ -90,6 +92,34 @@ bool ReadUsage(const std::string& body, bool stream, Sample& s) {
   }
   return true;
 }
+
+// Finds, in a growing SSE body, the first complete event whose JSON carries a choice (the first
+// token, as vLLM's benchmark_serving times TTFT). Scans each byte once.
+class FirstTokenScanner {
+ public:
+  bool SeesFirstToken(const std::string& body) {
+    for (;;) {
+      size_t end = body.find("\n\n", scanned_);
+      if (end == std::string::npos) {
+        scanned_ = body.size() > 1 ? body.size() - 1 : 0;
+        return false;
+      }
+      std::string_view ev(body.data() + start_, end - start_);
+      start_ = scanned_ = end + 2;
+      while (!ev.empty() && (ev.front() == '\n' || ev.front() == '\r')) ev.remove_prefix(1);
+      if (ev.rfind("data: ", 0) != 0 || ev == "data: [DONE]") continue;
+      json j = json::parse(ev.substr(6), nullptr, false);
+      if (j.is_object() && j.contains("choices") && j["choices"].is_array() &&
+          !j["choices"].empty()) {
+        return true;
+      }
+    }
+  }
+
+ private:
+  size_t start_ = 0;    // where the next event begins
+  size_t scanned_ = 0;  // bytes already searched for the event separator
+};
 
 Result<std::string> DiscoverModel(const HostPort& hp) {
   auto c = MakeClient(hp, 10);
@@ -313,18 +343,40 @@ Result<BenchReport> RunBench(const BenchOptions& o,
           int i = next.fetch_add(1);
           if (i >= static_cast<int>(bodies.size())) return;
           Sample& s = samples[static_cast<size_t>(i)];
+          s.n = o.best_of_n;
           const auto r0 = Clock::now();
-          auto res =
-              client->Post(o.path.c_str(), bodies[static_cast<size_t>(i)], "application/json");
+          std::string body;
+          FirstTokenScanner scan;
+          httplib::Result res = [&] {
+            if (!o.stream) {
+              return client->Post(o.path.c_str(), bodies[static_cast<size_t>(i)],
+                                  "application/json");
+            }
+            httplib::Request req;
+            req.method = "POST";
+            req.path = o.path;
+            req.body = bodies[static_cast<size_t>(i)];
+            req.set_header("Content-Type", "application/json");
+            req.set_header("Accept", "text/event-stream");
+            req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+              body.append(d, n);
+              if (s.ttft_s < 0 && scan.SeesFirstToken(body)) s.ttft_s = Seconds(Clock::now() - r0);
+              return true;
+            };
+            return client->send(req);
+          }();
+          if (!o.stream && res) body = std::move(res->body);
           s.latency_s = Seconds(Clock::now() - r0);
           if (!res) {
             s.error = "transport: " + httplib::to_string(res.error());
           } else if (res->status != 200) {
-            s.error = "HTTP " + std::to_string(res->status) + ": " + res->body.substr(0, 300);
-          } else if (res->body.empty()) {
+            s.error = "HTTP " + std::to_string(res->status) + ": " + body.substr(0, 300);
+          } else if (body.empty()) {
             s.error = "HTTP 200 with an empty body";
-          } else if (!ReadUsage(res->body, o.stream, s)) {
-            s.error = "unparsable or error response: " + res->body.substr(0, 300);
+          } else if (!ReadUsage(body, o.stream, s)) {
+            s.error = "unparsable or error response: " + body.substr(0, 300);
+          } else if (o.stream && s.ttft_s < 0) {
+            s.error = "stream without a token: " + body.substr(0, 300);
           } else {
             s.ok = true;
           }
@@ -359,7 +411,7 @@ Result<BenchReport> RunBench(const BenchOptions& o,
     br.requests = o.samples;
     br.duration_s = Seconds(t_end - t0);
     br.requests_per_s = br.duration_s > 0 ? o.samples / br.duration_s : 0;
-    std::vector<double> lat;
+    std::vector<double> lat, ttft, tpot;
     double prompt = 0, completion = 0, cached = 0;
     int ok = 0;
     for (const Sample& s : samples) {
@@ -370,6 +422,12 @@ Result<BenchReport> RunBench(const BenchOptions& o,
       }
       ++ok;
       lat.push_back(s.latency_s);
+      if (s.ttft_s >= 0) {
+        ttft.push_back(s.ttft_s);
+        // Per choice: the n siblings stream side by side, each completion_tokens / n long.
+        const double per_choice = s.completion_tokens / std::max(1.0, s.n);
+        if (per_choice > 1) tpot.push_back((s.latency_s - s.ttft_s) / (per_choice - 1));
+      }
       prompt += s.prompt_tokens;
       completion += s.completion_tokens;
       cached += s.cached_tokens;
@@ -383,6 +441,20 @@ Result<BenchReport> RunBench(const BenchOptions& o,
       br.latency_p90_s = Percentile(lat, 0.90);
       br.latency_p95_s = Percentile(lat, 0.95);
     }
+    auto mean = [](const std::vector<double>& v) {
+      double sum = 0;
+      for (double x : v) sum += x;
+      return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+    };
+    br.ttft_count = static_cast<int>(ttft.size());
+    br.ttft_mean_s = mean(ttft);
+    br.ttft_p50_s = Percentile(ttft, 0.50);
+    br.ttft_p99_s = Percentile(ttft, 0.99);
+    br.tpot_count = static_cast<int>(tpot.size());
+    br.tpot_mean_s = mean(tpot);
+    br.tpot_p50_s = Percentile(tpot, 0.50);
+    br.tpot_p99_s = Percentile(tpot, 0.99);
+    br.output_tokens_per_s = br.duration_s > 0 ? completion / br.duration_s : 0;
     if (ok > 0) {
       br.mean_input_tokens = prompt / ok;
       br.mean_output_tokens = completion / ok;
@@ -412,18 +484,31 @@ Result<BenchReport> RunBench(const BenchOptions& o,
 std::string FormatTable(const BenchReport& r) {
   std::string out;
   char buf[512];
-  std::snprintf(buf, sizeof(buf), "%5s %6s %6s %8s %8s %8s %8s %8s %8s %8s %8s %8s %6s\n", "conc",
-                "reqs", "errors", "dur_s", "req/s", "mean_s", "p50_s", "p75_s", "p90_s", "p95_s",
-                "in_tok", "out_tok", "cache");
+  std::snprintf(buf, sizeof(buf), "%5s %6s %6s %8s %8s %8s %8s %8s %8s %8s %8s %8s %6s %8s\n",
+                "conc", "reqs", "errors", "dur_s", "req/s", "mean_s", "p50_s", "p75_s", "p90_s",
+                "p95_s", "in_tok", "out_tok", "cache", "tok/s");
   out += buf;
   for (const BatchReport& b : r.batches) {
-    std::snprintf(buf, sizeof(buf),
-                  "%5d %6d %6d %8.2f %8.2f %8.3f %8.3f %8.3f %8.3f %8.3f %8.1f %8.1f %5.1f%%\n",
-                  b.concurrency, b.requests, b.errors, b.duration_s, b.requests_per_s,
-                  b.latency_mean_s, b.latency_p50_s, b.latency_p75_s, b.latency_p90_s,
-                  b.latency_p95_s, b.mean_input_tokens, b.mean_output_tokens,
-                  100.0 * b.cache_hit_rate);
+    std::snprintf(
+        buf, sizeof(buf),
+        "%5d %6d %6d %8.2f %8.2f %8.3f %8.3f %8.3f %8.3f %8.3f %8.1f %8.1f %5.1f%% %8.1f\n",
+        b.concurrency, b.requests, b.errors, b.duration_s, b.requests_per_s, b.latency_mean_s,
+        b.latency_p50_s, b.latency_p75_s, b.latency_p90_s, b.latency_p95_s, b.mean_input_tokens,
+        b.mean_output_tokens, 100.0 * b.cache_hit_rate, b.output_tokens_per_s);
     out += buf;
+  }
+  bool streamed = false;
+  for (const BatchReport& b : r.batches) streamed = streamed || b.ttft_count > 0;
+  if (streamed) {
+    std::snprintf(buf, sizeof(buf), "%5s %12s %12s %12s %12s %12s %12s\n", "conc", "ttft_mean_ms",
+                  "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms");
+    out += buf;
+    for (const BatchReport& b : r.batches) {
+      std::snprintf(buf, sizeof(buf), "%5d %12.1f %12.1f %12.1f %12.2f %12.2f %12.2f\n",
+                    b.concurrency, 1e3 * b.ttft_mean_s, 1e3 * b.ttft_p50_s, 1e3 * b.ttft_p99_s,
+                    1e3 * b.tpot_mean_s, 1e3 * b.tpot_p50_s, 1e3 * b.tpot_p99_s);
+      out += buf;
+    }
   }
   for (const BatchReport& b : r.batches) {
     for (const std::string& e : b.error_samples)
@@ -467,6 +552,17 @@ std::string ReportJson(const BenchReport& r) {
                          {"p75", b.latency_p75_s},
                          {"p90", b.latency_p90_s},
                          {"p95", b.latency_p95_s}}},
+                       {"ttft_s",
+                        {{"count", b.ttft_count},
+                         {"mean", b.ttft_mean_s},
+                         {"p50", b.ttft_p50_s},
+                         {"p99", b.ttft_p99_s}}},
+                       {"tpot_s",
+                        {{"count", b.tpot_count},
+                         {"mean", b.tpot_mean_s},
+                         {"p50", b.tpot_p50_s},
+                         {"p99", b.tpot_p99_s}}},
+                       {"output_tokens_per_s", b.output_tokens_per_s},
                        {"mean_input_tokens", b.mean_input_tokens},
                        {"mean_output_tokens", b.mean_output_tokens},
                        {"cache_hit_rate", b.cache_hit_rate},

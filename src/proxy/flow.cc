@@ -160,6 +160,10 @@ bool PdFlow::SendDecode(TimePoint now, std::vector<Action>& out) {
   std::optional<Endpoint> ep = picker_(Role::kDecode, tried_decode_);
   if (!ep) return false;
   tried_decode_.push_back(ep->id);
+  if (options_.colocated) {
+    decode_leg_ = StartLeg(Role::kDecode, *ep, client_body_, client_stream_, now, out);
+    return true;
+  }
   json body = json::parse(client_body_);
   json params;
   if (options_.mode == KvMode::kRead) {
@@ -237,6 +241,12 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
     client_stream_ = it->get<bool>();
   }
   client_body_ = j.dump();
+  if (options_.colocated) {
+    if (!SendDecode(now, out)) {
+      FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no instance available", out);
+    }
+    return out;
+  }
 
   json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};
   if (options_.mode == KvMode::kWrite) prefill_params["mode"] = "write";

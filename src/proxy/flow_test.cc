@@ -497,6 +497,52 @@ TEST(PdFlowWrite, ClientDisconnectCancelsBothAndReleases) {
   EXPECT_TRUE(h.flow.done());
 }
 
+TEST(PdFlowColocated, OneWholeLegToADecodeInstanceNothingToRelease) {
+  FlowOptions o;
+  o.colocated = true;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  const SendLeg& leg = As<SendLeg>(a[0]);
+  EXPECT_EQ(leg.role, Role::kDecode);
+  EXPECT_EQ(leg.instance.id, "d1");
+  json want = json::parse(kClientBody);
+  want.erase("kv_transfer_params");
+  EXPECT_EQ(json::parse(leg.body), want);  // the client's body as is, minus its kv params
+  a = h.Answer(leg.leg_id, 200, R"({"choices":[{"text":"hi"}]})");
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"choices":[{"text":"hi"}]})");
+  EXPECT_TRUE(h.flow.done());
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+}
+
+TEST(PdFlowColocated, ErrorForwardedWithoutRelease) {
+  FlowOptions o;
+  o.colocated = true;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 400, R"({"error":"bad"})");
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 400);
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"error":"bad"})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kDecodeError);
+}
+
+TEST(PdFlowColocated, UnreachableRetriedOnAnotherThenNoInstanceIs503) {
+  FlowOptions o;
+  o.colocated = true;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.flow.OnLegError(As<SendLeg>(a[0]).leg_id, LegFailure::kUnreachable,
+                        UnavailableError("refused"), 1);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<SendLeg>(a[0]).instance.id, "d2");
+  Harness none(o, {Ep("p1")}, {});
+  a = none.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 503);
+}
+
 TEST(ShapePrefillBody, RejectsNonObjects) {
   EXPECT_FALSE(ShapePrefillBody("[]", false, "{}").ok());
   EXPECT_FALSE(ShapePrefillBody("{}", false, "[]").ok());

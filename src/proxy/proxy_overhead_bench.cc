@@ -6,12 +6,17 @@
 // The upstream is a fake OpenAI engine in this process that answers at once (so what is measured
 // is the proxies, not a model): a prefill-shaped request (kv_transfer_params.do_remote_decode)
 // gets kv_transfer_params back, anything else a fixed completion. One client (keep-alive,
-// concurrency 1) sends rounds of {direct, via nginx, via kvbridge proxy} requests, interleaved so
-// drift hits all three alike. nginx runs as its own process (1 worker, access log off, default
-// upstream settings: a new connection per request, like the kvbridge legs); `kvbridge proxy` runs
-// as its own process (1 event-loop thread) with the fake engine as both prefill and decode.
-// A P/D request through kvbridge makes two upstream calls (prefill leg + decode leg) by design, so
-// the report gives both the raw added latency and the added latency per upstream call.
+// concurrency 1) sends rounds of one request per path, interleaved so drift hits all alike:
+//   direct        straight to the upstream;
+//   nginx         nginx (1 worker, access log off) with its default upstream settings: HTTP/1.0,
+//                 a new connection per request;
+//   nginx-ka      the same nginx, a second server block whose upstream keeps 16 connections alive
+//                 (`keepalive 16`, HTTP/1.1) — nginx at its best;
+//   kvbridge      `kvbridge proxy` (own process, 1 event-loop thread), the fake as prefill and
+//                 decode, keep-alive upstream pool on (the default);
+//   kvbridge-np   the same with --upstream-max-idle 0 (a new connection per leg, as before).
+// A P/D request through kvbridge makes two upstream calls (prefill leg, then decode leg) by design,
+// where nginx makes one; the report gives the added latency raw and beyond the second call.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <httplib.h>
@@ -85,9 +90,9 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
 }
-double P90(std::vector<double> v) {
+double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() * 9 / 10];
+  return v.empty() ? 0 : v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
 }
 
 }  // namespace
@@ -139,6 +144,7 @@ int main(int argc, char** argv) {
     res.set_content("ok", "text/plain");
   });
   upstream.set_tcp_nodelay(true);
+  upstream.set_keep_alive_max_count(1 << 30);  // keep-alive clients (ours, nginx-ka) keep theirs
   int up_port = upstream.bind_to_any_port("127.0.0.1");
   std::thread up_thread([&] { upstream.listen_after_bind(); });
 
@@ -146,7 +152,8 @@ int main(int argc, char** argv) {
       (std::filesystem::temp_directory_path() / ("kvb-overhead-" + std::to_string(::getpid())))
           .string();
   std::filesystem::create_directories(dir);
-  int nginx_port = FreePort(), proxy_port = FreePort();
+  int nginx_port = FreePort(), nginx_ka_port = FreePort(), proxy_port = FreePort(),
+      proxy_np_port = FreePort();
   {
     std::ofstream conf(dir + "/nginx.conf");
     conf << "worker_processes 1;\ndaemon off;\npid " << dir << "/nginx.pid;\nerror_log " << dir
@@ -156,15 +163,24 @@ int main(int argc, char** argv) {
          << "/uwsgi;\n  scgi_temp_path " << dir << "/scgi;\n"
          << "  server {\n    listen 127.0.0.1:" << nginx_port << ";\n"
          << "    location / { proxy_pass http://127.0.0.1:" << up_port
-         << "; proxy_buffering off; }\n  }\n}\n";
+         << "; proxy_buffering off; }\n  }\n"
+         << "  upstream engine { server 127.0.0.1:" << up_port << "; keepalive 16; }\n"
+         << "  server {\n    listen 127.0.0.1:" << nginx_ka_port << ";\n"
+         << "    location / { proxy_pass http://engine; proxy_http_version 1.1;"
+         << " proxy_set_header Connection \"\"; proxy_buffering off; }\n  }\n}\n";
   }
   std::string up_url = "http://127.0.0.1:" + std::to_string(up_port);
   pid_t nginx_pid = Spawn({nginx, "-p", dir, "-c", dir + "/nginx.conf"}, dir + "/nginx.out");
   pid_t proxy_pid = Spawn({kvbridge, "proxy", "--port", std::to_string(proxy_port), "--prefill",
                            up_url, "--decode", up_url, "--threads", "1"},
                           dir + "/proxy.out");
+  pid_t proxy_np_pid =
+      Spawn({kvbridge, "proxy", "--port", std::to_string(proxy_np_port), "--prefill", up_url,
+             "--decode", up_url, "--threads", "1", "--upstream-max-idle", "0"},
+            dir + "/proxy-np.out");
   int rc = 0;
-  if (!WaitHttp(nginx_port, "/health", 10000) || !WaitHttp(proxy_port, "/health", 10000)) {
+  if (!WaitHttp(nginx_port, "/health", 10000) || !WaitHttp(nginx_ka_port, "/health", 10000) ||
+      !WaitHttp(proxy_port, "/health", 10000) || !WaitHttp(proxy_np_port, "/health", 10000)) {
     std::fprintf(stderr, "nginx or kvbridge proxy did not start; logs kept in %s\n", dir.c_str());
     rc = 1;
   } else {
@@ -173,7 +189,12 @@ int main(int argc, char** argv) {
       const char* name;
       int port;
       std::vector<double> us;
-    } paths[] = {{"direct", up_port, {}}, {"nginx", nginx_port, {}}, {"kvbridge", proxy_port, {}}};
+    } paths[] = {{"direct", up_port, {}},
+                 {"nginx", nginx_port, {}},
+                 {"nginx-ka", nginx_ka_port, {}},
+                 {"kvbridge", proxy_port, {}},
+                 {"kvbridge-np", proxy_np_port, {}}};
+    constexpr size_t kPaths = sizeof(paths) / sizeof(paths[0]);
     std::vector<std::unique_ptr<httplib::Client>> clients;
     for (auto& p : paths) {
       clients.push_back(std::make_unique<httplib::Client>("127.0.0.1", p.port));
@@ -182,7 +203,7 @@ int main(int argc, char** argv) {
     }
     int errors = 0;
     for (int i = 0; i < requests + 100; ++i) {
-      for (size_t k = 0; k < 3; ++k) {
+      for (size_t k = 0; k < kPaths; ++k) {
         auto t0 = Clock::now();
         auto r = clients[k]->Post("/v1/completions", body, "application/json");
         double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -195,22 +216,28 @@ int main(int argc, char** argv) {
     }
     double direct = Median(paths[0].us);
     std::printf("%d requests per path (after 100 warm-up rounds), %d errors\n", requests, errors);
-    std::printf("%-10s %12s %12s %16s\n", "path", "median_us", "p90_us", "added_median_us");
+    std::printf("%-12s %10s %10s %10s %16s %14s\n", "path", "p50_us", "p90_us", "p99_us",
+                "added_p50_us", "added_p99_us");
+    const double direct_p99 = Quantile(paths[0].us, 0.99);
     for (auto& p : paths) {
-      std::printf("%-10s %12.1f %12.1f %16.1f\n", p.name, Median(p.us), P90(p.us),
-                  Median(p.us) - direct);
+      std::printf("%-12s %10.1f %10.1f %10.1f %16.1f %14.1f\n", p.name, Median(p.us),
+                  Quantile(p.us, 0.90), Quantile(p.us, 0.99), Median(p.us) - direct,
+                  Quantile(p.us, 0.99) - direct_p99);
     }
-    double ours = Median(paths[2].us) - direct, theirs = Median(paths[1].us) - direct;
+    double ours = Median(paths[3].us) - direct, theirs = Median(paths[1].us) - direct,
+           theirs_ka = Median(paths[2].us) - direct;
     std::printf(
-        "added median latency: nginx %.1f us (1 upstream call); kvbridge %.1f us, of which one "
-        "extra upstream call is the P/D protocol's second leg: %.1f us beyond the two calls\n",
-        theirs, ours, ours - direct);
+        "added median latency: nginx %.1f us, nginx-ka %.1f us (1 upstream call); kvbridge %.1f "
+        "us (2 upstream calls; %.1f us beyond a second direct call); goal kvbridge <= nginx: %s\n",
+        theirs, theirs_ka, ours, ours - direct, ours <= theirs ? "met" : "NOT met");
     if (errors > 0) rc = 1;
   }
   ::kill(nginx_pid, SIGTERM);
   ::kill(proxy_pid, SIGTERM);
+  ::kill(proxy_np_pid, SIGTERM);
   ::waitpid(nginx_pid, nullptr, 0);
   ::waitpid(proxy_pid, nullptr, 0);
+  ::waitpid(proxy_np_pid, nullptr, 0);
   upstream.stop();
   up_thread.join();
   if (rc == 0) std::filesystem::remove_all(dir);

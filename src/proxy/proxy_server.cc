@@ -4,8 +4,17 @@
 // actions it returns; the request's own coroutine executes the queued actions in order (so writes
 // to the client never interleave) and sleeps on a timer that leg coroutines cancel to wake it.
 // Everything of one connection runs on one strand, so the flow needs no lock.
+//
+// Legs reuse keep-alive connections from an UpstreamPool (upstream_pool.h): a leg's connection
+// goes back to the pool only after its whole response (a streamed one: after its end), when both
+// sides keep it alive and no byte is left over; a leg that fails on a reused connection before
+// any response byte arrived (the engine closed it while idle) is retried once on a new one.
 #include "kvbridge/proxy/proxy_server.h"
 
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
@@ -18,6 +27,7 @@
 
 #include "kvbridge/common/logging.h"
 #include "kvbridge/common/metrics.h"
+#include "proxy/upstream_pool.h"
 
 namespace kvbridge::proxy {
 namespace {
@@ -124,6 +134,7 @@ struct ProxyServer::Impl {
             metrics.AddGauge("kvbridge_proxy_requests_in_flight", "Client requests being served.")),
         expired(metrics.AddCounter("kvbridge_proxy_instances_expired_total",
                                    "Registered instances dropped for missed heartbeats.")),
+        pool(UpstreamPool::Options{o.upstream_max_idle, o.upstream_idle_timeout}),
         acceptor(ioc) {
     for (Outcome oc : {Outcome::kOk, Outcome::kBadRequest, Outcome::kNoInstance,
                        Outcome::kPrefillError, Outcome::kDecodeError, Outcome::kUnreachable,
@@ -154,6 +165,18 @@ struct ProxyServer::Impl {
     releases_failed =
         &metrics.AddCounter("kvbridge_proxy_releases_total",
                             "Holds released at a prefill by transfer_id.", "result=\"failed\"");
+    leg_connections_new =
+        &metrics.AddCounter("kvbridge_proxy_leg_connections_total",
+                            "Upstream connections legs used, by kind.", "kind=\"new\"");
+    leg_connections_reused =
+        &metrics.AddCounter("kvbridge_proxy_leg_connections_total",
+                            "Upstream connections legs used, by kind.", "kind=\"reused\"");
+    leg_retries = &metrics.AddCounter(
+        "kvbridge_proxy_leg_retries_total",
+        "Legs sent again on a new connection after a reused one failed before any response byte.");
+    metrics.AddCallbackGauge("kvbridge_proxy_upstream_idle_connections",
+                             "Keep-alive upstream connections waiting in the pool.",
+                             [this] { return static_cast<double>(pool.IdleCount()); });
     registrations_ok = &metrics.AddCounter("kvbridge_proxy_registrations_total",
                                            "Instance registrations.", "result=\"ok\"");
     registrations_refused = &metrics.AddCounter("kvbridge_proxy_registrations_total",
@@ -229,6 +252,10 @@ struct ProxyServer::Impl {
   Counter* releases_failed = nullptr;
   Counter* registrations_ok = nullptr;
   Counter* registrations_refused = nullptr;
+  Counter* leg_connections_new = nullptr;
+  Counter* leg_connections_reused = nullptr;
+  Counter* leg_retries = nullptr;
+  UpstreamPool pool;
   // Declared last: destroyed first, with every coroutine frame still pointing at the above.
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -268,7 +295,11 @@ struct FlowCtx {
   std::deque<Action> pending;
   net::steady_timer wake;
   std::map<int, std::shared_ptr<beast::tcp_stream>> legs;
+  std::vector<int> cancelled;  // legs the flow cancelled: never retried
   bool finished = false;
+  bool Cancelled(int leg_id) const {
+    return std::find(cancelled.begin(), cancelled.end(), leg_id) != cancelled.end();
+  }
 };
 
 awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg) {
@@ -277,18 +308,19 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
   const TimePoint t0 = SteadyNow();
   struct Finish {  // in-flight accounting, whatever way the leg ends
     ProxyServer::Impl* impl;
+    std::shared_ptr<FlowCtx> ctx;
+    int leg_id;
     std::string id;
     ~Finish() {
+      ctx->legs.erase(leg_id);
       std::lock_guard<std::mutex> lock(impl->mu);
       impl->registry.LegFinished(id);
     }
-  } finish{impl, leg.instance.id};
+  } finish{impl, ctx, leg.leg_id, leg.instance.id};
   {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->registry.LegStarted(leg.instance.id);
   }
-  auto stream = std::make_shared<beast::tcp_stream>(ex);
-  ctx->legs[leg.leg_id] = stream;
   auto fail = [&](LegFailure f, std::string what) {
     ctx->Push(ctx->flow.OnLegError(leg.leg_id, f, UnavailableError(std::move(what)), SteadyNow()));
   };
@@ -297,62 +329,111 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     fail(LegFailure::kUnreachable, hp.status().message());
     co_return;
   }
-  stream->expires_after(std::chrono::microseconds(impl->options.connect_timeout));
-  beast::error_code ec = co_await Connect(*stream, *hp);
-  if (ec) {
-    fail(LegFailure::kUnreachable, "connect: " + ec.message());
-    co_return;
-  }
-  stream->socket().set_option(tcp::no_delay(true), ec);
-  stream->expires_after(std::chrono::microseconds(impl->options.request_timeout));
+  const std::string pool_key = hp->host + ":" + hp->port;
+  const bool pooling = impl->pool.enabled();
   http::request<http::string_body> req{http::verb::post, leg.path, 11};
-  req.set(http::field::host, hp->host + ":" + hp->port);
+  req.set(http::field::host, pool_key);
   req.set(http::field::content_type, "application/json");
   if (leg.stream) req.set(http::field::accept, "text/event-stream");
   if (!impl->options.cluster_token.empty()) {
     req.set(kClusterTokenHeader, impl->options.cluster_token);
   }
   req.set("X-Request-Id", ctx->flow.transfer_id());
-  req.keep_alive(false);
+  req.keep_alive(pooling);
   req.body() = std::move(leg.body);
   req.prepare_payload();
-  co_await http::async_write(*stream, req, net::redirect_error(kAwait, ec));
-  if (ec) {
-    fail(LegFailure::kBroken, "write: " + ec.message());
-    co_return;
-  }
-  beast::flat_buffer buf;
-  http::response_parser<http::buffer_body> parser;
-  parser.body_limit(1ull << 32);
-  co_await http::async_read_header(*stream, buf, parser, net::redirect_error(kAwait, ec));
-  if (ec) {
-    fail(LegFailure::kBroken, "read header: " + ec.message());
-    co_return;
-  }
-  const TimePoint t1 = SteadyNow();
-  impl->leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
-  ctx->Push(ctx->flow.OnLegStatus(leg.leg_id, static_cast<int>(parser.get().result_int()),
-                                  std::string(parser.get()[http::field::content_type]), t1));
-  char chunk[16384];
-  while (!parser.is_done()) {
-    parser.get().body().data = chunk;
-    parser.get().body().size = sizeof(chunk);
-    // read_some, not read: an SSE event must reach the client as soon as it arrives.
-    co_await http::async_read_some(*stream, buf, parser, net::redirect_error(kAwait, ec));
-    if (ec == http::error::need_buffer) ec = {};
-    size_t got = sizeof(chunk) - parser.get().body().size;
-    if (got > 0)
-      ctx->Push(ctx->flow.OnLegData(leg.leg_id, std::string_view(chunk, got), SteadyNow()));
+  beast::error_code ec;
+  // Attempt 0 takes a pooled connection when there is one; attempt 1 exists only to redo a
+  // request that a reused connection lost before any response byte.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto stream = std::make_shared<beast::tcp_stream>(ex);
+    ctx->legs[leg.leg_id] = stream;
+    bool reused = false;
+    if (attempt == 0 && pooling) {
+      if (auto idle = impl->pool.Take(pool_key, SteadyNow())) {
+        stream->socket().assign(idle->family == AF_INET6 ? tcp::v6() : tcp::v4(), idle->fd, ec);
+        if (ec) {
+          ::close(idle->fd);
+          ec = {};
+        } else {
+          reused = true;
+        }
+      }
+    }
+    if (!reused) {
+      stream->expires_after(std::chrono::microseconds(impl->options.connect_timeout));
+      ec = co_await Connect(*stream, *hp);
+      if (ctx->Cancelled(leg.leg_id)) co_return;
+      if (ec) {
+        // A retry follows a request that may have reached the engine: not "unreachable".
+        fail(attempt == 0 ? LegFailure::kUnreachable : LegFailure::kBroken,
+             "connect: " + ec.message());
+        co_return;
+      }
+      stream->socket().set_option(tcp::no_delay(true), ec);
+      impl->leg_connections_new->Inc();
+    } else {
+      impl->leg_connections_reused->Inc();
+    }
+    stream->expires_after(std::chrono::microseconds(impl->options.request_timeout));
+    co_await http::async_write(*stream, req, net::redirect_error(kAwait, ec));
+    if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
-      fail(LegFailure::kBroken, "read body: " + ec.message());
+      if (reused) {
+        impl->leg_retries->Inc();
+        continue;
+      }
+      fail(LegFailure::kBroken, "write: " + ec.message());
       co_return;
     }
+    beast::flat_buffer buf;
+    http::response_parser<http::buffer_body> parser;
+    parser.body_limit(1ull << 32);
+    co_await http::async_read_header(*stream, buf, parser, net::redirect_error(kAwait, ec));
+    if (ctx->Cancelled(leg.leg_id)) co_return;
+    if (ec) {
+      if (reused && !parser.got_some() && buf.size() == 0) {
+        impl->leg_retries->Inc();
+        continue;
+      }
+      fail(LegFailure::kBroken, "read header: " + ec.message());
+      co_return;
+    }
+    const TimePoint t1 = SteadyNow();
+    impl->leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
+    ctx->Push(ctx->flow.OnLegStatus(leg.leg_id, static_cast<int>(parser.get().result_int()),
+                                    std::string(parser.get()[http::field::content_type]), t1));
+    char chunk[16384];
+    while (!parser.is_done()) {
+      parser.get().body().data = chunk;
+      parser.get().body().size = sizeof(chunk);
+      // read_some, not read: an SSE event must reach the client as soon as it arrives.
+      co_await http::async_read_some(*stream, buf, parser, net::redirect_error(kAwait, ec));
+      if (ec == http::error::need_buffer) ec = {};
+      size_t got = sizeof(chunk) - parser.get().body().size;
+      if (got > 0)
+        ctx->Push(ctx->flow.OnLegData(leg.leg_id, std::string_view(chunk, got), SteadyNow()));
+      if (ec) {
+        fail(LegFailure::kBroken, "read body: " + ec.message());
+        co_return;
+      }
+    }
+    const TimePoint t2 = SteadyNow();
+    // Back to the pool before the flow hears of the end, so the flow's next leg can reuse it.
+    if (pooling && parser.keep_alive() && buf.size() == 0 && stream->socket().is_open() &&
+        !ctx->Cancelled(leg.leg_id)) {
+      const int family = stream->socket().local_endpoint(ec).protocol().family();
+      int fd = ec ? -1 : stream->socket().release(ec);
+      if (!ec && fd >= 0) impl->pool.Put(pool_key, PooledConnection{fd, family}, t2);
+    } else {
+      beast::error_code ignore;
+      stream->socket().shutdown(tcp::socket::shutdown_both, ignore);
+    }
+    impl->leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
+    ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
+    co_return;
   }
-  const TimePoint t2 = SteadyNow();
-  impl->leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
-  ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
-  beast::error_code ignore;
-  stream->socket().shutdown(tcp::socket::shutdown_both, ignore);
+  fail(LegFailure::kBroken, "connection lost twice before a response");
 }
 
 // Watches the client socket while a flow runs: readable with EOF (or an error) = disconnect.
@@ -391,6 +472,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
   FlowOptions fo;
   fo.mode = options.mode;
   fo.prefill_forward_n = options.prefill_forward_n;
+  fo.colocated = options.colocated;
   fo.max_attempts = options.max_attempts;
   fo.timeout = options.request_timeout;
   auto ctx =
@@ -412,6 +494,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
       if (auto* s = std::get_if<SendLeg>(&a)) {
         net::co_spawn(ex, RunLeg(this, ctx, std::move(*s)), net::detached);
       } else if (auto* c = std::get_if<CancelLeg>(&a)) {
+        ctx->cancelled.push_back(c->leg_id);
         auto it = ctx->legs.find(c->leg_id);
         if (it != ctx->legs.end()) {
           beast::error_code ignore;
@@ -630,6 +713,7 @@ awaitable<void> ProxyServer::Impl::Housekeeping() {
     co_await timer.async_wait(net::redirect_error(kAwait, ec));
     if (ec) co_return;
     const TimePoint now = SteadyNow();
+    pool.Sweep(now);
     std::vector<InstanceState> statics;
     {
       std::lock_guard<std::mutex> lock(mu);

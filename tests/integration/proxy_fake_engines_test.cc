@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -37,7 +38,10 @@ struct Recorded {
 // answers JSON or SSE. Everything it receives is recorded.
 class FakeEngine {
  public:
-  explicit FakeEngine(bool prefill) : prefill_(prefill), port_(testing::FreePort()) {
+  // keep_alive_max: requests the server answers on one connection before it closes it.
+  explicit FakeEngine(bool prefill, int keep_alive_max = 5)
+      : prefill_(prefill), port_(testing::FreePort()) {
+    server_.set_keep_alive_max_count(keep_alive_max);
     auto handler = [this](const httplib::Request& req, httplib::Response& res) {
       Record(req);
       json body = json::parse(req.body, nullptr, false);
@@ -493,6 +497,213 @@ TEST(ProxyFakeEngines, RegistrationClientRetriesAndRegistersAgainAfterProxyResta
   EXPECT_EQ((*again)->Instances()[0].info.url, d.url());
   client->Stop();
   EXPECT_TRUE((*again)->Instances().empty());  // deregistered on Stop
+}
+
+TEST(ProxyFakeEngines, LegsReuseKeepAliveConnections) {
+  FakeEngine p(true, 1000), d(false, 1000);
+  ProxyOptions o;
+  o.prefill_urls = {p.url()};
+  o.decode_urls = {d.url()};
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  for (int i = 0; i < 6; ++i) {
+    auto res = cli.Post("/v1/completions", kBody, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+  }
+  // One connection per engine, then every later leg reuses it.
+  std::string m = proxy->MetricsText();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 2.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"reused\""), 10.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_retries_total"), 0.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_upstream_idle_connections"), 2.0);
+
+  // A streamed decode leg goes back to the pool only after its end, and is reused after it.
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = R"({"prompt":"hi","stream":true})";
+  req.set_header("Content-Type", "application/json");
+  std::string got;
+  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
+    got.append(data, len);
+    return true;
+  };
+  auto res = cli.send(req);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(got, "data: {\"i\":0}\n\ndata: {\"i\":1}\n\ndata: {\"i\":2}\n\ndata: [DONE]\n\n");
+  res = cli.Post("/v1/completions", kBody, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  m = proxy->MetricsText();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 2.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"reused\""), 14.0);
+}
+
+TEST(ProxyFakeEngines, PoolOffOpensAConnectionPerLeg) {
+  FakeEngine p(true, 1000), d(false, 1000);
+  ProxyOptions o;
+  o.prefill_urls = {p.url()};
+  o.decode_urls = {d.url()};
+  o.upstream_max_idle = 0;
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  for (int i = 0; i < 3; ++i) {
+    auto res = cli.Post("/v1/completions", kBody, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+  }
+  std::string m = proxy->MetricsText();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 6.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"reused\""), 0.0);
+}
+
+TEST(ProxyFakeEngines, EngineClosingAfterEachResponseIsNotReused) {
+  FakeEngine p(true, 1), d(false, 1);  // "Connection: close" on every response
+  ProxyOptions o;
+  o.prefill_urls = {p.url()};
+  o.decode_urls = {d.url()};
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  for (int i = 0; i < 3; ++i) {
+    auto res = cli.Post("/v1/completions", kBody, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+  }
+  std::string m = proxy->MetricsText();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 6.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_retries_total"), 0.0);
+}
+
+// A raw HTTP/1.1 engine (prefill and decode at once) that answers the first request of each
+// connection and keeps it alive, then, per `drop_from`, reads the next request on it and closes
+// the connection without a byte — what an engine closing an idle connection races into.
+class DroppingEngine {
+ public:
+  explicit DroppingEngine(int drop_from) : drop_from_(drop_from) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    EXPECT_EQ(::listen(listen_fd_, 16), 0);
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    accept_thread_ = std::thread([this] { AcceptLoop(); });
+  }
+  ~DroppingEngine() {
+    stop_ = true;
+    accept_thread_.join();
+    for (int fd : conn_fds_) ::shutdown(fd, SHUT_RDWR);
+    for (auto& t : conn_threads_) t.join();
+    for (int fd : conn_fds_) ::close(fd);
+    ::close(listen_fd_);
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int connections() const { return connections_; }
+  int answered() const { return answered_; }
+  int dropped() const { return dropped_; }
+
+ private:
+  void AcceptLoop() {
+    while (!stop_) {
+      pollfd pfd{listen_fd_, POLLIN, 0};
+      if (::poll(&pfd, 1, 20) <= 0) continue;
+      int fd = ::accept(listen_fd_, nullptr, nullptr);
+      if (fd < 0) continue;
+      ++connections_;
+      conn_fds_.push_back(fd);
+      conn_threads_.emplace_back([this, fd] { Serve(fd); });
+    }
+  }
+  // Reads one request (headers + Content-Length body); false on EOF or error.
+  static bool ReadRequest(int fd) {
+    std::string in;
+    char buf[4096];
+    size_t head_end;
+    while ((head_end = in.find("\r\n\r\n")) == std::string::npos) {
+      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) return false;
+      in.append(buf, static_cast<size_t>(n));
+    }
+    size_t body_len = 0;
+    auto cl = in.find("Content-Length: ");
+    if (cl != std::string::npos && cl < head_end) body_len = std::stoul(in.substr(cl + 16));
+    while (in.size() < head_end + 4 + body_len) {
+      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) return false;
+      in.append(buf, static_cast<size_t>(n));
+    }
+    return true;
+  }
+  void Serve(int fd) {
+    for (int i = 0; ReadRequest(fd); ++i) {
+      if (i >= drop_from_) {
+        ++dropped_;
+        ::shutdown(fd, SHUT_RDWR);
+        return;
+      }
+      const std::string body =
+          R"({"choices":[{"text":"ok"}],"kv_transfer_params":{"remote_block_ids":[1]}})";
+      std::string res = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " +
+                        std::to_string(body.size()) + "\r\n\r\n" + body;
+      if (::send(fd, res.data(), res.size(), MSG_NOSIGNAL) < 0) return;
+      ++answered_;
+    }
+  }
+  const int drop_from_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> connections_{0}, answered_{0}, dropped_{0};
+  std::thread accept_thread_;
+  std::vector<int> conn_fds_;  // accept thread only, until joined
+  std::vector<std::thread> conn_threads_;
+};
+
+TEST(ProxyFakeEngines, RequestLostOnAReusedConnectionIsSentAgainOnceOnANewOne) {
+  DroppingEngine e(/*drop_from=*/1);
+  ProxyOptions o;
+  o.prefill_urls = {e.url()};
+  o.decode_urls = {e.url()};
+  o.health_probe_interval = 3600 * kSecond;  // no probe connections in the counts
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  auto res = cli.Post("/v1/completions", kBody, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(res->body,
+            R"({"choices":[{"text":"ok"}],"kv_transfer_params":{"remote_block_ids":[1]}})");
+  // Prefill on a new connection; the decode leg reuses it, loses it, and goes again on a new one.
+  std::string m = proxy->MetricsText();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 2.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"reused\""), 1.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_retries_total"), 1.0);
+  EXPECT_EQ(e.connections(), 2);
+  EXPECT_EQ(e.answered(), 2);
+  EXPECT_EQ(e.dropped(), 1);
+}
+
+TEST(ProxyFakeEngines, RequestLostOnANewConnectionIsNotSentAgain) {
+  DroppingEngine e(/*drop_from=*/0);
+  ProxyOptions o;
+  o.prefill_urls = {e.url()};
+  o.decode_urls = {e.url()};
+  o.health_probe_interval = 3600 * kSecond;
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  auto res = cli.Post("/v1/completions", kBody, "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 502);
+  EXPECT_NE(res->body.find("prefill leg failed"), std::string::npos) << res->body;
+  std::string m = proxy->MetricsText();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 1.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_retries_total"), 0.0);
+  // The one prefill leg, then the release of its possible hold (also dropped by this engine).
+  for (int i = 0; i < 200 && e.dropped() < 2; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(e.dropped(), 2);
+  EXPECT_EQ(e.answered(), 0);
 }
 
 }  // namespace

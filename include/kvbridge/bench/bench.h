@@ -3,7 +3,8 @@
 //
 // For each concurrency level in `batches`, sends `samples` requests with that many in flight
 // (prompts from a JSONL file's `model_input` field, or built here), then reports latency
-// percentiles, throughput, token means and the prefix-cache hit rate; with drain checking on, it
+// percentiles, throughput (requests and output tokens per second), token means, the prefix-cache
+// hit rate and, with `stream`, TTFT and TPOT; with drain checking on, it
 // then polls every instance's /metrics until kvbridge_kv_blocks_active and
 // kvbridge_kv_blocks_held_for_transfer are 0 (bounded by drain_timeout_s after the batch's last
 // response) and reads kvbridge_kv_lease_expired_total / kvbridge_kv_notifications_ignored_total,
@@ -44,7 +45,7 @@ struct BenchOptions {
   double max_latency_s = 0;           // > 0: stop the sweep once a batch's mean and p50 exceed it
   bool shuffle = true;
   uint64_t seed = 0;
-  bool stream = false;
+  bool stream = false;  // SSE requests (with stream_options.include_usage); adds TTFT/TPOT
   double request_timeout_s = 600;
   bool check_drain = false;
   std::vector<std::string> drain_urls;  // empty with check_drain: every instance of /instances
@@ -72,6 +73,14 @@ struct BatchReport {
   double requests_per_s = 0;
   double latency_mean_s = 0, latency_p50_s = 0, latency_p75_s = 0, latency_p90_s = 0,
          latency_p95_s = 0;
+  // Streaming only (BenchOptions::stream), as vLLM's benchmark_serving defines them: TTFT = time
+  // to the first SSE event that carries a choice; TPOT = (latency - TTFT) / (tokens per choice -
+  // 1), tokens per choice = usage.completion_tokens / n, for requests with more than one token.
+  int ttft_count = 0;  // requests with a TTFT (0 without streaming)
+  double ttft_mean_s = 0, ttft_p50_s = 0, ttft_p99_s = 0;
+  int tpot_count = 0;
+  double tpot_mean_s = 0, tpot_p50_s = 0, tpot_p99_s = 0;
+  double output_tokens_per_s = 0;          // sum usage.completion_tokens / duration_s
   double mean_input_tokens = 0;            // usage.prompt_tokens per request
   double mean_output_tokens = 0;           // usage.completion_tokens per request (all n choices)
   double cache_hit_rate = 0;               // sum cached_tokens / sum prompt_tokens

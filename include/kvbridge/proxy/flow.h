@@ -82,6 +82,10 @@ struct FlowOptions {
   /// Bound on the whole request, from OnClientRequest; past it the flow answers 504 (or ends the
   /// stream with an error event) and cancels the legs. 0 = no bound.
   DurationUs timeout = 0;
+  /// No P/D: each request goes whole (client kv_transfer_params still dropped) to one instance of
+  /// the decode role, which prefills and decodes it itself; no prefill leg, nothing to release.
+  /// For comparing P/D with the same engines serving alone behind the same proxy.
+  bool colocated = false;
 };
 
 /// Why a leg failed without an HTTP status: kUnreachable = the request never reached the instance

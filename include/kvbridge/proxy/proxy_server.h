@@ -3,13 +3,17 @@
 // An OpenAI-compatible front door: each POST /v1/completions or /v1/chat/completions runs one
 // PdFlow (flow.h) whose legs go to the instances of an InstanceRegistry (registry.h); a decode's
 // SSE stream is passed through chunk by chunk. Async I/O (Boost.Asio/Beast, C++20 coroutines,
-// `threads` event-loop threads; a connection's work stays on one strand).
+// `threads` event-loop threads; a connection's work stays on one strand). Legs reuse keep-alive
+// connections to each engine (ProxyOptions::upstream_max_idle); one that fails on a reused
+// connection before any response byte is sent again, once, on a new connection.
 //
 // Endpoints:
 //   POST /v1/completions, /v1/chat/completions   the P→D flow (streaming or not)
 //   GET  /v1/models                               a decode's (else a prefill's) /v1/models
 //   GET  /health                                  200 {"status":"ok",...} while serving
 //   GET  /metrics                                 Prometheus text: kvbridge_proxy_* families
+//                                                  (leg_connections_total{kind=new|reused},
+//                                                  leg_retries_total, upstream_idle_connections)
 //   GET  /instances                               {"mode":..,"instances":[{id,role,url,mode,
 //                                                  healthy,static,load{running,waiting,kv_usage},
 //                                                  in_flight,engine_id,transfer_endpoints}]}
@@ -55,6 +59,8 @@ struct ProxyOptions {
   KvMode mode = KvMode::kRead;
   RoutingPolicy routing = RoutingPolicy::kLeastLoaded;
   bool prefill_forward_n = false;
+  /// No P/D (FlowOptions::colocated): each request goes whole to one decode-role instance.
+  bool colocated = false;
   std::string cluster_token;  // empty = none
   DurationUs heartbeat_timeout = 3 * kSecond;
   DurationUs heartbeat_interval = 1 * kSecond;  // told to registering engines
@@ -63,6 +69,12 @@ struct ProxyOptions {
   DurationUs health_probe_interval = 1 * kSecond;  // static instances' GET /health
   int max_attempts = 3;
   int threads = 1;
+  /// Keep-alive connections to engines kept idle per host:port for later legs (0: a new
+  /// connection per leg). A connection is reused only after a complete response.
+  int upstream_max_idle = 16;
+  /// An idle upstream connection older than this is closed (keep it below the engines'
+  /// keep-alive timeout, 2 s for `kvbridge serve`).
+  DurationUs upstream_idle_timeout = 1 * kSecond;
 };
 
 class ProxyServer {
