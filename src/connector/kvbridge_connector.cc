@@ -83,11 +83,11 @@ class KvBridgeRuntime::Impl {
   std::map<std::string, std::set<int>> held_snapshot;  // guarded by mu
   std::map<uint64_t, xfer::Notification> reply_paths;  // guarded by mu
   std::map<uint64_t, int> reply_ranks;  // guarded by mu: token -> local rank (absent: rank 0)
-  std::vector<std::string> rank_metadata_blobs;  // guarded by mu: rank r's metadata, r < tp
-  uint64_t next_reply_token = 1;                       // guarded by mu
-  bool connector_made = false;                         // guarded by mu
-  std::map<std::string, std::string> peer_backends;    // guarded by mu: peer agent -> backend
-  KvBridgeStats stats;                                 // guarded by mu
+  std::vector<std::string> rank_metadata_blobs;      // guarded by mu: rank r's metadata, r < tp
+  uint64_t next_reply_token = 1;                     // guarded by mu
+  bool connector_made = false;                       // guarded by mu
+  std::map<std::string, std::string> peer_backends;  // guarded by mu: peer agent -> backend
+  KvBridgeStats stats;                               // guarded by mu
   std::atomic<int64_t> reads_inflight{0};
   std::atomic<int> block_size{16};  // the engine's, once its connector exists
 
@@ -342,6 +342,9 @@ class KvBridgeConnector final : public KvConnector {
       // Aborted while still queued (the connector never saw it): the prefill
       // must not wait for its lease.
       auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
+      if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kWrite) {
+        wprefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+      }
       if (p.ok() && p->do_remote_prefill) {
         if (p->mode == KvTransferMode::kWrite) {
           wdecode_.OnAbortedBeforeAdmission(*p);
@@ -716,6 +719,13 @@ class KvBridgeConnector final : public KvConnector {
       append(wprefill_.TakeActions());
       append(wdecode_.TakeActions());
       if (acts.empty()) break;
+      // The tcp write check must know a WRITE decode's blocks before its WriteBlocks leaves.
+      if (std::any_of(acts.begin(), acts.end(), [](const ConnectorAction& a) {
+            auto* s = std::get_if<SendMessageAction>(&a);
+            return s != nullptr && std::holds_alternative<WriteBlocksMsg>(s->msg);
+          })) {
+        SyncState();
+      }
       for (ConnectorAction& a : acts) Perform(a, now);
     }
     SyncState();
@@ -1015,8 +1025,13 @@ class KvBridgeConnector final : public KvConnector {
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
-      RETURN_IF_ERROR(wprefill_.OnRequestAdded(req.request_id, req.n, p.transfer_id,
-                                               req.num_prompt_tokens, now));
+      Status st = wprefill_.OnRequestAdded(req.request_id, req.n, p.transfer_id,
+                                           req.num_prompt_tokens, now);
+      if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
+        // This leg will never write: answer the decode's block ids now, not at the lease.
+        wprefill_.OnAbortedBeforeAdmission(p.transfer_id, now);
+      }
+      RETURN_IF_ERROR(st);
       return m;
     }
     if (!opt().config.IsConsumer()) return InvalidArgumentError("this engine is not a kv_consumer");
@@ -1048,7 +1063,10 @@ class KvBridgeConnector final : public KvConnector {
     } else if (auto* wd = std::get_if<WriteDoneMsg>(&e.msg)) {
       wdecode_.OnWriteDone(*wd, now);
     } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg);
-               rel && wprefill_.Knows(rel->transfer_id)) {
+               rel && (wprefill_.Knows(rel->transfer_id) ||
+                       // Not registered yet anywhere: the mode this engine serves decides.
+                       (opt().config.mode == KvTransferMode::kWrite &&
+                        prefill_.Siblings(rel->transfer_id).empty()))) {
       Status st = wprefill_.OnRelease(*rel, now);
       if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
     } else {

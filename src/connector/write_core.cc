@@ -410,6 +410,16 @@ void WritePrefillCore::Park(ControlMessage msg, const std::string& tid, TimePoin
   parked_.emplace(tid, Parked{std::move(msg), now + options_.lease});
 }
 
+void WritePrefillCore::OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now) {
+  if (transfers_.count(transfer_id)) return;  // admitted: OnRequestAborted handles it
+  auto [lo, hi] = parked_.equal_range(transfer_id);
+  for (auto it = lo; it != hi; ++it) {
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&it->second.msg)) Reject(*wb, "aborted");
+  }
+  parked_.erase(lo, hi);
+  Bury(transfer_id, CloseReason::kAborted, now);
+}
+
 void WritePrefillCore::OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now) {
   if (msg.prefill_engine_id != options_.engine_id) {
     ++counters_.notifications_ignored;

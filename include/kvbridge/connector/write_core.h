@@ -108,6 +108,10 @@ class WritePrefillCore {
   /// ReportBlocksFree (a write may still read them).
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
 
+  /// A request with do_remote_decode (write mode) for `transfer_id` was aborted before
+  /// OnRequestAdded (still queued): answers its parked block-id messages WriteDone(failed
+  /// "aborted") and remembers the transfer as aborted (TTL = lease) for later ones.
+  void OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now);
   /// A decode rank's block ids. Answered with WriteDone(failed) when the transfer was aborted,
   /// released or expired, the incarnation is not ours, or the prompt does not match.
   void OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now);

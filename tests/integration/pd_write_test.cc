@@ -1,0 +1,404 @@
+// WRITE-mode P/D end to end with real engines in one process: a prefill engine and a decode
+// engine, each with its KvBridgeRuntime (transfer agent on 127.0.0.1) and ApiServer (for the
+// connector's HTTP routes); the test plays the proxy's WRITE flow (both legs at once). Answers
+// and top-5 logprobs must be bitwise equal to one colocated engine, aborts must not corrupt
+// later requests, and everything must drain with no lease expiry and nothing ignored.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "kvbridge/common/metrics.h"
+#include "kvbridge/connector/kvbridge_connector.h"
+#include "kvbridge/engine/engine.h"
+#include "kvbridge/model/model.h"
+#include "kvbridge/model/random_model.h"
+#include "kvbridge/server/api_server.h"
+
+namespace kvbridge {
+namespace {
+
+using nlohmann::json;
+
+std::shared_ptr<const Model> TinyModel() {
+  static std::shared_ptr<const Model> model = [] {
+    std::string dir = ::testing::TempDir() + "/kvb_pdw_tiny_" + std::to_string(getpid());
+    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 7);
+    EXPECT_TRUE(spec.ok());
+    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
+    auto m = Model::Load(dir, {.num_threads = 1});
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    return std::shared_ptr<const Model>(std::move(m).value());
+  }();
+  return model;
+}
+
+class ByteCodec : public server::TextCodec {
+ public:
+  std::vector<int32_t> Encode(std::string_view t) const override {
+    return std::vector<int32_t>(t.begin(), t.end());
+  }
+  std::string Decode(std::span<const int32_t> ids) const override {
+    std::string s;
+    for (int32_t i : ids) s += static_cast<char>(i & 0xff);
+    return s;
+  }
+  int32_t vocab_size() const override { return 256; }
+};
+
+struct Result1 {
+  std::map<int, std::vector<int32_t>> tokens;
+  std::map<int, std::vector<TokenLogprob>> logprobs;
+  json kv_transfer_params;
+  Status error;
+  int num_cached_tokens = -1;
+};
+
+// Runs one request to completion on `engine` (bounded wait).
+Result1 RunOne(Engine& engine, EngineRequest req) {
+  auto st = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+  auto out = std::make_shared<Result1>();
+  auto done = std::make_shared<bool>(false);
+  Status add = engine.AddRequest(std::move(req), [st, out, done](const RequestOutput& o) {
+    std::lock_guard<std::mutex> l(st->first);
+    for (const CompletionOutput& c : o.outputs) {
+      auto& t = out->tokens[c.index];
+      t.insert(t.end(), c.new_token_ids.begin(), c.new_token_ids.end());
+      auto& lp = out->logprobs[c.index];
+      lp.insert(lp.end(), c.new_logprobs.begin(), c.new_logprobs.end());
+    }
+    if (o.finished) {
+      out->kv_transfer_params = o.kv_transfer_params;
+      out->error = o.error;
+      out->num_cached_tokens = o.num_cached_tokens;
+      *done = true;
+      st->second.notify_all();
+    }
+  });
+  EXPECT_TRUE(add.ok()) << add.ToString();
+  if (!add.ok()) return Result1{.error = add};
+  std::unique_lock<std::mutex> l(st->first);
+  EXPECT_TRUE(st->second.wait_for(l, std::chrono::seconds(60), [&] { return *done; }));
+  return *out;
+}
+
+std::vector<int32_t> Prompt(int len, int salt) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < len; ++i) p.push_back((i * 31 + salt * 17 + 5) % 256);
+  return p;
+}
+
+EngineRequest Req(const std::string& id, std::vector<int32_t> prompt, int max_tokens, int n) {
+  EngineRequest r;
+  r.request_id = id;
+  r.prompt_token_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.n = n;
+  r.sampling.temperature = n > 1 ? 1.0f : 0.0f;  // n > 1: seeded sampling, siblings differ
+  r.sampling.seed = 1234;
+  r.sampling.ignore_eos = true;
+  r.sampling.logprobs = 5;
+  return r;
+}
+
+EngineConfig BaseConfig(KvDtype dtype = KvDtype::kFp32) {
+  EngineConfig c;
+  c.kv_dtype = dtype;
+  c.block_size = 16;
+  c.num_blocks = 256;
+  c.max_num_seqs = 64;
+  c.debug_poison_kv_nan = true;  // a block never written shows up as NaN logits
+  return c;
+}
+
+// One engine with its connector runtime and HTTP server.
+struct PdEngine {
+  std::shared_ptr<KvBridgeRuntime> kv;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<server::ApiServer> server;
+
+  static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport,
+                                         bool prefix_caching = true,
+                                         LoadFailurePolicy policy = LoadFailurePolicy::kRecompute) {
+    auto e = std::make_unique<PdEngine>();
+    KvTransferConfig cfg;
+    cfg.role = role;
+    cfg.transport = transport;
+    cfg.lease = 30 * kSecond;
+    cfg.reply_timeout = 5 * kSecond;
+    cfg.load_failure_policy = policy;
+    cfg.mode = KvTransferMode::kWrite;
+    auto kv = KvBridgeRuntime::Create({.config = cfg, .cluster_token = "secret"});
+    EXPECT_TRUE(kv.ok()) << kv.status().ToString();
+    e->kv = *kv;
+    EngineConfig ec = BaseConfig();
+    ec.enable_prefix_caching = prefix_caching;
+    ec.connector_factory = e->kv->Factory();
+    auto engine = Engine::Create(ec, TinyModel());
+    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+    e->engine = std::move(engine).value();
+    server::ServerConfig sc;
+    sc.port = 0;
+    sc.num_http_threads = 4;
+    sc.cluster_token = "secret";
+    sc.validate_kv_transfer_params = e->kv->ValidateHook();
+    auto srv = server::ApiServer::Create(sc, e->engine.get(), std::make_shared<ByteCodec>());
+    EXPECT_TRUE(srv.ok()) << srv.status().ToString();
+    e->server = std::move(srv).value();
+    EXPECT_TRUE(e->kv->InstallRoutes(*e->server).ok());
+    EXPECT_TRUE(e->server->Start().ok());
+    e->kv->SetAdvertisedEndpoint("127.0.0.1", e->server->port());
+    return e;
+  }
+  ~PdEngine() {
+    if (server) server->Stop();
+    if (engine) engine->Shutdown();
+  }
+  // Waits (bounded) until nothing is active or held and the connector is idle.
+  bool WaitDrained(int ms = 10000) {
+    for (int i = 0; i < ms / 10; ++i) {
+      EngineStats s = engine->Stats();
+      if (s.kv_blocks_active == 0 && s.kv_blocks_held_for_transfer == 0 && kv->Stats().idle &&
+          s.running == 0 && s.waiting == 0 && s.waiting_for_remote_kv == 0) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  double Metric(const std::string& name) { return ScrapeMetric(engine->metrics().Render(), name); }
+};
+
+void ExpectSameAnswer(const Result1& pd, const Result1& ref, int n) {
+  ASSERT_TRUE(pd.error.ok()) << pd.error.ToString();
+  ASSERT_EQ(pd.tokens.size(), static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(pd.tokens.at(i), ref.tokens.at(i)) << "sibling " << i;
+    const auto& a = pd.logprobs.at(i);
+    const auto& b = ref.logprobs.at(i);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t t = 0; t < a.size(); ++t) {
+      EXPECT_EQ(a[t].token, b[t].token);
+      EXPECT_EQ(std::memcmp(&a[t].logprob, &b[t].logprob, sizeof(float)), 0)
+          << "sibling " << i << " token " << t << ": " << a[t].logprob << " vs " << b[t].logprob;
+      ASSERT_EQ(a[t].top.size(), 5u);
+      ASSERT_EQ(b[t].top.size(), 5u);
+      for (size_t k = 0; k < 5; ++k) {
+        EXPECT_EQ(a[t].top[k].token, b[t].top[k].token);
+        EXPECT_EQ(std::memcmp(&a[t].top[k].logprob, &b[t].top[k].logprob, sizeof(float)), 0);
+      }
+    }
+  }
+}
+
+json PrefillParams(const std::string& tid) {
+  return json{{"do_remote_decode", true}, {"transfer_id", tid}, {"mode", "write"}};
+}
+json DecodeParams(PdEngine& p, const std::string& tid) {
+  return json{{"do_remote_prefill", true},
+              {"transfer_id", tid},
+              {"mode", "write"},
+              {"remote_engine_id", p.kv->engine_id()},
+              {"remote_host", "127.0.0.1"},
+              {"remote_port", p.server->port()},
+              {"tp_size", 1}};
+}
+
+// The proxy's WRITE flow: both legs at once (the decode leg first when decode_first, so the
+// prefill sees the block ids first; else the request first). Returns the decode's result.
+Result1 PdWriteRequest(PdEngine& p, PdEngine& d, const std::string& id, const std::string& tid,
+                       const std::vector<int32_t>& prompt, int max_tokens, int n,
+                       bool decode_first) {
+  EngineRequest pre = Req("p-" + id, prompt, 1, 1);
+  pre.kv_transfer_params = PrefillParams(tid);
+  EngineRequest dec = Req(id, prompt, max_tokens, n);
+  dec.kv_transfer_params = DecodeParams(p, tid);
+  std::future<Result1> first = std::async(std::launch::async, [&] {
+    return decode_first ? RunOne(*d.engine, dec) : RunOne(*p.engine, pre);
+  });
+  if (decode_first) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  Result1 second = decode_first ? RunOne(*p.engine, pre) : RunOne(*d.engine, dec);
+  Result1 a = first.get();
+  Result1& pr = decode_first ? second : a;
+  EXPECT_TRUE(pr.error.ok()) << pr.error.ToString();
+  return decode_first ? a : second;
+}
+
+void ExpectClean(PdEngine& e) {
+  EXPECT_EQ(e.Metric("kvbridge_kv_lease_expired_total"), 0);
+  EXPECT_EQ(e.Metric("kvbridge_kv_notifications_ignored_total"), 0);
+  EXPECT_EQ(e.Metric("kvbridge_kv_notifications_parked"), 0);
+  KvBridgeStats s = e.kv->Stats();
+  EXPECT_EQ(s.transfers, 0);
+  EXPECT_EQ(s.held_blocks, 0);
+  EXPECT_EQ(s.writes_inflight, 0);
+  EXPECT_EQ(s.waiting_for_remote, 0);
+}
+
+struct Case {
+  KvTransport transport;
+  bool prefix_caching;
+};
+
+class PdWrite : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
+  int k = 0;
+  for (int n : {1, 8}) {
+    // 64 twice: with prefix caching on, the second decode hits 3 blocks and asks for 1.
+    for (int len : {1, 16, 17, 40, 64, 64}) {
+      ++k;
+      const std::string id = "req-" + std::to_string(k);
+      auto prompt = Prompt(len, len == 64 ? 64 : k);
+      Result1 ref = RunOne(**ref_engine, Req(id, prompt, 6, n));
+      Result1 pd =
+          PdWriteRequest(*p, *d, id, "xfer-" + std::to_string(k), prompt, 6, n, k % 2 == 0);
+      SCOPED_TRACE("n=" + std::to_string(n) + " len=" + std::to_string(len));
+      ExpectSameAnswer(pd, ref, n);
+      EXPECT_TRUE(p->WaitDrained()) << "prefill did not drain";
+      EXPECT_TRUE(d->WaitDrained()) << "decode did not drain";
+    }
+  }
+  const KvBridgeStats ds = d->kv->Stats();
+  const KvBridgeStats ps = p->kv->Stats();
+  EXPECT_GT(ds.write_loads_done, 0);
+  EXPECT_EQ(ds.loads_done, ds.write_loads_done);
+  EXPECT_GT(ps.bytes_written, 0);
+  EXPECT_GT(p->Metric("kvbridge_kv_transfer_bytes_total"), 0);
+  EXPECT_EQ(d->Metric("kvbridge_kv_write_overlap_seconds_count"), ds.write_loads_done);
+  EXPECT_EQ(d->Metric("kvbridge_kv_load_failures_total"), 0);
+  std::map<std::string, std::string> peers = p->kv->PeerBackends();
+  ASSERT_EQ(peers.size(), 1u);  // the prefill connected to the decode to write
+  EXPECT_EQ(peers.begin()->second, GetParam().transport == KvTransport::kTcp ? "tcp" : "shm");
+  for (PdEngine* e : {p.get(), d.get()}) ExpectClean(*e);
+  (*ref_engine)->Shutdown();
+}
+
+// The client aborts the decode leg while the prefill writes (and at other moments), and new
+// requests go to the same decode at once: their answers still equal colocated ones (no write
+// lands in a reused block), and everything drains without the lease.
+TEST_P(PdWrite, DecodeAbortMidWriteThenNewRequestsStillEqualColocated) {
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+  auto d = PdEngine::Start(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
+  int k = 300;
+  for (int delay_us : {0, 100, 300, 1000, 3000}) {
+    ++k;
+    const std::string id = "ab-" + std::to_string(k);
+    auto prompt = Prompt(128, k);
+    EngineRequest dec = Req(id, prompt, 32, 4);
+    dec.kv_transfer_params = DecodeParams(*p, "x" + id);
+    auto finished = std::make_shared<std::atomic<bool>>(false);
+    ASSERT_TRUE(d->engine
+                    ->AddRequest(dec,
+                                 [finished](const RequestOutput& o) {
+                                   if (o.finished) finished->store(true);
+                                 })
+                    .ok());
+    EngineRequest pre = Req("p-" + id, prompt, 1, 1);
+    pre.kv_transfer_params = PrefillParams("x" + id);
+    std::future<Result1> pf =
+        std::async(std::launch::async, [&] { return RunOne(*p->engine, pre); });
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    d->engine->Abort(id);
+    // At once: new requests on the same decode.
+    for (int j = 0; j < 2; ++j) {
+      const std::string nid = id + "-n" + std::to_string(j);
+      auto np = Prompt(80, k * 7 + j);
+      Result1 pd = PdWriteRequest(*p, *d, nid, "x" + nid, np, 6, 2, j == 0);
+      SCOPED_TRACE("delay " + std::to_string(delay_us) + " new request " + std::to_string(j));
+      ExpectSameAnswer(pd, RunOne(**ref_engine, Req(nid, np, 6, 2)), 2);
+    }
+    EXPECT_TRUE(pf.get().error.ok());
+    for (int i = 0; i < 500 && !finished->load(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(finished->load());
+    EXPECT_TRUE(d->WaitDrained(5000)) << "decode, delay " << delay_us;
+    EXPECT_TRUE(p->WaitDrained(5000)) << "prefill, delay " << delay_us;
+  }
+  for (PdEngine* e : {p.get(), d.get()}) ExpectClean(*e);
+  (*ref_engine)->Shutdown();
+}
+
+// The prefill leg fails (refused at admission: n = 2 on a WRITE prefill leg) or the proxy
+// releases the transfer before the prefill computed: the decode hears WriteDone(failed) for its
+// block ids and recomputes (same answer) or fails, per its policy; nothing waits for a lease.
+TEST_P(PdWrite, PrefillFailedOrReleasedRecomputesOrFails) {
+  auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  for (LoadFailurePolicy policy : {LoadFailurePolicy::kRecompute, LoadFailurePolicy::kFail}) {
+    for (bool release : {false, true}) {
+      SCOPED_TRACE(std::string(LoadFailurePolicyName(policy)) + (release ? " release" : " fail"));
+      auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+      auto d = PdEngine::Start(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching,
+                               policy);
+      auto prompt = Prompt(96, 55);
+      if (release) {
+        httplib::Client cli("127.0.0.1", p->server->port());
+        httplib::Headers h{{"X-KVBridge-Cluster-Token", "secret"}};
+        auto ok = cli.Post("/v1/kv/release", h, R"({"transfer_id":"xfer-g"})", "application/json");
+        ASSERT_TRUE(ok);
+        EXPECT_EQ(ok->status, 200);
+      }
+      EngineRequest pre = Req("p-g", prompt, 1, release ? 1 : 2);
+      pre.kv_transfer_params = PrefillParams("xfer-g");
+      Result1 pr = RunOne(*p->engine, pre);
+      EXPECT_EQ(pr.error.ok(), release) << pr.error.ToString();
+      EngineRequest dec = Req("g", prompt, 4, 2);
+      dec.kv_transfer_params = DecodeParams(*p, "xfer-g");
+      Result1 dr = RunOne(*d->engine, dec);
+      if (policy == LoadFailurePolicy::kRecompute) {
+        ExpectSameAnswer(dr, RunOne(**ref_engine, Req("g", prompt, 4, 2)), 2);
+      } else {
+        EXPECT_FALSE(dr.error.ok());
+      }
+      EXPECT_EQ(d->Metric("kvbridge_kv_load_failures_total"), 1);
+      EXPECT_TRUE(d->WaitDrained(5000));
+      EXPECT_TRUE(p->WaitDrained(5000));
+      EXPECT_EQ(p->Metric("kvbridge_kv_lease_expired_total"), 0);
+      EXPECT_EQ(d->kv->Stats().write_loads_done, 0);
+    }
+  }
+  (*ref_engine)->Shutdown();
+}
+
+// A WRITE prefill leg with n > 1 is refused (the decode forks the siblings); a decode leg
+// without the prefill's endpoint is refused at the door; neither leaves anything behind.
+TEST_P(PdWrite, BadLegsAreRefusedWithNoEffect) {
+  auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+  EngineRequest pre = Req("p-b", Prompt(40, 3), 1, 2);
+  pre.kv_transfer_params = PrefillParams("xfer-b");
+  Result1 r = RunOne(*p->engine, pre);
+  EXPECT_EQ(r.error.code(), StatusCode::kInvalidArgument) << r.error.ToString();
+  json bad = {{"do_remote_prefill", true}, {"transfer_id", "t"}, {"mode", "write"}};
+  EXPECT_FALSE(p->kv->ValidateHook()(bad).ok());
+  EXPECT_TRUE(p->WaitDrained(2000));
+  ExpectClean(*p);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PdWrite,
+                         ::testing::Values(Case{KvTransport::kTcp, true},
+                                           Case{KvTransport::kShm, true},
+                                           Case{KvTransport::kTcp, false},
+                                           Case{KvTransport::kShm, false}),
+                         [](const auto& info) {
+                           return std::string(KvTransportName(info.param.transport)) +
+                                  (info.param.prefix_caching ? "_prefix_on" : "_prefix_off");
+                         });
+
+}  // namespace
+}  // namespace kvbridge
