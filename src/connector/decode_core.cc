@@ -68,6 +68,7 @@ Result<DecodeCore::Match> DecodeCore::OnRequestAdded(const std::string& request_
                                                      const KvTransferParams& params,
                                                      int num_prompt_tokens,
                                                      int num_local_computed_tokens, TimePoint now) {
+  queued_.erase(request_id);  // admitted (whatever the outcome): no more queued heartbeats
   if (!params.do_remote_prefill) {
     return InvalidArgumentError("kv_transfer_params: do_remote_prefill is not set");
   }
@@ -177,6 +178,7 @@ void DecodeCore::Fail(const std::string& request_id, Request& r, Status status) 
 }
 
 bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) {
+  queued_.erase(request_id);
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return false;
   Request& r = it->second;
@@ -204,7 +206,34 @@ bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) 
   return in_flight;
 }
 
+void DecodeCore::OnRequestQueued(const std::string& request_id, const KvTransferParams& params,
+                                 TimePoint now) {
+  if (!params.do_remote_prefill || params.mode != KvTransferMode::kRead) return;
+  queued_[request_id] =
+      Queued{.params = params, .next_heartbeat = now + options_.heartbeat_interval};
+}
+
+void DecodeCore::SendHeartbeats(const KvTransferParams& p) {
+  std::map<int, int> decode_rank_of;  // prefill rank -> the first decode rank reading from it
+  for (const auto& [d, pr] : TpReadPairs(options_.tp_size, p.tp_size))
+    decode_rank_of.emplace(pr, d);
+  for (const auto& [pr, d] : decode_rank_of) {
+    actions_.push_back(
+        SendMessageAction{.to = Peer(p, pr),
+                          .msg = HeartbeatMsg{.transfer_id = p.transfer_id,
+                                              .prefill_engine_id = p.remote_engine_id,
+                                              .prefill_rank = pr,
+                                              .decode_engine_id = options_.engine_id,
+                                              .decode_rank = d}});
+  }
+}
+
 void DecodeCore::OnAbortedBeforeAdmission(const KvTransferParams& params) {
+  for (auto it = queued_.begin(); it != queued_.end();) {
+    const bool same = it->second.params.transfer_id == params.transfer_id &&
+                      it->second.params.remote_engine_id == params.remote_engine_id;
+    it = same ? queued_.erase(it) : std::next(it);
+  }
   if (!params.do_remote_prefill || params.mode != KvTransferMode::kRead) return;
   Request r;
   r.params = params;
@@ -369,6 +398,11 @@ void DecodeCore::OnTick(TimePoint now) {
     if (changed) touched.push_back(id);
   }
   for (const auto& id : touched) Advance(id);
+  for (auto& [id, q] : queued_) {
+    if (q.next_heartbeat > now) continue;
+    SendHeartbeats(q.params);
+    q.next_heartbeat = now + options_.heartbeat_interval;
+  }
 }
 
 std::vector<ConnectorAction> DecodeCore::TakeActions() {
@@ -388,6 +422,7 @@ std::optional<TimePoint> DecodeCore::NextDeadline() const {
     }
     if (!r.reported && !r.aborted && r.failure.ok()) consider(r.next_heartbeat);
   }
+  for (const auto& [id, q] : queued_) consider(q.next_heartbeat);
   return best;
 }
 

@@ -329,5 +329,51 @@ TEST(DecodeCore, CompletionForUnknownReadIsIgnoredAndCounted) {
   EXPECT_TRUE(core.Idle());
 }
 
+// A decode request still queued in the engine (not admitted: no blocks yet) heartbeats every
+// prefill rank it will read from, and stops at admission or at an abort before admission.
+TEST(DecodeCore, HeartbeatsWhileQueuedBeforeAdmission) {
+  DecodeCore core = MakeCore();
+  core.OnRequestQueued("q", Params(40, 2), 0);
+  core.OnRequestQueued("w", KvTransferParams{.do_remote_decode = true, .transfer_id = "x"}, 0);
+  EXPECT_FALSE(core.Idle());
+  EXPECT_EQ(core.NextDeadline(), std::optional<TimePoint>(kBeat));
+  core.OnTick(kBeat - 1);
+  EXPECT_TRUE(core.TakeActions().empty());
+  core.OnTick(kBeat);
+  auto sends = Of<SendMessageAction>(core.TakeActions());
+  ASSERT_EQ(sends.size(), 2u);  // one per prefill rank; the prefill leg's params are ignored
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(std::get<HeartbeatMsg>(sends[r].msg), (HeartbeatMsg{.transfer_id = "xfer-1",
+                                                                  .prefill_engine_id = "p0",
+                                                                  .prefill_rank = r,
+                                                                  .decode_engine_id = "d0",
+                                                                  .decode_rank = 0}));
+    EXPECT_EQ(sends[r].to.rank, r);
+    EXPECT_EQ(sends[r].to.port, 8100);
+  }
+  EXPECT_EQ(core.NextDeadline(), std::optional<TimePoint>(2 * kBeat));
+  // Admission: the queued heartbeat stops; the admitted request's own timer takes over.
+  ASSERT_TRUE(core.OnRequestAdded("q", Params(40, 2), 40, 0, kBeat + 5).ok());
+  EXPECT_EQ(core.NextDeadline(), std::optional<TimePoint>(2 * kBeat + 5));
+  core.OnTick(2 * kBeat);
+  EXPECT_TRUE(core.TakeActions().empty());
+
+  // An abort before admission stops it too, and tells the prefill.
+  DecodeCore c2 = MakeCore();
+  c2.OnRequestQueued("q2", Params(40, 1, "xfer-2"), 0);
+  c2.OnAbortedBeforeAdmission(Params(40, 1, "xfer-2"));
+  auto dones = ReadDones(c2.TakeActions());
+  ASSERT_EQ(dones.size(), 1u);
+  EXPECT_EQ(dones[0].outcome, ReadOutcome::kAborted);
+  EXPECT_TRUE(c2.Idle());
+  EXPECT_FALSE(c2.NextDeadline().has_value());
+  c2.OnTick(10 * kBeat);
+  EXPECT_TRUE(c2.TakeActions().empty());
+  // And so does the engine's abort of the request id.
+  c2.OnRequestQueued("q3", Params(40, 1, "xfer-3"), 0);
+  EXPECT_FALSE(c2.OnRequestAborted("q3", 1));
+  EXPECT_TRUE(c2.Idle());
+}
+
 }  // namespace
 }  // namespace kvbridge

@@ -317,5 +317,41 @@ TEST(PrefillCore, SkippedOrAbortedDecodeNotificationReleasesWithoutReply) {
   EXPECT_TRUE(core.Idle());
 }
 
+// The client left before the prefill leg was admitted: the proxy's release (which may arrive
+// first) is dropped at the abort, not parked for a whole lease; a later one is a no-op.
+TEST(PrefillCore, AbortBeforeAdmissionDropsTheParkedReleaseAtOnce) {
+  PrefillCore core = MakeCore();
+  ASSERT_TRUE(core.OnRelease(ReleaseMsg{.transfer_id = "t9"}, 0).ok());
+  EXPECT_EQ(core.NumParked(), 1);
+  EXPECT_FALSE(core.Idle());
+  core.OnAbortedBeforeAdmission("t9", 10);
+  EXPECT_EQ(core.NumParked(), 0);
+  EXPECT_TRUE(core.Idle());
+  EXPECT_FALSE(core.NextDeadline().has_value());
+  // A release after the abort: answered by the tombstone, nothing parked.
+  ASSERT_TRUE(core.OnRelease(ReleaseMsg{.transfer_id = "t9"}, 20).ok());
+  EXPECT_EQ(core.NumParked(), 0);
+  // A stray read_done for it is answered "aborted" at once.
+  core.OnReadDone(Done("t9"), 7, 30);
+  auto replies = Replies(core.TakeActions());
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].first, 7u);
+  EXPECT_FALSE(replies[0].second.hold_valid);
+  EXPECT_EQ(replies[0].second.reason, "aborted");
+  EXPECT_EQ(core.NumParked(), 0);
+  EXPECT_TRUE(core.Idle());
+  EXPECT_EQ(core.counters().notifications_ignored, 0);
+  EXPECT_EQ(core.counters().lease_expired, 0);
+  EXPECT_EQ(core.counters().parked_dropped, 1);
+  // A registered transfer is not touched (its own abort path owns it), and the same id may be
+  // registered afresh later.
+  ASSERT_TRUE(core.OnRequestAdded("r1", 1, "t10", 40).ok());
+  core.OnAbortedBeforeAdmission("t10", 50);
+  EXPECT_EQ(core.Siblings("t10"), (std::vector<std::string>{"r1"}));
+  ASSERT_TRUE(core.OnRequestAdded("r2", 1, "t9", 60).ok());
+  EXPECT_TRUE(core.OnRequestFinished("r2", "t9", kBlocks, 70));
+  EXPECT_EQ(core.NumHeldBlocks(), 3);
+}
+
 }  // namespace
 }  // namespace kvbridge

@@ -295,7 +295,11 @@ Status Scheduler::AddRequest(EngineRequest request, TimePoint now) {
   seq->tokens = g->req.prompt_token_ids;
   waiting_.push_back(seq.get());
   g->seqs.push_back(std::move(seq));
+  Seq* queued = waiting_.back();
   groups_.emplace(g->req.request_id, std::move(g));
+  if (connector_ != nullptr && !queued->group->req.kv_transfer_params.is_null()) {
+    connector_->RequestQueued(Info(*queued), now);
+  }
   return OkStatus();
 }
 

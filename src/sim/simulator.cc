@@ -191,6 +191,7 @@ class SimConnector final : public KvConnector {
                                  std::span<const int32_t> block_ids, std::string_view finish_reason,
                                  TimePoint now) override;
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override;
+  void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override;
   StepReport Poll(TimePoint now) override;
   std::optional<TimePoint> NextDeadline() const override {
     auto a = prefill_.NextDeadline();
@@ -220,9 +221,10 @@ class SimConnector final : public KvConnector {
   DecodeCore decode_;
   std::vector<InEvent> inbox_;
   StepReport report_;
-  std::set<std::string> held_;      // finished, blocks held for a transfer
-  std::set<std::string> draining_;  // aborted, blocks kept until a report
-  std::set<std::string> loading_;   // waiting for remote KV
+  std::set<std::string> held_;             // finished, blocks held for a transfer
+  std::set<std::string> draining_;         // aborted, blocks kept until a report
+  std::set<std::string> loading_;          // waiting for remote KV
+  std::set<std::string> decode_admitted_;  // decode parents DecodeCore::OnRequestAdded accepted
 };
 
 // ------------------------------------------------------------------------------------------
@@ -392,6 +394,7 @@ Result<KvConnector::Match> SimConnector::GetNumNewMatchedTokens(const ConnectorR
     ASSIGN_OR_RETURN(
         DecodeCore::Match dm,
         decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
+    decode_admitted_.insert(req.parent_id);
     m.num_external_tokens = dm.num_external_tokens;
     m.load_async = dm.load_async;
     if (dm.load_async && !loading_.insert(req.request_id).second) {
@@ -438,8 +441,25 @@ bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now
   if (keep && !draining_.insert(req.request_id).second) {
     sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " drained twice");
   }
+  if (req.request_id == req.parent_id && req.kv_transfer_params != nullptr &&
+      !req.kv_transfer_params->is_null()) {
+    // As KvBridgeConnector: a leg aborted before admission stops its queued heartbeats / tells
+    // the prefill (decode leg), or drops a release parked for it (prefill leg).
+    auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
+    if (p.ok() && p->do_remote_decode) prefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+    if (p.ok() && p->do_remote_prefill && !decode_admitted_.count(req.parent_id)) {
+      decode_.OnAbortedBeforeAdmission(*p);
+    }
+  }
+  decode_admitted_.erase(req.parent_id);
   Perform(now);
   return keep;
+}
+
+void SimConnector::RequestQueued(const ConnectorRequestInfo& req, TimePoint now) {
+  if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
+  auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
+  if (p.ok() && p->do_remote_prefill) decode_.OnRequestQueued(req.request_id, *p, now);
 }
 
 KvConnector::StepReport SimConnector::Poll(TimePoint now) {

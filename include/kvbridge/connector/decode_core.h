@@ -92,9 +92,15 @@ class DecodeCore {
   /// (a READ may still land); false when it may free them now (or the request is unknown).
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
 
+  /// A request with do_remote_prefill `params` (read mode) entered the engine's waiting queue.
+  /// Until OnRequestAdded (admission) or an abort, it sends a heartbeat to each prefill rank
+  /// every heartbeat_interval (DESIGN.md READ step 4: "a decode still queued extends [the lease]
+  /// by heartbeat"), so a long queue does not cost the hold. Other params: ignored.
+  void OnRequestQueued(const std::string& request_id, const KvTransferParams& params,
+                       TimePoint now);
   /// A request with do_remote_prefill `params` was aborted before OnRequestAdded (still queued
   /// in the engine): tells each prefill rank (ReadDone "aborted", no reply) so it releases now
-  /// instead of at lease end. Keeps no state.
+  /// instead of at lease end, and stops its queued heartbeats.
   void OnAbortedBeforeAdmission(const KvTransferParams& params);
 
   /// READ `read_id` ended: OK (all bytes landed) or an error / Cancelled (no more bytes land).
@@ -107,7 +113,7 @@ class DecodeCore {
   std::vector<ConnectorAction> TakeActions();
   std::optional<TimePoint> NextDeadline() const;
   /// True when no request entry remains (no READ, no awaited reply).
-  bool Idle() const { return requests_.empty(); }
+  bool Idle() const { return requests_.empty() && queued_.empty(); }
   /// Requests waiting for remote KV (not yet reported).
   int64_t NumWaiting() const;
   /// READs posted and not yet completed.
@@ -151,11 +157,17 @@ class DecodeCore {
                     ReadOutcome outcome, bool want_reply);
   void Fail(const std::string& request_id, Request& r, Status status);
   void Advance(const std::string& request_id);
+  void SendHeartbeats(const KvTransferParams& p);
 
   Options options_;
   std::map<std::string, Request> requests_;                                 // request id -> entry
   std::map<std::pair<std::string, std::string>, std::string> by_transfer_;  // (engine, tid) -> req
   std::map<uint64_t, std::string> by_read_;                                 // read id -> req
+  struct Queued {
+    KvTransferParams params;
+    TimePoint next_heartbeat = 0;
+  };
+  std::map<std::string, Queued> queued_;  // request id -> queued before admission
   uint64_t next_read_id_ = 1;
   std::vector<ConnectorAction> actions_;
   Counters counters_;

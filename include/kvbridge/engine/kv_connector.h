@@ -56,6 +56,11 @@ class KvConnector {
         0;  ///< prompt tokens (after the local prefix hit) that will arrive remotely
     bool load_async = false;  ///< true: the request waits in WAITING_FOR_REMOTE_KVS
   };
+  /// Called once per parent request when it enters the engine's waiting queue (before any
+  /// GetNumNewMatchedTokens), so a decode still queued can keep the prefill's hold alive
+  /// (heartbeat). Default: nothing.
+  virtual void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) {}
+
   /// Called once per parent request before its first allocation. `num_local_computed_tokens` is
   /// its local prefix-cache hit (a multiple of block_size). Errors fail the request (HTTP 400/503).
   virtual Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req,
