@@ -5,9 +5,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -39,6 +41,29 @@ std::string RandomHex(int n) {
   std::string s;
   for (int i = 0; i < n; ++i) s += kHex[g() % 16];
   return s;
+}
+
+// Test-only knob (docs/protocol.md "Test-only switches"): KVBRIDGE_DEBUG_READ_DONE_DELAY_MS=N
+// holds every ended READ for N ms before the decode core hears of it (so a test can kill a decode
+// "after its READ began"). Refused unless KVBRIDGE_DEBUG=1, so it never slips into production.
+Result<int> DebugReadDoneDelayMs() {
+  const char* v = std::getenv("KVBRIDGE_DEBUG_READ_DONE_DELAY_MS");
+  if (v == nullptr || *v == '\0') return 0;
+  const char* dbg = std::getenv("KVBRIDGE_DEBUG");
+  if (dbg == nullptr || std::string_view(dbg) != "1") {
+    return FailedPreconditionError(
+        "kv connector: KVBRIDGE_DEBUG_READ_DONE_DELAY_MS is a test-only switch; it is refused "
+        "unless KVBRIDGE_DEBUG=1");
+  }
+  char* end = nullptr;
+  const long ms = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || ms < 0 || ms > 600000) {
+    return InvalidArgumentError(
+        "kv connector: KVBRIDGE_DEBUG_READ_DONE_DELAY_MS must be an "
+        "integer in [0, 600000], got \"" +
+        std::string(v) + "\"");
+  }
+  return static_cast<int>(ms);
 }
 
 std::string AgentName(const std::string& engine_id, int rank) {
@@ -174,27 +199,50 @@ class ReadWatcher {
     }
     cv_.notify_all();
   }
+  // Test-only (KVBRIDGE_DEBUG_READ_DONE_DELAY_MS): hold each ended transfer this long before
+  // reporting it, so a test can act "after the READ began, before the decode notified".
+  void SetDebugReportDelay(std::chrono::milliseconds d) {
+    std::lock_guard<std::mutex> l(mu_);
+    debug_delay_ = d;
+  }
 
  private:
   struct Item {
     uint64_t read_id;
     xfer::TransferHandle handle;
     std::chrono::steady_clock::time_point t0;
+    std::chrono::steady_clock::time_point due{};  // when an ended transfer may be reported
   };
   void Run() {
     std::unique_lock<std::mutex> l(mu_);
     while (true) {
-      cv_.wait(l, [&] { return stop_ || !items_.empty(); });
+      cv_.wait(l, [&] { return stop_ || !items_.empty() || !delayed_.empty(); });
       if (stop_) return;
       std::vector<Item> done;
+      const auto now = std::chrono::steady_clock::now();
       for (auto it = items_.begin(); it != items_.end();) {
         if (it->handle.state() != xfer::TransferState::kPending) {
-          done.push_back(std::move(*it));
+          it->due = now + debug_delay_;
+          delayed_.push_back(std::move(*it));
           it = items_.erase(it);
         } else {
           ++it;
         }
       }
+      for (auto it = delayed_.begin(); it != delayed_.end();) {
+        if (it->due <= now) {
+          done.push_back(std::move(*it));
+          it = delayed_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      // Nothing ended: block on the oldest pending handle (the agent offers no completion
+      // callback, but each handle's Wait is woken by its own completion) instead of polling.
+      // Transfers of one peer end in posting order, so the oldest is the next to end; a newer
+      // one ending first is seen when the oldest ends or within the 1 ms slice.
+      std::optional<xfer::TransferHandle> oldest;
+      if (done.empty() && !items_.empty()) oldest = items_.front().handle;
       l.unlock();
       for (Item& d : done) {
         const double secs =
@@ -208,7 +256,11 @@ class ReadWatcher {
           impl_->Push(EvReadEnded{d.read_id, st, secs});
         }
       }
-      if (done.empty()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (oldest) {
+        oldest->Wait(1);
+      } else if (done.empty()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));  // only test-delayed ends
+      }
       l.lock();
     }
   }
@@ -217,8 +269,63 @@ class ReadWatcher {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Item> items_;
+  std::vector<Item> delayed_;  // ended, held back by debug_delay_
+  std::chrono::milliseconds debug_delay_{0};
   bool stop_ = false;
   std::thread thread_;  // last: starts after the members it uses
+};
+
+// One READ-mode transfer's phase timestamps on this engine (SteadyNow µs = CLOCK_MONOTONIC, so
+// comparable across the processes of one host), for the "kv timeline" debug log line and the
+// per-phase histograms (docs/protocol.md "One request's timeline"). Engine thread only.
+class PhaseTimeline {
+ public:
+  // Records `phase` of transfer `tid` on this side (the first mark of a phase wins).
+  void Mark(bool prefill, const std::string& tid, const char* phase) {
+    auto& recs = prefill ? prefill_ : decode_;
+    if (recs.size() > kMaxRecords) recs.clear();  // bounded: aborted requests never end theirs
+    recs[tid].emplace(phase, SteadyNow());
+  }
+  void MapRequest(bool prefill, const std::string& request_id, const std::string& tid) {
+    auto& m = prefill ? prefill_req_ : decode_req_;
+    if (m.size() > kMaxRecords) m.clear();
+    m[request_id] = tid;
+  }
+  // Ends request_id's record with `phase`: its phases (µs) plus "side" and "transfer_id", or
+  // null when the request is not tracked.
+  json End(bool prefill, const std::string& request_id, const char* phase) {
+    auto& m = prefill ? prefill_req_ : decode_req_;
+    auto r = m.find(request_id);
+    if (r == m.end()) return json();
+    const std::string tid = r->second;
+    m.erase(r);
+    Mark(prefill, tid, phase);
+    auto& recs = prefill ? prefill_ : decode_;
+    json out = {{"side", prefill ? "prefill" : "decode"}, {"transfer_id", tid}};
+    for (const auto& [k, v] : recs[tid]) out[k + "_us"] = v;
+    recs.erase(tid);
+    return out;
+  }
+  void Drop(const std::string& request_id) {
+    for (auto* m : {&prefill_req_, &decode_req_}) {
+      auto r = m->find(request_id);
+      if (r == m->end()) continue;
+      (m == &prefill_req_ ? prefill_ : decode_).erase(r->second);
+      m->erase(r);
+    }
+  }
+  // Seconds between two phases of an ended record (json from End), or < 0 when one is missing.
+  static double Seconds(const json& rec, const char* from, const char* to) {
+    const std::string a = std::string(from) + "_us", b = std::string(to) + "_us";
+    if (!rec.contains(a) || !rec.contains(b)) return -1;
+    return static_cast<double>(rec[b].get<int64_t>() - rec[a].get<int64_t>()) / 1e6;
+  }
+
+ private:
+  static constexpr size_t kMaxRecords = 16384;
+  // transfer id -> phase -> µs; request id -> transfer id
+  std::map<std::string, std::map<std::string, TimePoint>> prefill_, decode_;
+  std::map<std::string, std::string> prefill_req_, decode_req_;
 };
 
 class KvBridgeConnector final : public KvConnector {
@@ -267,6 +374,7 @@ class KvBridgeConnector final : public KvConnector {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
       RETURN_IF_ERROR(prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
+      timeline_.Mark(true, p.transfer_id, "admitted");
     } else {
       if (!opt().config.IsConsumer())
         return InvalidArgumentError("this engine is not a kv_consumer");
@@ -274,6 +382,10 @@ class KvBridgeConnector final : public KvConnector {
                        decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
                                               num_local_computed, now));
       asked_.insert(req.parent_id);
+      if (dm.load_async) {
+        timeline_.MapRequest(false, req.request_id, p.transfer_id);
+        timeline_.Mark(false, p.transfer_id, "admitted");
+      }
       m.num_external_tokens = dm.num_external_tokens;
       m.load_async = dm.load_async;
       for (int r = 0; r < p.tp_size; ++r) {
@@ -312,6 +424,10 @@ class KvBridgeConnector final : public KvConnector {
     } else {
       d.hold_blocks =
           prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
+      if (d.hold_blocks) {
+        timeline_.MapRequest(true, req.request_id, p->transfer_id);
+        timeline_.Mark(true, p->transfer_id, "held");
+      }
     }
     KvTransferParams out;
     out.do_remote_prefill = true;
@@ -332,6 +448,7 @@ class KvBridgeConnector final : public KvConnector {
   }
 
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override {
+    timeline_.Drop(req.request_id);
     bool keep = prefill_.OnRequestAborted(req.request_id, now);
     keep = decode_.OnRequestAborted(req.request_id, now) || keep;
     keep = wprefill_.OnRequestAborted(req.request_id, now) || keep;
@@ -353,9 +470,27 @@ class KvBridgeConnector final : public KvConnector {
         }
       }
     }
+    if (req.request_id == req.parent_id && req.kv_transfer_params != nullptr &&
+        !req.kv_transfer_params->is_null()) {
+      // A prefill leg aborted (maybe before admission): a release parked for its transfer is
+      // dropped now, not after a lease (a no-op when the transfer was registered).
+      auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
+      if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kRead) {
+        prefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+      }
+    }
     asked_.erase(req.parent_id);
     PerformAll(now);
     return keep;
+  }
+
+  void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override {
+    // A decode leg waiting in the engine's queue heartbeats the prefill (DESIGN.md READ step 4).
+    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
+    auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
+    if (p.ok() && p->do_remote_prefill && p->mode == KvTransferMode::kRead) {
+      decode_.OnRequestQueued(req.request_id, *p, now);
+    }
   }
 
   StepReport Poll(TimePoint now) override {
@@ -456,6 +591,7 @@ class KvBridgeConnector final : public KvConnector {
   KvTransferParamsLimits Limits() const { return {.block_size = block_size()}; }
 
   Status Init() {
+    ASSIGN_OR_RETURN(const int debug_delay_ms, DebugReadDoneDelayMs());
     const PagedKvLayout& layout = hooks_.kv_view.layout;
     impl_->block_size.store(layout.block_size);
     xfer::AgentConfig ac;
@@ -544,6 +680,11 @@ class KvBridgeConnector final : public KvConnector {
     });
     worker_ = std::make_unique<Worker>();
     watcher_ = std::make_unique<ReadWatcher>(impl_);
+    if (debug_delay_ms > 0) {
+      KVB_LOG_WARN("kv connector: test-only: every ended READ is reported {} ms late",
+                   debug_delay_ms);
+      watcher_->SetDebugReportDelay(std::chrono::milliseconds(debug_delay_ms));
+    }
     write_watcher_ = std::make_unique<ReadWatcher>(impl_, /*writes=*/true);
     if (hooks_.metrics != nullptr) RegisterMetrics(*hooks_.metrics);
     {
@@ -581,6 +722,16 @@ class KvBridgeConnector final : public KvConnector {
                           "Decode side: time from posting a KV READ to its end (READ mode); "
                           "from the prefill's first layer WRITE posted to its last done (WRITE).",
                           Histogram::FineLatencyBucketsSeconds());
+    m_hold_ = &reg.AddHistogram(
+        "kvbridge_kv_hold_seconds",
+        "READ mode, prefill side: time a finished request's blocks were held for a transfer "
+        "(hold → free).",
+        Histogram::FineLatencyBucketsSeconds());
+    m_ack_ = &reg.AddHistogram(
+        "kvbridge_kv_ack_seconds",
+        "READ mode, decode side: time from a READ's end to the prefill's hold reply (the ack "
+        "that lets the decode use the bytes).",
+        Histogram::FineLatencyBucketsSeconds());
     m_lease_ = &reg.AddCounter("kvbridge_kv_lease_expired_total",
                                "Transfer holds freed by lease expiry (0 in fault-free runs).");
     m_load_fail_ = &reg.AddCounter("kvbridge_kv_load_failures_total",
@@ -670,6 +821,7 @@ class KvBridgeConnector final : public KvConnector {
       if (m_ignored_) m_ignored_->Inc();
       return;
     }
+    timeline_.Mark(false, it->second.handle.transfer_id(), "read_ended");
     if (e.status.ok()) {
       if (m_bytes_) m_bytes_->Inc(static_cast<double>(it->second.bytes));
       bytes_read_ += static_cast<double>(it->second.bytes);
@@ -692,6 +844,7 @@ class KvBridgeConnector final : public KvConnector {
       return;
     }
     if (auto* rd = std::get_if<ReadDoneMsg>(&e.msg)) {
+      timeline_.Mark(true, rd->transfer_id, "read_done");
       prefill_.OnReadDone(*rd, e.reply_token, now);
     } else if (auto* hb = std::get_if<HeartbeatMsg>(&e.msg)) {
       prefill_.OnHeartbeat(*hb, now);
@@ -699,6 +852,7 @@ class KvBridgeConnector final : public KvConnector {
       Status st = prefill_.OnRelease(*rel, now);
       if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
     } else if (auto* hr = std::get_if<HoldReplyMsg>(&e.msg)) {
+      timeline_.Mark(false, hr->transfer_id, "ack");
       decode_.OnHoldReply(*hr, now);
     }
     if (e.reply_token != 0) {
@@ -739,6 +893,7 @@ class KvBridgeConnector final : public KvConnector {
         peers_[AgentName(r->prefill.engine_id, r->prefill.rank)].queued.push_back(a);
         return;
       }
+      timeline_.Mark(false, r->transfer_id, "read_posted");
       PostRead(*r, peer->agent_name, now);
     } else if (auto* c = std::get_if<CancelReadAction>(&a)) {
       auto it = handles_.find(c->read_id);
@@ -771,15 +926,30 @@ class KvBridgeConnector final : public KvConnector {
       }
       SendMessage(*s, a, now);
     } else if (auto* d = std::get_if<ReportLoadDoneAction>(&a)) {
+      EndTimeline(false, d->request_id, "load_done");
       report_.finished_recving.push_back(d->request_id);
       Wake();
     } else if (auto* f = std::get_if<ReportLoadFailedAction>(&a)) {
+      EndTimeline(false, f->request_id, "load_failed");
       report_.failed_recving.push_back({f->request_id, f->recompute, f->status});
       Wake();
     } else if (auto* fr = std::get_if<ReportBlocksFreeAction>(&a)) {
+      EndTimeline(true, fr->request_id, "freed");
       report_.finished_sending.push_back(fr->request_id);
       Wake();
     }
+  }
+
+  void EndTimeline(bool prefill, const std::string& request_id, const char* phase) {
+    json rec = timeline_.End(prefill, request_id, phase);
+    if (rec.is_null()) return;
+    const double hold = PhaseTimeline::Seconds(rec, "held", "freed");
+    const double ack = PhaseTimeline::Seconds(rec, "read_ended", "ack");
+    if (m_hold_ && hold >= 0) m_hold_->Observe(hold);
+    if (m_ack_ && ack >= 0) m_ack_->Observe(ack);
+    rec["request_id"] = request_id;
+    // spdlog's runtime level (KVB_LOG_DEBUG is compiled out of release builds).
+    spdlog::debug("kv timeline {}", rec.dump());
   }
 
   PeerState* Ready(const std::string& engine_id, int rank) {
@@ -1230,6 +1400,9 @@ class KvBridgeConnector final : public KvConnector {
   int64_t synced_lease_ = 0, synced_ignored_ = 0, synced_fail_ = 0;
   Counter* m_bytes_ = nullptr;
   Histogram* m_seconds_ = nullptr;
+  Histogram* m_hold_ = nullptr;
+  Histogram* m_ack_ = nullptr;
+  PhaseTimeline timeline_;
   Counter* m_lease_ = nullptr;
   Counter* m_load_fail_ = nullptr;
   Counter* m_ignored_ = nullptr;
