@@ -388,9 +388,11 @@ class KvBridgeConnector final : public KvConnector {
       }
       m.num_external_tokens = dm.num_external_tokens;
       m.load_async = dm.load_async;
-      for (int r = 0; r < p.tp_size; ++r) {
-        EnsurePeer(p.remote_engine_id, p.remote_host, p.remote_port, r);
-      }
+      // Fetch the metadata of the prefill ranks the TP plan reads from (not unread replicas).
+      std::set<int> sources;
+      for (const auto& [dr, pr] : TpPlanPairs(p.tp_size, EngineTp(hooks_), GlobalKvHeads(hooks_)))
+        sources.insert(pr);
+      for (int r : sources) EnsurePeer(p.remote_engine_id, p.remote_host, p.remote_port, r);
     }
     PerformAll(now);
     return m;
