@@ -1,12 +1,10 @@
-// `kvbridge up 1p3d`: bring up a P/D topology (proxy + engines as child
-// processes) on this host.
+// `kvbridge up 1p3d`: bring up a P/D topology (proxy + engines as child processes) on this host.
 //
-// Makes the default model when absent, starts the engines and the proxy (this
-// same binary, via /proc/self/exe) with their logs in --log-dir, waits until
-// every instance is healthy and known to the proxy, prints the endpoints, and
-// on SIGINT/SIGTERM stops every child and exits 0. A child that dies is
-// reported with the tail of its log, the rest are stopped, and the exit code
-// is 1. See docs/proxy.md.
+// Makes the default model when absent, starts the engines and the proxy (this same binary, via
+// /proc/self/exe) with their logs in --log-dir, waits until every instance is healthy and known
+// to the proxy, prints the endpoints, and on SIGINT/SIGTERM stops every child and exits 0. A child
+// that dies is reported with the tail of its log, the rest are stopped, and the exit code is 1.
+// See docs/proxy.md.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <httplib.h>
@@ -57,8 +55,8 @@ struct UpOptions {
   std::string cluster_token;
   std::string routing = "least-loaded";
   double ready_timeout_s = 180;
-  int prefill_tp = 1; ///< --tensor-parallel-size of each prefill engine
-  int decode_tp = 1;  ///< --tensor-parallel-size of each decode engine
+  int prefill_tp = 1;  ///< --tensor-parallel-size of each prefill engine
+  int decode_tp = 1;   ///< --tensor-parallel-size of each decode engine
 };
 
 struct Child {
@@ -77,36 +75,32 @@ std::string SelfExe() {
 
 int FreeLocalPort() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0)
-    return -1;
+  if (fd < 0) return -1;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = 0;
   socklen_t len = sizeof(a);
   int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof(a)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len) == 0) {
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
     port = ntohs(a.sin_port);
   }
   ::close(fd);
   return port;
 }
 
-pid_t Spawn(const std::vector<std::string> &argv, const std::string &log_path) {
-  std::vector<char *> args;
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& log_path) {
+  std::vector<char*> args;
   std::vector<std::string> copy = argv;
-  for (auto &a : copy)
-    args.push_back(a.data());
+  for (auto& a : copy) args.push_back(a.data());
   args.push_back(nullptr);
   pid_t parent = ::getpid();
   pid_t pid = ::fork();
-  if (pid != 0)
-    return pid;
+  if (pid != 0) return pid;
   // Child: die with `up`, never outlive it; signals unblocked again.
   ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (::getppid() != parent)
-    ::_exit(1);
+  if (::getppid() != parent) ::_exit(1);
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -120,7 +114,7 @@ pid_t Spawn(const std::vector<std::string> &argv, const std::string &log_path) {
   ::_exit(127);
 }
 
-std::string Tail(const std::string &path, size_t max_bytes = 2000) {
+std::string Tail(const std::string& path, size_t max_bytes = 2000) {
   std::ifstream f(path, std::ios::binary);
   std::stringstream ss;
   ss << f.rdbuf();
@@ -128,33 +122,27 @@ std::string Tail(const std::string &path, size_t max_bytes = 2000) {
   return s.size() > max_bytes ? "..." + s.substr(s.size() - max_bytes) : s;
 }
 
-std::string RunCapture(const std::string &cmd) {
+std::string RunCapture(const std::string& cmd) {
   std::string out;
-  FILE *p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr)
-    return out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
   char buf[4096];
   size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0)
-    out.append(buf, n);
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
   ::pclose(p);
   return out;
 }
 
 std::string DescribeExit(int status) {
-  if (WIFEXITED(status))
-    return "exited with code " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status))
-    return "killed by signal " + std::to_string(WTERMSIG(status));
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
   return "stopped";
 }
 
-// Reaps children that exited; returns the first that died (nullptr when all
-// alive).
-Child *ReapDead(std::vector<Child> &children, int *status_out) {
-  for (Child &c : children) {
-    if (c.exited || c.pid <= 0)
-      continue;
+// Reaps children that exited; returns the first that died (nullptr when all alive).
+Child* ReapDead(std::vector<Child>& children, int* status_out) {
+  for (Child& c : children) {
+    if (c.exited || c.pid <= 0) continue;
     int status = 0;
     if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
       c.exited = true;
@@ -165,13 +153,12 @@ Child *ReapDead(std::vector<Child> &children, int *status_out) {
   return nullptr;
 }
 
-void StopAll(std::vector<Child> &children) {
+void StopAll(std::vector<Child>& children) {
   for (auto it = children.rbegin(); it != children.rend(); ++it) {
-    if (!it->exited && it->pid > 0)
-      ::kill(it->pid, SIGTERM);
+    if (!it->exited && it->pid > 0) ::kill(it->pid, SIGTERM);
   }
   auto deadline = Clock::now() + std::chrono::seconds(10);
-  for (Child &c : children) {
+  for (Child& c : children) {
     while (!c.exited && c.pid > 0) {
       int status = 0;
       if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
@@ -179,8 +166,7 @@ void StopAll(std::vector<Child> &children) {
         break;
       }
       if (Clock::now() >= deadline) {
-        std::fprintf(stderr,
-                     "kvbridge up: %s (pid %d) ignored SIGTERM; killing it\n",
+        std::fprintf(stderr, "kvbridge up: %s (pid %d) ignored SIGTERM; killing it\n",
                      c.name.c_str(), c.pid);
         ::kill(c.pid, SIGKILL);
         ::waitpid(c.pid, &status, 0);
@@ -192,46 +178,40 @@ void StopAll(std::vector<Child> &children) {
   }
 }
 
-bool HttpOk(int port, const std::string &path, std::string *body = nullptr) {
+bool HttpOk(int port, const std::string& path, std::string* body = nullptr) {
   httplib::Client cli("127.0.0.1", port);
   cli.set_connection_timeout(1, 0);
   cli.set_read_timeout(2, 0);
   auto res = cli.Get(path.c_str());
-  if (!res || res->status != 200)
-    return false;
-  if (body)
-    *body = res->body;
+  if (!res || res->status != 200) return false;
+  if (body) *body = res->body;
   return true;
 }
 
-int PortOf(const std::string &url) {
-  return std::atoi(url.substr(url.rfind(':') + 1).c_str());
-}
+int PortOf(const std::string& url) { return std::atoi(url.substr(url.rfind(':') + 1).c_str()); }
 
-std::string Usage(const std::string &why) {
+std::string Usage(const std::string& why) {
   std::fprintf(stderr, "kvbridge up: %s\n", why.c_str());
   return why;
 }
 
-bool ParseTopology(const std::string &t, int *p, int *d) {
+bool ParseTopology(const std::string& t, int* p, int* d) {
   std::smatch m;
   static const std::regex re("^([0-9]+)p([0-9]+)d$");
-  if (!std::regex_match(t, m, re))
-    return false;
+  if (!std::regex_match(t, m, re)) return false;
   *p = std::atoi(m[1].str().c_str());
   *d = std::atoi(m[2].str().c_str());
   return *p >= 1 && *d >= 1 && *p <= 16 && *d <= 16;
 }
 
-// Loads FILE.toml into `o` (keys: topology, model, port, mode, transport,
-// log_dir, prefill_forward_n, prefix_caching, prefill_kv_blocks, engine_args,
-// prefill_args, decode_args, cluster_token, routing, ready_timeout_s,
-// prefill_tp, decode_tp). Unknown keys are an error.
-bool LoadConfig(const std::string &path, UpOptions &o) {
+// Loads FILE.toml into `o` (keys: topology, model, port, mode, transport, log_dir,
+// prefill_forward_n, prefix_caching, prefill_kv_blocks, engine_args, prefill_args, decode_args,
+// cluster_token, routing, ready_timeout_s, prefill_tp, decode_tp). Unknown keys are an error.
+bool LoadConfig(const std::string& path, UpOptions& o) {
   toml::table t;
   try {
     t = toml::parse_file(path);
-  } catch (const toml::parse_error &e) {
+  } catch (const toml::parse_error& e) {
     Usage("--config " + path + ": " + std::string(e.description()));
     return false;
   }
@@ -252,19 +232,16 @@ bool LoadConfig(const std::string &path, UpOptions &o) {
                                                  "ready_timeout_s",
                                                  "prefill_tp",
                                                  "decode_tp"};
-  for (auto &&[k, v] : t) {
-    if (std::find(kKeys.begin(), kKeys.end(), std::string(k.str())) ==
-        kKeys.end()) {
-      Usage("--config " + path + ": unknown key '" + std::string(k.str()) +
-            "'");
+  for (auto&& [k, v] : t) {
+    if (std::find(kKeys.begin(), kKeys.end(), std::string(k.str())) == kKeys.end()) {
+      Usage("--config " + path + ": unknown key '" + std::string(k.str()) + "'");
       return false;
     }
   }
-  auto strs = [&](const char *key, std::vector<std::string> &out) {
-    if (auto *arr = t[key].as_array()) {
-      for (auto &&e : *arr) {
-        if (auto s = e.value<std::string>())
-          out.push_back(*s);
+  auto strs = [&](const char* key, std::vector<std::string>& out) {
+    if (auto* arr = t[key].as_array()) {
+      for (auto&& e : *arr) {
+        if (auto s = e.value<std::string>()) out.push_back(*s);
       }
     }
   };
@@ -276,15 +253,12 @@ bool LoadConfig(const std::string &path, UpOptions &o) {
   o.log_dir = t["log_dir"].value_or(o.log_dir);
   o.prefill_forward_n = t["prefill_forward_n"].value_or(o.prefill_forward_n);
   o.no_prefix_caching = !t["prefix_caching"].value_or(!o.no_prefix_caching);
-  o.prefill_kv_blocks = t["prefill_kv_blocks"].value_or(
-      static_cast<int64_t>(o.prefill_kv_blocks));
+  o.prefill_kv_blocks = t["prefill_kv_blocks"].value_or(static_cast<int64_t>(o.prefill_kv_blocks));
   o.cluster_token = t["cluster_token"].value_or(o.cluster_token);
   o.routing = t["routing"].value_or(o.routing);
   o.ready_timeout_s = t["ready_timeout_s"].value_or(o.ready_timeout_s);
-  o.prefill_tp = static_cast<int>(
-      t["prefill_tp"].value_or(static_cast<int64_t>(o.prefill_tp)));
-  o.decode_tp = static_cast<int>(
-      t["decode_tp"].value_or(static_cast<int64_t>(o.decode_tp)));
+  o.prefill_tp = static_cast<int>(t["prefill_tp"].value_or(static_cast<int64_t>(o.prefill_tp)));
+  o.decode_tp = static_cast<int>(t["decode_tp"].value_or(static_cast<int64_t>(o.decode_tp)));
   strs("engine_args", o.engine_args);
   strs("prefill_args", o.prefill_args);
   strs("decode_args", o.decode_args);
@@ -292,21 +266,18 @@ bool LoadConfig(const std::string &path, UpOptions &o) {
 }
 
 std::string DefaultModelDir() {
-  const char *xdg = std::getenv("XDG_CACHE_HOME");
-  const char *home = std::getenv("HOME");
-  std::string base =
-      xdg ? xdg : (home ? std::string(home) + "/.cache" : std::string("/tmp"));
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  std::string base = xdg ? xdg : (home ? std::string(home) + "/.cache" : std::string("/tmp"));
   return base + "/kvbridge/models/small-seed0";
 }
 
 int RunUp(UpOptions o) {
   if (!ParseTopology(o.topology, &o.num_prefill, &o.num_decode)) {
-    Usage("topology must look like 1p3d (1..16 of each), got '" + o.topology +
-          "'");
+    Usage("topology must look like 1p3d (1..16 of each), got '" + o.topology + "'");
     return 2;
   }
-  if (o.prefill_tp < 1 || o.prefill_tp > 64 || o.decode_tp < 1 ||
-      o.decode_tp > 64) {
+  if (o.prefill_tp < 1 || o.prefill_tp > 64 || o.decode_tp < 1 || o.decode_tp > 64) {
     Usage("--prefill-tp and --decode-tp must be in [1, 64]");
     return 2;
   }
@@ -315,12 +286,10 @@ int RunUp(UpOptions o) {
     return 2;
   }
   const std::string exe = SelfExe();
-  if (o.model_dir.empty())
-    o.model_dir = DefaultModelDir();
+  if (o.model_dir.empty()) o.model_dir = DefaultModelDir();
   if (o.log_dir.empty()) {
-    o.log_dir = (fs::temp_directory_path() /
-                 ("kvbridge-up-" + std::to_string(::getpid())))
-                    .string();
+    o.log_dir =
+        (fs::temp_directory_path() / ("kvbridge-up-" + std::to_string(::getpid()))).string();
   }
   std::error_code ec;
   fs::create_directories(o.log_dir, ec);
@@ -328,11 +297,9 @@ int RunUp(UpOptions o) {
     Usage("cannot create --log-dir " + o.log_dir + ": " + ec.message());
     return 1;
   }
-  if (o.cluster_token.empty())
-    o.cluster_token = kvbridge::proxy::MintTransferId();
+  if (o.cluster_token.empty()) o.cluster_token = kvbridge::proxy::MintTransferId();
 
-  // SIGINT/SIGTERM are taken synchronously below; children get them unblocked
-  // (Spawn).
+  // SIGINT/SIGTERM are taken synchronously below; children get them unblocked (Spawn).
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGINT);
@@ -342,27 +309,23 @@ int RunUp(UpOptions o) {
   // The engine must speak P/D.
   std::string serve_help = RunCapture("'" + exe + "' serve --help 2>&1");
   if (serve_help.find("--kv-transfer-config") == std::string::npos) {
-    Usage("this build's `kvbridge serve` has no --kv-transfer-config: P/D is "
-          "not available");
+    Usage("this build's `kvbridge serve` has no --kv-transfer-config: P/D is not available");
     return 1;
   }
   const bool registration = serve_help.find("--proxy") != std::string::npos;
 
   if (!fs::exists(fs::path(o.model_dir) / "config.json")) {
-    std::printf("kvbridge up: making the default model in %s\n",
-                o.model_dir.c_str());
+    std::printf("kvbridge up: making the default model in %s\n", o.model_dir.c_str());
     std::fflush(stdout);
     fs::create_directories(fs::path(o.model_dir).parent_path(), ec);
     std::string log = o.log_dir + "/make-model.log";
-    pid_t pid = Spawn({exe, "make-model", "--preset", "small", "--seed", "0",
-                       "--out", o.model_dir},
-                      log);
+    pid_t pid =
+        Spawn({exe, "make-model", "--preset", "small", "--seed", "0", "--out", o.model_dir}, log);
     int status = 0;
     ::waitpid(pid, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
       std::fprintf(stderr, "kvbridge up: make-model %s; log %s:\n%s\n",
-                   DescribeExit(status).c_str(), log.c_str(),
-                   Tail(log).c_str());
+                   DescribeExit(status).c_str(), log.c_str(), Tail(log).c_str());
       return 1;
     }
   }
@@ -370,25 +333,17 @@ int RunUp(UpOptions o) {
   std::vector<Child> children;
   const std::string proxy_addr = "127.0.0.1:" + std::to_string(o.port);
   auto engine_argv = [&](bool prefill, int port) {
-    nlohmann::json cfg = {{"kv_connector", "KVBridgeConnector"},
-                          {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
-                          {"kv_connector_extra_config",
-                           {{"mode", o.mode}, {"transport", o.transport}}}};
-    std::vector<std::string> a = {exe,
-                                  "serve",
-                                  o.model_dir,
-                                  "--host",
-                                  "127.0.0.1",
-                                  "--port",
-                                  std::to_string(port),
-                                  "--kv-transfer-config",
-                                  cfg.dump(),
-                                  "--cluster-token",
-                                  o.cluster_token};
-    if (o.no_prefix_caching)
-      a.push_back("--no-enable-prefix-caching");
+    nlohmann::json cfg = {
+        {"kv_connector", "KVBridgeConnector"},
+        {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
+        {"kv_connector_extra_config", {{"mode", o.mode}, {"transport", o.transport}}}};
+    std::vector<std::string> a = {
+        exe,         "serve",           o.model_dir,          "--host",
+        "127.0.0.1", "--port",          std::to_string(port), "--kv-transfer-config",
+        cfg.dump(),  "--cluster-token", o.cluster_token};
+    if (o.no_prefix_caching) a.push_back("--no-enable-prefix-caching");
     if (const int tp = prefill ? o.prefill_tp : o.decode_tp; tp > 1) {
-      a.push_back("--tensor-parallel-size"); // ranks are threads of the engine
+      a.push_back("--tensor-parallel-size");  // ranks are threads of the engine
       a.push_back(std::to_string(tp));
     }
     if (prefill && o.prefill_kv_blocks > 0) {
@@ -399,33 +354,21 @@ int RunUp(UpOptions o) {
       a.push_back("--proxy");
       a.push_back(proxy_addr);
     }
-    for (const auto &x : o.engine_args)
-      a.push_back(x);
-    for (const auto &x : prefill ? o.prefill_args : o.decode_args)
-      a.push_back(x);
+    for (const auto& x : o.engine_args) a.push_back(x);
+    for (const auto& x : prefill ? o.prefill_args : o.decode_args) a.push_back(x);
     return a;
   };
-  std::vector<std::string> proxy_argv = {exe,
-                                         "proxy",
-                                         "--host",
-                                         "127.0.0.1",
-                                         "--port",
-                                         std::to_string(o.port),
-                                         "--mode",
-                                         o.mode,
-                                         "--routing",
-                                         o.routing,
-                                         "--cluster-token",
-                                         o.cluster_token};
-  if (o.prefill_forward_n)
-    proxy_argv.push_back("--prefill-forward-n");
+  std::vector<std::string> proxy_argv = {
+      exe,      "proxy", "--host",    "127.0.0.1", "--port",          std::to_string(o.port),
+      "--mode", o.mode,  "--routing", o.routing,   "--cluster-token", o.cluster_token};
+  if (o.prefill_forward_n) proxy_argv.push_back("--prefill-forward-n");
 
   std::vector<Child> engines;
   for (int i = 0; i < o.num_prefill + o.num_decode; ++i) {
     const bool prefill = i < o.num_prefill;
     Child c;
-    c.name = prefill ? "prefill-" + std::to_string(i)
-                     : "decode-" + std::to_string(i - o.num_prefill);
+    c.name =
+        prefill ? "prefill-" + std::to_string(i) : "decode-" + std::to_string(i - o.num_prefill);
     int port = FreeLocalPort();
     c.url = "http://127.0.0.1:" + std::to_string(port);
     c.log = o.log_dir + "/" + c.name + ".log";
@@ -443,41 +386,35 @@ int RunUp(UpOptions o) {
     p.pid = Spawn(proxy_argv, p.log);
     children.push_back(p);
   };
-  // With registration the proxy comes first (engines register as they start);
-  // with static lists it comes last (its first health probes then find the
-  // engines up).
-  if (registration)
-    start_proxy();
-  for (Child &e : engines) {
+  // With registration the proxy comes first (engines register as they start); with static lists
+  // it comes last (its first health probes then find the engines up).
+  if (registration) start_proxy();
+  for (Child& e : engines) {
     const bool prefill = e.name.rfind("prefill", 0) == 0;
     e.pid = Spawn(engine_argv(prefill, PortOf(e.url)), e.log);
     children.push_back(e);
   }
-  if (!registration)
-    start_proxy();
+  if (!registration) start_proxy();
 
-  auto report_death = [&](Child *c, int status) {
-    std::fprintf(stderr, "kvbridge up: %s (pid %d) %s; its log %s ends:\n%s\n",
-                 c->name.c_str(), c->pid, DescribeExit(status).c_str(),
-                 c->log.c_str(), Tail(c->log).c_str());
+  auto report_death = [&](Child* c, int status) {
+    std::fprintf(stderr, "kvbridge up: %s (pid %d) %s; its log %s ends:\n%s\n", c->name.c_str(),
+                 c->pid, DescribeExit(status).c_str(), c->log.c_str(), Tail(c->log).c_str());
   };
   const auto t0 = Clock::now();
   const auto deadline =
-      t0 +
-      std::chrono::milliseconds(static_cast<int64_t>(o.ready_timeout_s * 1000));
+      t0 + std::chrono::milliseconds(static_cast<int64_t>(o.ready_timeout_s * 1000));
   const size_t want = engines.size();
   std::string waiting_for;
   for (;;) {
     int status = 0;
-    if (Child *dead = ReapDead(children, &status)) {
+    if (Child* dead = ReapDead(children, &status)) {
       report_death(dead, status);
       StopAll(children);
       return 1;
     }
     waiting_for.clear();
-    for (const Child &c : children) {
-      if (c.name != "proxy" && !HttpOk(PortOf(c.url), "/health"))
-        waiting_for += " " + c.name;
+    for (const Child& c : children) {
+      if (c.name != "proxy" && !HttpOk(PortOf(c.url), "/health")) waiting_for += " " + c.name;
     }
     std::string body;
     if (!HttpOk(o.port, "/instances", &body)) {
@@ -486,19 +423,15 @@ int RunUp(UpOptions o) {
       auto j = nlohmann::json::parse(body, nullptr, false);
       size_t healthy = 0;
       if (j.is_object() && j["instances"].is_array()) {
-        for (auto &i : j["instances"])
-          healthy += i.value("healthy", false) ? 1 : 0;
+        for (auto& i : j["instances"]) healthy += i.value("healthy", false) ? 1 : 0;
       }
-      if (healthy >= want)
-        break;
-      waiting_for = " proxy registration (" + std::to_string(healthy) + "/" +
-                    std::to_string(want) + " instances)";
+      if (healthy >= want) break;
+      waiting_for = " proxy registration (" + std::to_string(healthy) + "/" + std::to_string(want) +
+                    " instances)";
     }
     if (Clock::now() >= deadline) {
-      std::fprintf(
-          stderr,
-          "kvbridge up: not ready after %.0f s, waiting for:%s (logs in %s)\n",
-          o.ready_timeout_s, waiting_for.c_str(), o.log_dir.c_str());
+      std::fprintf(stderr, "kvbridge up: not ready after %.0f s, waiting for:%s (logs in %s)\n",
+                   o.ready_timeout_s, waiting_for.c_str(), o.log_dir.c_str());
       StopAll(children);
       return 1;
     }
@@ -511,17 +444,14 @@ int RunUp(UpOptions o) {
     }
   }
   double ready_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::printf(
-      "kvbridge up %s: ready in %.1f s (mode %s, transport %s, %s, model %s)\n",
-      o.topology.c_str(), ready_s, o.mode.c_str(), o.transport.c_str(),
-      registration ? "engines registered" : "static instance lists",
-      o.model_dir.c_str());
-  for (const Child &c : children) {
-    std::printf("  %-10s %-24s pid %-7d log %s\n", c.name.c_str(),
-                c.url.c_str(), c.pid, c.log.c_str());
+  std::printf("kvbridge up %s: ready in %.1f s (mode %s, transport %s, %s, model %s)\n",
+              o.topology.c_str(), ready_s, o.mode.c_str(), o.transport.c_str(),
+              registration ? "engines registered" : "static instance lists", o.model_dir.c_str());
+  for (const Child& c : children) {
+    std::printf("  %-10s %-24s pid %-7d log %s\n", c.name.c_str(), c.url.c_str(), c.pid,
+                c.log.c_str());
   }
-  std::printf("OpenAI API: http://%s/v1/completions  (instances: "
-              "http://%s/instances)\n",
+  std::printf("OpenAI API: http://%s/v1/completions  (instances: http://%s/instances)\n",
               proxy_addr.c_str(), proxy_addr.c_str());
   std::printf("Ctrl-C or SIGTERM stops everything.\n");
   std::fflush(stdout);
@@ -530,15 +460,14 @@ int RunUp(UpOptions o) {
     timespec ts{0, 200'000'000};
     int sig = sigtimedwait(&sigs, nullptr, &ts);
     if (sig == SIGINT || sig == SIGTERM) {
-      std::printf("kvbridge up: signal %d; stopping %zu processes\n", sig,
-                  children.size());
+      std::printf("kvbridge up: signal %d; stopping %zu processes\n", sig, children.size());
       std::fflush(stdout);
       StopAll(children);
       std::printf("kvbridge up: stopped\n");
       return 0;
     }
     int status = 0;
-    if (Child *dead = ReapDead(children, &status)) {
+    if (Child* dead = ReapDead(children, &status)) {
       report_death(dead, status);
       StopAll(children);
       return 1;
@@ -547,92 +476,65 @@ int RunUp(UpOptions o) {
 }
 
 const bool kRegistered = kvbridge::apps::RegisterCommand(
-    "up",
-    "Bring up a P/D topology (proxy + engines) on this host: kvbridge up 1p3d",
-    [](CLI::App &sub) -> kvbridge::apps::CommandMain {
+    "up", "Bring up a P/D topology (proxy + engines) on this host: kvbridge up 1p3d",
+    [](CLI::App& sub) -> kvbridge::apps::CommandMain {
       auto o = std::make_shared<UpOptions>();
       auto cfg = std::make_shared<std::string>();
-      auto *topo = sub.add_option("topology", o->topology,
-                                  "NpMd: 1p1d, 1p3d, 2p2d, ...");
-      auto *port = sub.add_option("--port", o->port, "The proxy's port")
-                       ->capture_default_str();
-      auto *log = sub.add_option("--log-dir", o->log_dir,
-                                 "Directory for the children's logs");
-      auto *mode = sub.add_option("--mode", o->mode, "read|write")
-                       ->capture_default_str();
-      auto *transport = sub.add_option("--transport", o->transport,
-                                       "KV transport (auto|shm|tcp|ucx)")
-                            ->capture_default_str();
-      auto *model = sub.add_option(
-          "--model", o->model_dir,
-          "Model directory (default: made with make-model --preset small "
-          "--seed 0 under ~/.cache/kvbridge/models)");
-      auto *fwd = sub.add_flag("--prefill-forward-n", o->prefill_forward_n,
+      auto* topo = sub.add_option("topology", o->topology, "NpMd: 1p1d, 1p3d, 2p2d, ...");
+      auto* port = sub.add_option("--port", o->port, "The proxy's port")->capture_default_str();
+      auto* log = sub.add_option("--log-dir", o->log_dir, "Directory for the children's logs");
+      auto* mode = sub.add_option("--mode", o->mode, "read|write")->capture_default_str();
+      auto* transport =
+          sub.add_option("--transport", o->transport, "KV transport (auto|shm|tcp|ucx)")
+              ->capture_default_str();
+      auto* model = sub.add_option("--model", o->model_dir,
+                                   "Model directory (default: made with make-model --preset small "
+                                   "--seed 0 under ~/.cache/kvbridge/models)");
+      auto* fwd = sub.add_flag("--prefill-forward-n", o->prefill_forward_n,
                                "Send the client's n to the prefill leg");
-      sub.add_option("--config", *cfg,
-                     "TOML file (keys as the flags, snake_case); flags win");
-      auto *eargs = sub.add_option("--engine-arg", o->engine_args,
-                                   "Extra argument for every engine (repeat)")
+      sub.add_option("--config", *cfg, "TOML file (keys as the flags, snake_case); flags win");
+      auto* eargs =
+          sub.add_option("--engine-arg", o->engine_args, "Extra argument for every engine (repeat)")
+              ->allow_extra_args(false);
+      auto* pargs = sub.add_option("--prefill-arg", o->prefill_args, "Extra prefill argument")
                         ->allow_extra_args(false);
-      auto *pargs = sub.add_option("--prefill-arg", o->prefill_args,
-                                   "Extra prefill argument")
+      auto* dargs = sub.add_option("--decode-arg", o->decode_args, "Extra decode argument")
                         ->allow_extra_args(false);
-      auto *dargs = sub.add_option("--decode-arg", o->decode_args,
-                                   "Extra decode argument")
-                        ->allow_extra_args(false);
-      auto *npc = sub.add_flag("--no-prefix-caching", o->no_prefix_caching,
+      auto* npc = sub.add_flag("--no-prefix-caching", o->no_prefix_caching,
                                "Engines run without prefix caching");
-      auto *pkb = sub.add_option("--prefill-kv-blocks", o->prefill_kv_blocks,
+      auto* pkb = sub.add_option("--prefill-kv-blocks", o->prefill_kv_blocks,
                                  "KV blocks of each prefill (--num-kv-blocks)");
-      auto *rt = sub.add_option("--ready-timeout", o->ready_timeout_s,
+      auto* rt = sub.add_option("--ready-timeout", o->ready_timeout_s,
                                 "Seconds to wait for every instance")
                      ->capture_default_str();
-      auto *routing =
-          sub.add_option("--routing", o->routing, "least-loaded|round-robin")
-              ->capture_default_str();
-      auto *ptp = sub.add_option("--prefill-tp", o->prefill_tp,
+      auto* routing = sub.add_option("--routing", o->routing, "least-loaded|round-robin")
+                          ->capture_default_str();
+      auto* ptp = sub.add_option("--prefill-tp", o->prefill_tp,
                                  "Tensor-parallel size of each prefill engine")
                       ->capture_default_str();
-      auto *dtp = sub.add_option("--decode-tp", o->decode_tp,
-                                 "Tensor-parallel size of each decode engine")
-                      ->capture_default_str();
+      auto* dtp =
+          sub.add_option("--decode-tp", o->decode_tp, "Tensor-parallel size of each decode engine")
+              ->capture_default_str();
       return [=]() -> int {
         UpOptions eff;
-        if (!cfg->empty() && !LoadConfig(*cfg, eff))
-          return 2;
+        if (!cfg->empty() && !LoadConfig(*cfg, eff)) return 2;
         // Flags given on the command line override the config file.
-        if (topo->count() || cfg->empty())
-          eff.topology = o->topology;
-        if (port->count())
-          eff.port = o->port;
-        if (log->count())
-          eff.log_dir = o->log_dir;
-        if (mode->count())
-          eff.mode = o->mode;
-        if (transport->count())
-          eff.transport = o->transport;
-        if (model->count())
-          eff.model_dir = o->model_dir;
-        if (fwd->count())
-          eff.prefill_forward_n = true;
-        if (npc->count())
-          eff.no_prefix_caching = true;
-        if (pkb->count())
-          eff.prefill_kv_blocks = o->prefill_kv_blocks;
-        if (rt->count())
-          eff.ready_timeout_s = o->ready_timeout_s;
-        if (routing->count())
-          eff.routing = o->routing;
-        if (ptp->count())
-          eff.prefill_tp = o->prefill_tp;
-        if (dtp->count())
-          eff.decode_tp = o->decode_tp;
-        for (const auto &a : o->engine_args)
-          eff.engine_args.push_back(a);
-        for (const auto &a : o->prefill_args)
-          eff.prefill_args.push_back(a);
-        for (const auto &a : o->decode_args)
-          eff.decode_args.push_back(a);
+        if (topo->count() || cfg->empty()) eff.topology = o->topology;
+        if (port->count()) eff.port = o->port;
+        if (log->count()) eff.log_dir = o->log_dir;
+        if (mode->count()) eff.mode = o->mode;
+        if (transport->count()) eff.transport = o->transport;
+        if (model->count()) eff.model_dir = o->model_dir;
+        if (fwd->count()) eff.prefill_forward_n = true;
+        if (npc->count()) eff.no_prefix_caching = true;
+        if (pkb->count()) eff.prefill_kv_blocks = o->prefill_kv_blocks;
+        if (rt->count()) eff.ready_timeout_s = o->ready_timeout_s;
+        if (routing->count()) eff.routing = o->routing;
+        if (ptp->count()) eff.prefill_tp = o->prefill_tp;
+        if (dtp->count()) eff.decode_tp = o->decode_tp;
+        for (const auto& a : o->engine_args) eff.engine_args.push_back(a);
+        for (const auto& a : o->prefill_args) eff.prefill_args.push_back(a);
+        for (const auto& a : o->decode_args) eff.decode_args.push_back(a);
         (void)eargs;
         (void)pargs;
         (void)dargs;
@@ -640,4 +542,4 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       };
     });
 
-} // namespace
+}  // namespace
