@@ -94,8 +94,7 @@ using Event = std::variant<EvReadEnded, EvMessage, EvPeer, EvWriteEnded>;
 
 }  // namespace
 
-// Shared between the runtime handle, the engine's connector, HTTP routes and
-// agent callbacks.
+// Shared between the runtime handle, the engine's connector, HTTP routes and agent callbacks.
 class KvBridgeRuntime::Impl {
  public:
   KvBridgeOptions options;
@@ -135,8 +134,7 @@ class KvBridgeRuntime::Impl {
 
 namespace {
 
-// One background thread running queued jobs (metadata fetch + AddPeer: may
-// block on the network).
+// One background thread running queued jobs (metadata fetch + AddPeer: may block on the network).
 class Worker {
  public:
   Worker() : thread_([this] { Run(); }) {}
@@ -176,12 +174,10 @@ class Worker {
   std::thread thread_;
 };
 
-// Watches posted READ handles (the agent has no completion callback) and
-// reports their end.
+// Watches posted READ handles (the agent has no completion callback) and reports their end.
 class ReadWatcher {
  public:
-  // `writes`: the handles are WRITEs (EvWriteEnded) instead of READs
-  // (EvReadEnded).
+  // `writes`: the handles are WRITEs (EvWriteEnded) instead of READs (EvReadEnded).
   explicit ReadWatcher(std::shared_ptr<KvBridgeRuntime::Impl> impl, bool writes = false)
       : impl_(std::move(impl)), writes_(writes), thread_([this] { Run(); }) {}
   ~ReadWatcher() {
@@ -347,8 +343,7 @@ class KvBridgeConnector final : public KvConnector {
       impl_->reply_ranks.clear();
       impl_->rank_metadata_blobs.clear();
     }
-    // Order: stop the threads that call into the agent, then the agent (joins
-    // its threads).
+    // Order: stop the threads that call into the agent, then the agent (joins its threads).
     worker_.reset();
     watcher_.reset();
     write_watcher_.reset();
@@ -458,8 +453,8 @@ class KvBridgeConnector final : public KvConnector {
     write_decodes_.erase(req.request_id);
     if (req.request_id == req.parent_id && !asked_.count(req.parent_id) &&
         req.kv_transfer_params != nullptr && !req.kv_transfer_params->is_null()) {
-      // Aborted while still queued (the connector never saw it): the prefill
-      // must not wait for its lease.
+      // Aborted while still queued (the connector never saw it): the prefill must not wait
+      // for its lease.
       auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
       if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kWrite) {
         wprefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
@@ -528,14 +523,27 @@ class KvBridgeConnector final : public KvConnector {
 
   void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override {
     if (wprefill_.NumTransfers() == 0) return;  // no WRITE-mode prefill request here
-    // The layer's real time (`now` is the step's start): the overlap is
-    // measured from it.
+    // The layer's real time (`now` is the step's start): the overlap is measured from it.
     const TimePoint at = SteadyNow();
+    // What arrived while this forward pass ran (a decode's block ids, its metadata, earlier
+    // layers' WRITE completions) is taken now, not after the pass: the writes start at this
+    // layer and the last layer's WRITE can carry the WriteDone. Handlers only queue reports.
+    for (Event& e : impl_->TakeInbox()) {
+      if (auto* r = std::get_if<EvReadEnded>(&e)) {
+        OnReadEnded(*r, at);
+      } else if (auto* m = std::get_if<EvMessage>(&e)) {
+        OnMessage(*m, at);
+      } else if (auto* w = std::get_if<EvWriteEnded>(&e)) {
+        OnWriteEnded(*w, at);
+      } else {
+        OnPeer(std::get<EvPeer>(e), at);
+      }
+    }
     for (const LayerKvChunk& c : chunks) {
       if (c.completes_tokens)
         wprefill_.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, at);
     }
-    PerformAll(now);
+    PerformAll(at);
   }
 
   bool Idle() const override {
@@ -582,8 +590,7 @@ class KvBridgeConnector final : public KvConnector {
                   .write_timeout = WriteTimeout(impl_->options.config),
                   .load_failure_policy = impl_->options.config.load_failure_policy}) {}
 
-  // The decode's bound on a WRITE: the prefill's lease plus a grace for message
-  // delays.
+  // The decode's bound on a WRITE: the prefill's lease plus a grace for message delays.
   static DurationUs WriteTimeout(const KvTransferConfig& c) {
     return c.lease + std::max<DurationUs>(2 * kSecond, c.lease / 4);
   }
@@ -634,17 +641,14 @@ class KvBridgeConnector final : public KvConnector {
       return true;
     };
     ASSIGN_OR_RETURN(agent_, xfer::TransferAgent::Create(ac));
-    // The pool is shareable with a same-host peer (shm backend) when the engine
-    // gave its memfd and one offset per layer; otherwise only tcp/ucx can move
-    // it.
+    // The pool is shareable with a same-host peer (shm backend) when the engine gave its memfd
+    // and one offset per layer; otherwise only tcp/ucx can move it.
     const bool shareable = hooks_.kv_shm_fd >= 0 &&
                            hooks_.kv_layer_offsets.size() == static_cast<size_t>(layout.num_layers);
     if (opt().config.transport == KvTransport::kShm && !shareable) {
       return FailedPreconditionError(
-          "kv connector: transport \"shm\" needs the engine's KV pool in "
-          "shareable (memfd) "
-          "memory, and this pool is not (memfd_create failed?); use transport "
-          "\"tcp\" or "
+          "kv connector: transport \"shm\" needs the engine's KV pool in shareable (memfd) "
+          "memory, and this pool is not (memfd_create failed?); use transport \"tcp\" or "
           "\"auto\"");
     }
     xfer::KvRegistration reg;
@@ -738,11 +742,11 @@ class KvBridgeConnector final : public KvConnector {
                                "Transfer holds freed by lease expiry (0 in fault-free runs).");
     m_load_fail_ = &reg.AddCounter("kvbridge_kv_load_failures_total",
                                    "Remote KV loads that failed (recomputed or failed by policy).");
-    m_write_overlap_ = &reg.AddHistogram("kvbridge_kv_write_overlap_seconds",
-                                         "WRITE mode, decode side: time from the prefill's "
-                                         "last layer computed to this decode's "
-                                         "go (all writes landed and confirmed).",
-                                         Histogram::FineLatencyBucketsSeconds());
+    m_write_overlap_ = &reg.AddHistogram(
+        "kvbridge_kv_write_overlap_seconds",
+        "WRITE mode, decode side: time from the prefill's last layer computed to this decode's "
+        "go (all writes landed and confirmed).",
+        Histogram::FineLatencyBucketsSeconds());
     m_ignored_ = &reg.AddCounter("kvbridge_kv_notifications_ignored_total",
                                  "Duplicate, late, unknown or expired control messages and "
                                  "completions (0 in fault-free runs).");
@@ -807,8 +811,7 @@ class KvBridgeConnector final : public KvConnector {
         } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
           wprefill_.OnWriteCompleted(w->write_id, e.agent_name.status(), now);
         }
-        // Messages to an unreachable prefill are dropped: its lease frees the
-        // hold.
+        // Messages to an unreachable prefill are dropped: its lease frees the hold.
       }
       return;
     }
@@ -858,8 +861,7 @@ class KvBridgeConnector final : public KvConnector {
       decode_.OnHoldReply(*hr, now);
     }
     if (e.reply_token != 0) {
-      // A reply path the core did not use (e.g. a message that needs none):
-      // forget it.
+      // A reply path the core did not use (e.g. a message that needs none): forget it.
       unused_tokens_.push_back(e.reply_token);
     }
   }
@@ -903,8 +905,7 @@ class KvBridgeConnector final : public KvConnector {
         it->second.handle.Cancel();
         return;
       }
-      // Not posted yet (queued behind a metadata fetch): drop it from the queue
-      // and end it.
+      // Not posted yet (queued behind a metadata fetch): drop it from the queue and end it.
       for (auto& [key, peer] : peers_) {
         auto& q = peer.queued;
         auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
@@ -1219,12 +1220,10 @@ class KvBridgeConnector final : public KvConnector {
     return m;
   }
 
-  // Routes a WRITE-mode message (and a release naming a WRITE transfer). False:
-  // not one.
+  // Routes a WRITE-mode message (and a release naming a WRITE transfer). False: not one.
   bool OnWriteMessage(EvMessage& e, TimePoint now) {
     if (auto* wb = std::get_if<WriteBlocksMsg>(&e.msg)) {
-      // The decode's agent must be known before the first WRITE (and the
-      // WriteDone) to it.
+      // The decode's agent must be known before the first WRITE (and the WriteDone) to it.
       if (wb->prefill_engine_id == impl_->engine_id && !wb->decode_host.empty() &&
           wb->decode_port > 0) {
         EnsurePeer(wb->decode_engine_id, wb->decode_host, wb->decode_port, wb->decode_rank);
@@ -1293,6 +1292,7 @@ class KvBridgeConnector final : public KvConnector {
     }
     xfer::PostOptions po;
     po.transfer_id = w.transfer_id;
+    if (w.notification) po.notification = EncodeMessage(*w.notification);
     const uint64_t bytes = (*prepared)->bytes();
     auto h = agent_->Post(*prepared, po);
     if (!h.ok()) {
@@ -1300,6 +1300,7 @@ class KvBridgeConnector final : public KvConnector {
       return;
     }
     write_handles_[w.write_id] = Posted{*h, bytes, -1};
+    write_posted_at_[w.write_id] = SteadyNow();
     write_watcher_->Add(w.write_id, *h);
   }
 
@@ -1314,15 +1315,20 @@ class KvBridgeConnector final : public KvConnector {
       bytes_written_ += static_cast<double>(it->second.bytes);
     }
     write_handles_.erase(it);
-    wprefill_.OnWriteCompleted(e.write_id, e.status, now);
+    // The WRITE's real end (the watcher measured it from the post), not when this thread got
+    // to it (after a forward pass, perhaps): the transfer time is measured from it.
+    TimePoint ended = now;
+    if (auto p = write_posted_at_.find(e.write_id); p != write_posted_at_.end()) {
+      ended = p->second + static_cast<TimePoint>(e.seconds * 1e6);
+      write_posted_at_.erase(p);
+    }
+    wprefill_.OnWriteCompleted(e.write_id, e.status, ended);
   }
 
-  // Mirrors core state into the thread-safe snapshot (hold check, stats,
-  // metrics).
+  // Mirrors core state into the thread-safe snapshot (hold check, stats, metrics).
   void SyncState() {
     auto held = prefill_.HeldBlocksByTransfer();
-    // tcp serves a peer's WRITE only into blocks a WRITE-mode decode reserved
-    // for that transfer.
+    // tcp serves a peer's WRITE only into blocks a WRITE-mode decode reserved for that transfer.
     for (auto& [tid, blocks] : wdecode_.WritableBlocksByTransfer()) {
       auto& v = held[tid];
       v.insert(v.end(), blocks.begin(), blocks.end());
@@ -1342,8 +1348,15 @@ class KvBridgeConnector final : public KvConnector {
     synced_ignored_ = ignored;
     synced_fail_ = fails;
     for (const WriteDecodeCore::LoadTiming& t : wdecode_.TakeLoadTimings()) {
-      if (m_write_overlap_) m_write_overlap_->Observe(static_cast<double>(t.overlap_us) * 1e-6);
-      if (m_seconds_) m_seconds_->Observe(static_cast<double>(t.write_us) * 1e-6);
+      // One host shares CLOCK_MONOTONIC (SteadyNow): then the exact interval from the prefill's
+      // last layer to this go; otherwise (an implausible difference) the cores' estimate.
+      int64_t us = t.go_at - t.last_layer_at_us;
+      if (t.last_layer_at_us <= 0 || us < 0 || us > 3600 * kSecond) us = t.overlap_us;
+      write_overlap_us_sum_ += us;
+      if (m_write_overlap_) m_write_overlap_->Observe(static_cast<double>(us) * 1e-6);
+    }
+    for (int64_t us : wprefill_.TakeTransferTimes()) {
+      if (m_seconds_) m_seconds_->Observe(static_cast<double>(us) * 1e-6);
     }
     std::lock_guard<std::mutex> l(impl_->mu);
     impl_->held_snapshot.clear();
@@ -1365,9 +1378,10 @@ class KvBridgeConnector final : public KvConnector {
     s.writes_inflight = static_cast<int64_t>(write_handles_.size());
     s.bytes_written = bytes_written_;
     s.write_loads_done = wdc.loads_done;
-    s.write_overlap_us_sum = wdc.overlap_us_sum;
-    s.write_transfer_us_sum = wdc.write_us_sum;
-    s.write_compute_us_sum = wdc.compute_us_sum;
+    s.write_overlap_us_sum = write_overlap_us_sum_;
+    s.write_targets_done = wpc.targets_ok;
+    s.write_transfer_us_sum = wpc.transfer_us_sum;
+    s.write_compute_us_sum = wpc.compute_us_sum;
     s.idle = prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
              handles_.empty() && write_handles_.empty();
   }
@@ -1394,6 +1408,8 @@ class KvBridgeConnector final : public KvConnector {
   std::map<uint64_t, Posted> write_handles_;    // write id -> posted WRITE (engine thread)
   std::set<std::string> write_decodes_;         // WRITE-mode decode requests awaiting allocation
   double bytes_written_ = 0;
+  int64_t write_overlap_us_sum_ = 0;
+  std::map<uint64_t, TimePoint> write_posted_at_;  // write id -> SteadyNow at Post
   Histogram* m_write_overlap_ = nullptr;
   std::vector<uint64_t> unused_tokens_;
   std::set<std::string> asked_;  // parents with do_remote_prefill seen by GetNumNewMatchedTokens
@@ -1444,8 +1460,7 @@ KvConnectorFactory KvBridgeRuntime::Factory() {
 std::function<Status(nlohmann::json&)> KvBridgeRuntime::ValidateHook() const {
   std::shared_ptr<Impl> impl = impl_;
   return [impl](nlohmann::json& j) -> Status {
-    // The remote pool size is unknown here; the transfer agent checks ranges
-    // when posting.
+    // The remote pool size is unknown here; the transfer agent checks ranges when posting.
     ASSIGN_OR_RETURN(KvTransferParams p,
                      ParseKvTransferParams(j, {.block_size = impl->block_size.load()}));
     if (p.do_remote_decode && !impl->options.config.IsProducer()) {

@@ -99,9 +99,10 @@ Result<ControlMessage> DecodeWriteMessage(const std::string& type, const json& j
     return ControlMessage(w);
   }
   if (type == "write_done") {
-    RETURN_IF_ERROR(CheckKeys(
-        j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank", "decode_engine_id",
-            "decode_rank", "outcome", "reason", "compute_us", "write_us", "since_last_layer_us"}));
+    RETURN_IF_ERROR(
+        CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
+                      "decode_engine_id", "decode_rank", "outcome", "reason", "compute_us",
+                      "write_us", "since_last_layer_us", "last_layer_at_us"}));
     WriteDoneMsg w;
     ASSIGN_OR_RETURN(w.transfer_id, Id(j, "transfer_id"));
     ASSIGN_OR_RETURN(w.prefill_engine_id, Id(j, "prefill_engine_id"));
@@ -128,6 +129,9 @@ Result<ControlMessage> DecodeWriteMessage(const std::string& type, const json& j
     ASSIGN_OR_RETURN(w.compute_us, Micros(j, "compute_us"));
     ASSIGN_OR_RETURN(w.write_us, Micros(j, "write_us"));
     ASSIGN_OR_RETURN(w.since_last_layer_us, Micros(j, "since_last_layer_us"));
+    if (j.contains("last_layer_at_us")) {
+      ASSIGN_OR_RETURN(w.last_layer_at_us, Micros(j, "last_layer_at_us"));
+    }
     return ControlMessage(w);
   }
   RETURN_IF_ERROR(CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
@@ -223,7 +227,8 @@ std::string EncodeMessage(const ControlMessage& m) {
          {"reason", wd->reason},
          {"compute_us", wd->compute_us},
          {"write_us", wd->write_us},
-         {"since_last_layer_us", wd->since_last_layer_us}};
+         {"since_last_layer_us", wd->since_last_layer_us},
+         {"last_layer_at_us", wd->last_layer_at_us}};
   } else if (const auto* wc = std::get_if<WriteCancelMsg>(&m)) {
     j = {{"type", "write_cancel"},
          {"transfer_id", wc->transfer_id},

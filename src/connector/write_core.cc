@@ -132,6 +132,7 @@ void WritePrefillCore::PostLayer(const std::string& tid, Transfer& t, Target& g,
   }
   a.write_id = next_write_id_++;
   writes_[a.write_id] = {tid, g.msg.decode_rank};
+  const bool nothing_in_flight = g.inflight.empty();
   g.inflight.insert(a.write_id);
   if (layer < 0) {
     std::fill(g.layer_posted.begin(), g.layer_posted.end(), true);
@@ -141,6 +142,14 @@ void WritePrefillCore::PostLayer(const std::string& tid, Transfer& t, Target& g,
     ++g.layers_posted;
   }
   if (g.first_post < 0) g.first_post = now;
+  if (nothing_in_flight && g.layers_posted == options_.num_layers) {
+    // The target's last WRITE with every earlier one landed: its notification, delivered by the
+    // agent after this WRITE's data landed, is the WriteDone — no wait for the engine thread.
+    Target done = g;
+    done.outcome = WriteOutcome::kOk;
+    a.notification = MakeDone(t, done, now);
+    g.done_attached = a.write_id;
+  }
   ++counters_.writes_posted;
   actions_.push_back(std::move(a));
 }
@@ -169,12 +178,7 @@ void WritePrefillCore::Reject(const WriteBlocksMsg& msg, std::string reason) {
                                             .reason = std::move(reason)}});
 }
 
-void WritePrefillCore::SendDone(const Transfer& t, Target& g, TimePoint now) {
-  if (g.outcome == WriteOutcome::kOk) {
-    ++counters_.targets_ok;
-  } else {
-    ++counters_.targets_failed;
-  }
+WriteDoneMsg WritePrefillCore::MakeDone(const Transfer& t, const Target& g, TimePoint now) const {
   WriteDoneMsg m{.transfer_id = g.msg.transfer_id,
                  .prefill_engine_id = options_.engine_id,
                  .prefill_rank = options_.rank,
@@ -182,15 +186,37 @@ void WritePrefillCore::SendDone(const Transfer& t, Target& g, TimePoint now) {
                  .decode_rank = g.msg.decode_rank,
                  .outcome = g.outcome,
                  .reason = g.outcome == WriteOutcome::kOk ? std::string() : g.reason};
-  if (t.first_layer_at >= 0)
+  if (t.first_layer_at >= 0) {
     m.compute_us = std::max<int64_t>(0, t.last_layer_at - t.first_layer_at);
-  if (g.first_post >= 0 && g.last_done >= g.first_post) m.write_us = g.last_done - g.first_post;
-  if (t.last_layer_at >= 0) m.since_last_layer_us = std::max<int64_t>(0, now - t.last_layer_at);
+  }
+  const TimePoint last_done = g.last_done >= 0 ? g.last_done : now;
+  if (g.first_post >= 0 && last_done >= g.first_post) m.write_us = last_done - g.first_post;
+  if (t.last_layer_at >= 0) {
+    m.since_last_layer_us = std::max<int64_t>(0, now - t.last_layer_at);
+    m.last_layer_at_us = t.last_layer_at;
+  }
+  return m;
+}
+
+void WritePrefillCore::RecordOk(const Target& g) {
+  ++counters_.targets_ok;
+  if (g.first_post >= 0 && g.last_done >= g.first_post) {
+    counters_.transfer_us_sum += g.last_done - g.first_post;
+    transfer_times_.push_back(g.last_done - g.first_post);
+  }
+}
+
+void WritePrefillCore::SendDone(const Transfer& t, Target& g, TimePoint now) {
+  if (g.outcome == WriteOutcome::kOk) {
+    RecordOk(g);
+  } else {
+    ++counters_.targets_failed;
+  }
   actions_.push_back(SendMessageAction{.to = PeerEndpoint{.engine_id = g.msg.decode_engine_id,
                                                           .host = g.msg.decode_host,
                                                           .port = g.msg.decode_port,
                                                           .rank = g.msg.decode_rank},
-                                       .msg = m});
+                                       .msg = MakeDone(t, g, now)});
 }
 
 void WritePrefillCore::AddTarget(const std::string& tid, Transfer& t, const WriteBlocksMsg& msg,
@@ -316,6 +342,7 @@ void WritePrefillCore::Advance(const std::string& tid, TimePoint now) {
       t.close = CloseReason::kCompleted;
       t.lease_deadline.reset();
       ++counters_.transfers_completed;
+      if (t.first_layer_at >= 0) counters_.compute_us_sum += t.last_layer_at - t.first_layer_at;
     }
   }
   if (t.close == CloseReason::kNone || !drained) return;
@@ -496,6 +523,15 @@ void WritePrefillCore::OnWriteCompleted(uint64_t write_id, const Status& status,
   if (status.ok()) {
     ++counters_.writes_ok;
     tg.last_done = now;
+    if (tg.done_attached == write_id && tg.state == TargetState::kActive && tg.inflight.empty()) {
+      tg.state = TargetState::kDone;  // the agent delivered our WriteDone(ok) with the data
+      tg.outcome = WriteOutcome::kOk;
+      RecordOk(tg);
+    } else if (tg.done_attached == write_id && tg.state == TargetState::kCancelling) {
+      // Landed before the cancel: the decode got WriteDone(ok) (its drained confirmation).
+      tg.state = TargetState::kDone;
+      RecordOk(tg);
+    }
   } else {
     ++counters_.writes_failed;
     tg.write_failed = true;
@@ -749,6 +785,7 @@ void WriteDecodeCore::OnWriteDone(const WriteDoneMsg& msg, TimePoint now) {
     r.timing.write_us = std::max(r.timing.write_us, msg.write_us);
     // Overlap at go G = since_last_layer_us + (G - now); the largest over the ranks.
     r.overlap_base = std::max(r.overlap_base, msg.since_last_layer_us - now);
+    r.timing.last_layer_at_us = std::max(r.timing.last_layer_at_us, msg.last_layer_at_us);
   } else {
     pair->state = PairState::kFailed;
     ++counters_.write_failures;
@@ -780,6 +817,7 @@ void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
     ++counters_.loads_done;
     LoadTiming t = r.timing;
     t.overlap_us = now + r.overlap_base;
+    t.go_at = now;
     counters_.overlap_us_sum += t.overlap_us;
     counters_.write_us_sum += t.write_us;
     counters_.compute_us_sum += t.compute_us;

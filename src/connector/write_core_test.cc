@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <optional>
 
 namespace kvbridge {
 namespace {
@@ -84,6 +85,8 @@ struct Pipe {
     writes.clear();
     for (auto& [id, p] : w) {
       prefill.OnWriteCompleted(id, p.cancelled ? CancelledError("cancelled") : OkStatus(), now);
+      // The agent delivers an attached WriteDone only after the WRITE's data landed.
+      if (!p.cancelled && p.a.notification) to_decode.push_back(*p.a.notification);
     }
     Pump(now);
   }
@@ -459,24 +462,31 @@ TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
   prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
   EXPECT_TRUE(prefill.OnRequestFinished("p-1", kPrefillTable, 2));
   std::vector<uint64_t> ids;
-  for (auto& a : prefill.TakeActions()) ids.push_back(std::get<PostWriteAction>(a).write_id);
+  std::optional<WriteDoneMsg> first_done;
+  for (auto& a : prefill.TakeActions()) {
+    ids.push_back(std::get<PostWriteAction>(a).write_id);
+    first_done = std::get<PostWriteAction>(a).notification;
+  }
   ASSERT_EQ(ids.size(), 1u);
   prefill.OnWriteCompleted(ids[0], OkStatus(), 3);
-  auto acts = prefill.TakeActions();
-  ASSERT_EQ(acts.size(), 1u);  // WriteDone to rank 0 only; rank 1 still expected: still held
-  decode.OnWriteDone(std::get<WriteDoneMsg>(std::get<SendMessageAction>(acts[0]).msg), 3);
+  EXPECT_TRUE(prefill.TakeActions().empty());  // rank 1 still expected: still held
+  ASSERT_TRUE(first_done.has_value());         // rank 0's WriteDone rode on its one WRITE
+  EXPECT_EQ(first_done->decode_rank, 0);
+  decode.OnWriteDone(*first_done, 3);
   EXPECT_TRUE(decode.TakeActions().empty());
   prefill.OnWriteBlocks(wbs[1], 4);
-  acts = prefill.TakeActions();
+  auto acts = prefill.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
   const auto& w = std::get<PostWriteAction>(acts[0]);
   EXPECT_EQ(w.decode.rank, 1);
   EXPECT_EQ(w.layer, -1);
+  ASSERT_TRUE(w.notification.has_value());
+  const WriteDoneMsg second_done = *w.notification;
   prefill.OnWriteCompleted(w.write_id, OkStatus(), 5);
   acts = prefill.TakeActions();
-  ASSERT_EQ(acts.size(), 2u);  // WriteDone rank 1, then the blocks are free
-  EXPECT_TRUE(std::holds_alternative<ReportBlocksFreeAction>(acts[1]));
-  decode.OnWriteDone(std::get<WriteDoneMsg>(std::get<SendMessageAction>(acts[0]).msg), 5);
+  ASSERT_EQ(acts.size(), 1u);  // the blocks are free (WriteDone rode on the WRITE)
+  EXPECT_TRUE(std::holds_alternative<ReportBlocksFreeAction>(acts[0]));
+  decode.OnWriteDone(second_done, 5);
   acts = decode.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
   EXPECT_EQ(std::get<ReportLoadDoneAction>(acts[0]).request_id, "d-1");

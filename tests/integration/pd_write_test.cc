@@ -10,6 +10,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <map>
@@ -127,7 +129,8 @@ struct PdEngine {
 
   static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport,
                                          bool prefix_caching = true,
-                                         LoadFailurePolicy policy = LoadFailurePolicy::kRecompute) {
+                                         LoadFailurePolicy policy = LoadFailurePolicy::kRecompute,
+                                         std::shared_ptr<const Model> model = nullptr) {
     auto e = std::make_unique<PdEngine>();
     KvTransferConfig cfg;
     cfg.role = role;
@@ -142,7 +145,7 @@ struct PdEngine {
     EngineConfig ec = BaseConfig();
     ec.enable_prefix_caching = prefix_caching;
     ec.connector_factory = e->kv->Factory();
-    auto engine = Engine::Create(ec, TinyModel());
+    auto engine = Engine::Create(ec, model ? model : TinyModel());
     EXPECT_TRUE(engine.ok()) << engine.status().ToString();
     e->engine = std::move(engine).value();
     server::ServerConfig sc;
@@ -278,6 +281,7 @@ TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
   EXPECT_GT(ps.bytes_written, 0);
   EXPECT_GT(p->Metric("kvbridge_kv_transfer_bytes_total"), 0);
   EXPECT_EQ(d->Metric("kvbridge_kv_write_overlap_seconds_count"), ds.write_loads_done);
+  EXPECT_EQ(p->Metric("kvbridge_kv_transfer_seconds_count"), ps.write_targets_done);
   EXPECT_EQ(d->Metric("kvbridge_kv_load_failures_total"), 0);
   std::map<std::string, std::string> peers = p->kv->PeerBackends();
   ASSERT_EQ(peers.size(), 1u);  // the prefill connected to the decode to write
@@ -388,6 +392,70 @@ TEST_P(PdWrite, BadLegsAreRefusedWithNoEffect) {
   EXPECT_FALSE(p->kv->ValidateHook()(bad).ok());
   EXPECT_TRUE(p->WaitDrained(2000));
   ExpectClean(*p);
+}
+
+// The closing figure (docs/protocol.md "WRITE mode"): for one long prompt, how much of the
+// transfer the prefill's compute hides. Prints per run: the prefill leg's wall time, the final
+// chunk's first → last layer, the prefill's last layer → the decode's go (the overlap), and the
+// first WRITE posted → last WRITE done. KVB_WRITE_MODEL=$PWD/models/small for the 1024-token
+// figure; without it the tiny model and 1000 tokens (its max_model_len is 1024).
+TEST(PdWriteOverlap, LongPromptOverlapFigure) {
+  std::shared_ptr<const Model> model = TinyModel();
+  int len = 1000;
+  if (const char* m = std::getenv("KVB_WRITE_MODEL"); m != nullptr && *m != '\0') {
+    auto loaded = Model::Load(m, {.num_threads = 1});
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    model = std::shared_ptr<const Model>(std::move(loaded).value());
+    len = 1024;
+  }
+  auto ref_engine = Engine::Create(BaseConfig(), model);
+  ASSERT_TRUE(ref_engine.ok());
+  std::printf(
+      "| transport | prompt | prefill leg (ms) | final chunk L0→L%d (ms) | last layer → decode go "
+      "(ms) | first WRITE → last done (ms) |\n",
+      model->config().num_hidden_layers - 1);
+  for (KvTransport t : {KvTransport::kShm, KvTransport::kTcp}) {
+    auto p = PdEngine::Start(KvRole::kProducer, t, /*prefix_caching=*/false,
+                             LoadFailurePolicy::kRecompute, model);
+    auto d = PdEngine::Start(KvRole::kConsumer, t, /*prefix_caching=*/false,
+                             LoadFailurePolicy::kRecompute, model);
+    for (int run = 0; run < 3; ++run) {
+      const std::string id = "ov-" + std::string(KvTransportName(t)) + std::to_string(run);
+      auto prompt = Prompt(len, 900 + run);
+      const KvBridgeStats before = d->kv->Stats();
+      const KvBridgeStats pbefore = p->kv->Stats();
+      EngineRequest pre = Req("p-" + id, prompt, 1, 1);
+      pre.kv_transfer_params = PrefillParams("x" + id);
+      EngineRequest dec = Req(id, prompt, 4, 1);
+      dec.kv_transfer_params = DecodeParams(*p, "x" + id);
+      std::future<Result1> df =
+          std::async(std::launch::async, [&] { return RunOne(*d->engine, dec); });
+      const auto t0 = std::chrono::steady_clock::now();
+      Result1 pr = RunOne(*p->engine, pre);
+      const double prefill_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ASSERT_TRUE(pr.error.ok());
+      Result1 dr = df.get();
+      ExpectSameAnswer(dr, RunOne(**ref_engine, Req(id, prompt, 4, 1)), 1);
+      ASSERT_TRUE(d->WaitDrained());
+      ASSERT_TRUE(p->WaitDrained());
+      const KvBridgeStats after = d->kv->Stats();
+      const KvBridgeStats pafter = p->kv->Stats();
+      ASSERT_EQ(after.write_loads_done - before.write_loads_done, 1);
+      ASSERT_EQ(pafter.write_targets_done - pbefore.write_targets_done, 1);
+      const double overlap_ms = (after.write_overlap_us_sum - before.write_overlap_us_sum) / 1e3;
+      const double transfer_ms =
+          (pafter.write_transfer_us_sum - pbefore.write_transfer_us_sum) / 1e3;
+      const double compute_ms = (pafter.write_compute_us_sum - pbefore.write_compute_us_sum) / 1e3;
+      EXPECT_GT(transfer_ms, 0);
+      EXPECT_GE(overlap_ms, 0);
+      EXPECT_LT(overlap_ms, prefill_ms + 1000);
+      std::printf("| %s | %d | %.2f | %.2f | %.3f | %.3f |\n", KvTransportName(t).data(), len,
+                  prefill_ms, compute_ms, overlap_ms, transfer_ms);
+    }
+    for (PdEngine* e : {p.get(), d.get()}) ExpectClean(*e);
+  }
+  (*ref_engine)->Shutdown();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PdWrite,

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -87,6 +88,10 @@ struct PostWriteAction {
   int layer = -1;
   std::vector<int32_t> local_block_ids;
   std::vector<int32_t> remote_block_ids;
+  /// When set (the target's last WRITE, nothing else in flight): send this WriteDone to the
+  /// decode as the transfer's notification, which the agent delivers only after the data landed
+  /// (and not at all when the WRITE fails or is cancelled).
+  std::optional<WriteDoneMsg> notification;
 };
 /// Prefill (WRITE mode): cancel write `write_id`; its OnWriteCompleted follows only once no more
 /// bytes can land.

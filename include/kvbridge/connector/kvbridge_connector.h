@@ -73,11 +73,13 @@ struct KvBridgeStats {
   // WRITE mode (docs/metrics.md): prefill side
   int64_t writes_inflight = 0;
   double bytes_written = 0;
-  // WRITE mode: decode side, sums over its write-mode loads (microseconds, as WriteDone reports)
+  int64_t write_targets_done = 0;     ///< (transfer, decode rank) written completely
+  int64_t write_transfer_us_sum = 0;  ///< over those: first WRITE posted → last WRITE done, µs
+  int64_t write_compute_us_sum = 0;   ///< over completed transfers: first → last layer of the
+                                      ///< request's final chunk, µs
+  // WRITE mode: decode side
   int64_t write_loads_done = 0;
-  int64_t write_overlap_us_sum = 0;   ///< prefill's last layer computed → this decode's go
-  int64_t write_transfer_us_sum = 0;  ///< prefill's first WRITE posted → last WRITE done
-  int64_t write_compute_us_sum = 0;   ///< prefill's first → last layer of the final chunk
+  int64_t write_overlap_us_sum = 0;  ///< over those: prefill's last layer computed → go, µs
   bool idle = true;
 };
 

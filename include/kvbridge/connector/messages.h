@@ -126,6 +126,9 @@ struct WriteDoneMsg {
   int64_t compute_us = 0;
   int64_t write_us = 0;
   int64_t since_last_layer_us = 0;
+  /// The prefill's last layer computed, CLOCK_MONOTONIC µs of the prefill's host (0: unknown);
+  /// comparable only with clocks of the same host.
+  int64_t last_layer_at_us = 0;
   friend bool operator==(const WriteDoneMsg&, const WriteDoneMsg&) = default;
 };
 

@@ -82,9 +82,17 @@ class WritePrefillCore {
     int64_t notifications_parked = 0;
     int64_t notifications_ignored = 0;  ///< duplicate, late, unknown completions and messages
     int64_t parked_dropped = 0;         ///< parked messages dropped (TTL or full)
+    int64_t transfer_us_sum = 0;        ///< over targets_ok: first WRITE posted → last WRITE done
+    int64_t compute_us_sum = 0;         ///< over completed transfers: first → last layer computed
   };
 
   explicit WritePrefillCore(Options options);
+  /// Per target written completely: first WRITE posted → last WRITE done (µs), in order.
+  std::vector<int64_t> TakeTransferTimes() {
+    std::vector<int64_t> out;
+    out.swap(transfer_times_);
+    return out;
+  }
 
   /// A parent request with do_remote_decode in write mode entered the engine. The prefill leg
   /// of a WRITE transfer carries n = 1 (the proxy's shape): InvalidArgument otherwise, and for a
@@ -150,6 +158,7 @@ class WritePrefillCore {
     std::vector<bool> layer_posted;
     int layers_posted = 0;
     std::set<uint64_t> inflight;
+    uint64_t done_attached = 0;  // write id whose notification is our WriteDone(ok)
     bool write_failed = false;
     WriteOutcome outcome = WriteOutcome::kOk;
     std::string reason;
@@ -190,6 +199,7 @@ class WritePrefillCore {
   void CancelTarget(Target& g, WriteOutcome outcome, std::string reason);
   void Close(const std::string& tid, Transfer& t, CloseReason reason, TimePoint now);
   void SendDone(const Transfer& t, Target& g, TimePoint now);
+  WriteDoneMsg MakeDone(const Transfer& t, const Target& g, TimePoint now) const;
   void Reject(const WriteBlocksMsg& msg, std::string reason);
   // Sends finished targets' WriteDone, frees blocks and erases the entry when everything ended.
   void Advance(const std::string& tid, TimePoint now);
@@ -207,7 +217,9 @@ class WritePrefillCore {
   std::multimap<std::string, Parked> parked_;  // transfer_id -> parked, in order
   uint64_t next_write_id_ = 1;
   std::vector<ConnectorAction> actions_;
+  std::vector<int64_t> transfer_times_;
   Counters counters_;
+  void RecordOk(const Target& g);
 };
 
 /// The decode half of WRITE mode (one per decode engine; it sends for all its ranks).
@@ -248,7 +260,9 @@ class WriteDecodeCore {
   };
   /// What one finished load measured (for metrics), taken with TakeLoadTimings().
   struct LoadTiming {
-    int64_t overlap_us = 0;
+    int64_t overlap_us = 0;        ///< estimate: prefill's last layer → write_done sent + here
+    int64_t last_layer_at_us = 0;  ///< the prefill's clock (write_done's last_layer_at_us), max
+    int64_t go_at = 0;             ///< `now` of the go
     int64_t write_us = 0;
     int64_t compute_us = 0;
   };
