@@ -155,6 +155,8 @@ int RunServe(const ServeOptions& o) {
     ro.info.url = "http://" + (o.advertise_host.empty() ? o.host : o.advertise_host) + ":" +
                   std::to_string((*srv)->port());
     ro.info.engine_id = kv->engine_id();
+    // WRITE mode: the proxy names this endpoint (where GET /v1/kv/metadata answers) to decodes.
+    ro.info.transfer_endpoints = {ro.info.url};
     Engine* eng = engine->get();
     registration = proxy::RegistrationClient::Start(ro, [eng] {
       const EngineStats st = eng->Stats();
