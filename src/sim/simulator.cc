@@ -145,6 +145,11 @@ struct Knobs {
   int crashes = 0;
   int junk = 0;
   DurationUs hang_bound = 120 * kSecond;
+  // Tensor parallelism: every prefill engine has prefill_tp ranks, every decode decode_tp; the
+  // decode reads (and notifies) per (decode rank, prefill rank) pair of the TP plan.
+  int prefill_tp = 1;
+  int decode_tp = 1;
+  int num_kv_heads = 1;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -172,9 +177,15 @@ class SimConnector final : public KvConnector {
         engine_id_(engine_id),
         port_(port),
         block_size_(k.block_size),
-        prefill_({.engine_id = engine_id, .rank = 0, .tp_size = 1, .lease = k.lease}),
+        tp_(engine < k.num_prefill ? k.prefill_tp : k.decode_tp),
+        prefill_({.engine_id = engine_id,
+                  .tp_size = tp_,
+                  .all_ranks = true,
+                  .num_kv_heads = k.num_kv_heads,
+                  .lease = k.lease}),
         decode_({.engine_id = engine_id,
-                 .tp_size = 1,
+                 .tp_size = tp_,
+                 .num_kv_heads = k.num_kv_heads,
                  .block_size = k.block_size,
                  .reply_timeout = k.reply_timeout,
                  .read_timeout = k.read_timeout,
@@ -217,6 +228,7 @@ class SimConnector final : public KvConnector {
   std::string engine_id_;
   int port_;
   int block_size_;
+  int tp_;  // this engine's TP ranks (the cores below serve all of them)
   PrefillCore prefill_;
   DecodeCore decode_;
   std::vector<InEvent> inbox_;
@@ -298,6 +310,7 @@ class Sim {
   // Used by SimConnector.
   void Violate(ViolationKind kind, const std::string& message);
   void PostRead(int engine, const PostReadAction& a);
+  void DrawTpKnobs();
   void CancelRead(int engine, uint64_t read_id);
   void SendFromEngine(int engine, const SendMessageAction& a);
   void CheckLoadTaint(int engine, const std::string& request_id);
@@ -428,7 +441,7 @@ KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequest
   out.remote_port = port_;
   out.remote_block_ids = prompt_blocks;
   out.remote_num_tokens = req.num_prompt_tokens;
-  out.tp_size = 1;
+  out.tp_size = tp_;
   d.kv_transfer_params = KvTransferParamsToJson(out);
   Perform(now);
   return d;
@@ -637,6 +650,23 @@ void Sim::DrawKnobs() {
     k_.reply_timeout = 2 * kSecond;
   }
   if (opts_.hang_bound > 0) k_.hang_bound = opts_.hang_bound;
+  DrawTpKnobs();
+}
+
+void Sim::DrawTpKnobs() {
+  // From a stream of its own, so every other knob of a seed is what it was before TP.
+  std::mt19937_64 tp_rng(seed_ ^ 0x7470'72616e6b73ULL);
+  auto pick = [&](std::initializer_list<int> v) {
+    return *(v.begin() + static_cast<std::ptrdiff_t>(tp_rng() % v.size()));
+  };
+  if (tp_rng() % 2 == 1) {  // half the seeds run TP engines
+    k_.prefill_tp = pick({1, 2, 4});
+    k_.decode_tp = pick({1, 2, 4});
+    k_.num_kv_heads = pick({1, 2, 4, 8});
+  }
+  if (opts_.prefill_tp) k_.prefill_tp = *opts_.prefill_tp;
+  if (opts_.decode_tp) k_.decode_tp = *opts_.decode_tp;
+  if (opts_.num_kv_heads) k_.num_kv_heads = *opts_.num_kv_heads;
 }
 
 void Sim::StartEngine(Engine& e) {
@@ -1459,6 +1489,8 @@ SimResult Sim::Run() {
       static_cast<unsigned long long>(seed_), std::string(WorkloadName(opts_.workload)).c_str(),
       k_.num_prefill, k_.num_decode, k_.block_size, k_.faults ? "on" : "off",
       k_.prefill_forward_n ? 1 : 0, k_.num_requests);
+  Trace("tp: prefill %d ranks, decode %d ranks, %d KV heads", k_.prefill_tp, k_.decode_tp,
+        k_.num_kv_heads);
   for (int i = 0; i < k_.num_prefill + k_.num_decode; ++i) {
     Engine e;
     e.index = i;

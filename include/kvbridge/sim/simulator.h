@@ -77,6 +77,11 @@ struct SimOptions {
   std::optional<bool> prefix_caching;  ///< default: seeded per engine
   DurationUs hang_bound = 0;       ///< per request, from its arrival (0: 120 s clean, 900 s faults)
   int64_t max_events = 2'000'000;  ///< a run past this many events is a hang
+  /// Tensor parallelism (ranks per prefill / decode engine, the model's KV heads); unset: half
+  /// the seeds draw them from {1, 2, 4} (heads from {1, 2, 4, 8}), the other half run TP 1.
+  std::optional<int> prefill_tp;
+  std::optional<int> decode_tp;
+  std::optional<int> num_kv_heads;
 };
 
 struct SimResult {
