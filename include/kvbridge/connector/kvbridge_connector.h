@@ -15,7 +15,9 @@
 //   RETURN_IF_ERROR(server->Start());
 //   kv->SetAdvertisedEndpoint("127.0.0.1", server->port());  // what prefills return to proxies
 //
-// HTTP routes (docs/protocol.md): GET /v1/kv/metadata (this rank's transfer-agent metadata,
+// HTTP routes (docs/protocol.md): GET /v1/kv/metadata/<rank> (that TP rank's transfer-agent
+// metadata: endpoints, tp_size, tp_rank, head range; 404 past the engine's ranks),
+// GET /v1/kv/metadata (rank 0's transfer-agent metadata,
 // JSON), POST /v1/kv/release {"transfer_id", ["prefill_engine_id"]} (the proxy's explicit
 // release), both behind the cluster token when one is configured.
 //
@@ -51,6 +53,9 @@ struct KvBridgeOptions {
   std::string advertise_host = "127.0.0.1";  ///< remote_host returned by a prefill
   int advertise_port = 0;                    ///< remote_port; set later with SetAdvertisedEndpoint
   std::string bind_host = "127.0.0.1";       ///< transfer agent's tcp listen address
+  /// Informational: the engine's hooks (EngineHooks::tp_size / ranks) decide the TP size and
+  /// the connector serves every rank (one transfer agent per rank). tp_size must be 1 or the
+  /// engine's (else the connector refuses to start); tp_rank is not used.
   int tp_rank = 0;
   int tp_size = 1;
   /// Test-only: flip one byte of the first block of every READ after it lands (the
