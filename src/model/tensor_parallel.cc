@@ -14,6 +14,7 @@
 // products as Model::Forward, so the bits match at every T.
 #include "kvbridge/model/tensor_parallel.h"
 
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <condition_variable>
@@ -303,6 +304,18 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
   logits->assign(static_cast<size_t>(nl) * vocab, 0.0f);
   float* out_logits = logits->data();
   const bool hook = static_cast<bool>(batch.on_layer_kv_written);
+  // With more model threads than ranks (ModelLoadOptions::num_threads > T), each rank also
+  // splits its matmuls and attention over the model's pool (shared by the ranks; it takes
+  // concurrent callers). Splits only change which thread computes an element, never how.
+  model_internal::ThreadPool* pool = mi.pool->num_threads() > tp ? mi.pool.get() : nullptr;
+  auto par = [&](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    if (pool == nullptr || n <= 1) {
+      fn(0, n);
+      return;
+    }
+    const int64_t per = 4 * (pool->num_threads() + tp - 1) / tp;
+    pool->ParallelFor(n, std::max<int64_t>(1, (n + per - 1) / per), fn);
+  };
 
   auto rank_fn = [&](int r) {
     const RankSlice& s = ranks[r];
@@ -314,10 +327,12 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
     const int row_begin = r * m / tp, row_end = (r + 1) * m / tp;
     std::vector<float> q(static_cast<size_t>(m) * qc), k(static_cast<size_t>(m) * kvc), v(k.size()),
         attn(q.size()), gate(static_cast<size_t>(m) * imc), up(gate.size());
-    model_internal::AttentionScratch scratch(group, hd);
     auto linear = [&](const std::vector<float>& wt, const std::vector<float>& bias, int n,
                       float* y) {
-      MatMulNT(h.data(), m, hsz, wt.data(), n, hsz, hsz, y, n);
+      par(n, [&](int64_t b, int64_t e) {
+        MatMulNT(h.data(), m, hsz, wt.data() + b * hsz, static_cast<int>(e - b), hsz, hsz, y + b,
+                 n);
+      });
       if (!bias.empty()) {
         for (int i = 0; i < m; ++i) {
           for (int j = 0; j < n; ++j) y[static_cast<size_t>(i) * n + j] += bias[j];
@@ -331,8 +346,10 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
       for (int sh = s.shard_begin; sh < s.shard_end; ++sh) {
         const int k0 = ShardBegin(sh, k_total) - col_begin;
         const int k1 = ShardBegin(sh + 1, k_total) - col_begin;
-        MatMulNT(in + k0, m, cols, wt.data() + k0, hsz, cols, k1 - k0,
-                 partial.data() + static_cast<size_t>(sh) * stride, hsz);
+        par(hsz, [&](int64_t b, int64_t e) {
+          MatMulNT(in + k0, m, cols, wt.data() + b * cols + k0, static_cast<int>(e - b), cols,
+                   k1 - k0, partial.data() + static_cast<size_t>(sh) * stride + b, hsz);
+        });
       }
     };
     // x[i] += tree(partials) (+ bias) for this rank's rows, then h = RMSNorm(x, norm).
@@ -393,14 +410,17 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
         if (r == 0) batch.on_layer_kv_written(layer);
       }
 
-      for (int i = 0; i < m; ++i) {
-        const SequenceChunk& sq = batch.sequences[rows[i].seq];
-        for (int g = 0; g < nkv; ++g) {
+      // One task per (row, this rank's KV head).
+      par(static_cast<int64_t>(m) * nkv, [&](int64_t tb, int64_t te) {
+        model_internal::AttentionScratch scratch(group, hd);
+        for (int64_t task = tb; task < te; ++task) {
+          const int i = static_cast<int>(task / nkv), g = static_cast<int>(task % nkv);
           const size_t off = static_cast<size_t>(i) * qc + static_cast<size_t>(g) * group * hd;
-          model_internal::AttendKvHead(q.data() + off, group, sq, rows[i].pos, layout, base, g, ks,
-                                       vs, attn_scale, &scratch, attn.data() + off);
+          model_internal::AttendKvHead(q.data() + off, group, batch.sequences[rows[i].seq],
+                                       rows[i].pos, layout, base, g, ks, vs, attn_scale, &scratch,
+                                       attn.data() + off);
         }
-      }
+      });
       shard_partials(attn.data(), rl.wo, c.q_dim(), s.q_col_begin, qc);
       barrier->arrive_and_wait();
       reduce_rows(lw.bo, &lw.post_norm);
@@ -427,8 +447,10 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
     }
     model_internal::RmsNormRows(last.data(), 0, nl, hsz, w.final_norm.data(), eps, normed.data());
     const int v0 = r * vocab / tp, v1 = (r + 1) * vocab / tp;
-    MatMulNT(normed.data(), nl, hsz, head.data() + static_cast<size_t>(v0) * hsz, v1 - v0, hsz, hsz,
-             out_logits + v0, vocab);
+    par(v1 - v0, [&](int64_t b, int64_t e) {
+      MatMulNT(normed.data(), nl, hsz, head.data() + static_cast<size_t>(v0 + b) * hsz,
+               static_cast<int>(e - b), hsz, hsz, out_logits + v0 + b, vocab);
+    });
   };
   team->Run(rank_fn);
   return OkStatus();

@@ -144,6 +144,7 @@ struct TpCase {
   ModelArch arch;
   int heads, kv_heads, head_dim, intermediate;
   std::vector<int> sizes;
+  int threads = 2;  // model pool; > T: ranks also split their work over it
 };
 
 class TensorParallelForward : public ::testing::TestWithParam<TpCase> {};
@@ -171,7 +172,7 @@ TEST_P(TensorParallelForward, LogitsAndKvBitwiseEqualToOneRank) {
   spec->config.head_dim = tc.head_dim;
   spec->config.intermediate_size = tc.intermediate;
   ASSERT_TRUE(WriteRandomModel(*spec, dir.path()).ok());
-  auto loaded = Model::Load(dir.path(), {.num_threads = 2});
+  auto loaded = Model::Load(dir.path(), {.num_threads = tc.threads});
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   std::shared_ptr<const Model> model = *loaded;
   const ModelConfig& c = model->config();
@@ -250,7 +251,10 @@ INSTANTIATE_TEST_SUITE_P(
         // 8 heads / 2 KV heads, intermediate 100 (uneven shards 12/13): T=8 replicates 4x.
         TpCase{"h8_kv2", ModelArch::kLlama, 8, 2, 8, 100, {2, 4, 8}},
         // 8 heads / 8 KV heads: one KV head per rank at T=8.
-        TpCase{"h8_kv8", ModelArch::kLlama, 8, 8, 8, 128, {2, 8}}),
+        TpCase{"h8_kv8", ModelArch::kLlama, 8, 8, 8, 128, {2, 8}},
+        // 5 model threads: at T=2 and 4 every rank also splits its matmuls and attention
+        // over the shared pool.
+        TpCase{"h8_kv2_pooled", ModelArch::kLlama, 8, 2, 8, 100, {2, 4}, 5}),
     [](const auto& info) { return info.param.name; });
 
 TEST(TensorParallelModel, WeightBytesPerRank) {

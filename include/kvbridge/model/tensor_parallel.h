@@ -13,7 +13,9 @@
 // After attention and after the MLP the ranks publish their shards' partial sums; each output
 // element is then the same fixed tree ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)) as at T=1, so
 // greedy tokens and logprobs do not depend on T. Ranks run concurrently, one thread each, with a
-// barrier between layer stages; rank 0 runs on the calling thread.
+// barrier between layer stages; rank 0 runs on the calling thread. When the model was loaded
+// with more threads than T (ModelLoadOptions::num_threads), each rank also splits its matmuls
+// and attention over the model's thread pool (same bits).
 //
 //   RETURN_IF_ERROR(ValidateTensorParallelSize(model->config(), 2));
 //   ASSIGN_OR_RETURN(auto tp, TensorParallelModel::Create(model, 2));
