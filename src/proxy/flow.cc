@@ -60,6 +60,37 @@ std::string_view OutcomeName(Outcome outcome) {
   return "unknown";
 }
 
+namespace {
+
+// The prefill leg's body from the client's object (see ShapePrefillBody).
+json ShapePrefillJson(json j, bool forward_n, json params) {
+  for (const char* key : {"stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
+                          "best_of", "max_completion_tokens"}) {
+    j.erase(key);
+  }
+  j["max_tokens"] = 1;
+  j["stream"] = false;
+  if (!forward_n) j["n"] = 1;
+  j["kv_transfer_params"] = std::move(params);
+  return j;
+}
+
+// `object` (a dumped JSON object without the key) with "key": value_json added, by splicing the
+// text: the decode leg's body without parsing and dumping the client's body again.
+std::string WithMember(const std::string& object, std::string_view key,
+                       const std::string& value_json) {
+  std::string out = object.substr(0, object.size() - 1);  // drop the closing brace
+  if (out.size() > 1) out += ',';
+  out += '"';
+  out += key;
+  out += "\":";
+  out += value_json;
+  out += '}';
+  return out;
+}
+
+}  // namespace
+
 Result<std::string> ShapePrefillBody(std::string_view client_body, bool forward_n,
                                      std::string_view kv_transfer_params_json) {
   json j = json::parse(client_body, nullptr, /*allow_exceptions=*/false);
@@ -70,15 +101,7 @@ Result<std::string> ShapePrefillBody(std::string_view client_body, bool forward_
   if (params.is_discarded() || !params.is_object()) {
     return InvalidArgumentError("kv_transfer_params must be a JSON object");
   }
-  for (const char* key : {"stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
-                          "best_of", "max_completion_tokens"}) {
-    j.erase(key);
-  }
-  j["max_tokens"] = 1;
-  j["stream"] = false;
-  if (!forward_n) j["n"] = 1;
-  j["kv_transfer_params"] = std::move(params);
-  return j.dump();
+  return ShapePrefillJson(std::move(j), forward_n, std::move(params)).dump();
 }
 
 std::string MintTransferId() {
@@ -164,22 +187,18 @@ bool PdFlow::SendDecode(TimePoint now, std::vector<Action>& out) {
     decode_leg_ = StartLeg(Role::kDecode, *ep, client_body_, client_stream_, now, out);
     return true;
   }
-  json body = json::parse(client_body_);
-  json params;
-  if (options_.mode == KvMode::kRead) {
-    params = json::parse(prefill_kv_params_);
-    params.erase("do_remote_decode");
-    params["do_remote_prefill"] = true;
-  } else {
-    params = {{"do_remote_prefill", true},
-              {"transfer_id", transfer_id_},
-              {"mode", "write"},
-              {"remote_engine_id", hold_prefill_->engine_id},
-              {"remote_host", hold_prefill_->transfer_host},
-              {"remote_port", hold_prefill_->transfer_port}};
+  std::string params = prefill_kv_params_;  // READ: ready-made in OnPrefillDone
+  if (options_.mode == KvMode::kWrite) {
+    params = json{{"do_remote_prefill", true},
+                  {"transfer_id", transfer_id_},
+                  {"mode", "write"},
+                  {"remote_engine_id", hold_prefill_->engine_id},
+                  {"remote_host", hold_prefill_->transfer_host},
+                  {"remote_port", hold_prefill_->transfer_port}}
+                 .dump();
   }
-  body["kv_transfer_params"] = std::move(params);
-  decode_leg_ = StartLeg(Role::kDecode, *ep, body.dump(), client_stream_, now, out);
+  decode_leg_ = StartLeg(Role::kDecode, *ep, WithMember(client_body_, "kv_transfer_params", params),
+                         client_stream_, now, out);
   return true;
 }
 
@@ -241,23 +260,19 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
     client_stream_ = it->get<bool>();
   }
   client_body_ = j.dump();
+  if (!options_.colocated) {
+    json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};
+    if (options_.mode == KvMode::kWrite) prefill_params["mode"] = "write";
+    prefill_body_ =
+        ShapePrefillJson(std::move(j), options_.prefill_forward_n, std::move(prefill_params))
+            .dump();
+  }
   if (options_.colocated) {
     if (!SendDecode(now, out)) {
       FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no instance available", out);
     }
     return out;
   }
-
-  json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};
-  if (options_.mode == KvMode::kWrite) prefill_params["mode"] = "write";
-  Result<std::string> shaped =
-      ShapePrefillBody(client_body_, options_.prefill_forward_n, prefill_params.dump());
-  if (!shaped.ok()) {
-    FailWithError(Outcome::kBadRequest, 400, "invalid_request_error", shaped.status().message(),
-                  out);
-    return out;
-  }
-  prefill_body_ = std::move(shaped).value();
 
   if (options_.mode == KvMode::kRead) {
     if (!SendPrefill(now, out)) {
@@ -376,6 +391,8 @@ void PdFlow::OnPrefillDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
   }
   json p = *params;
   p["transfer_id"] = transfer_id_;
+  p.erase("do_remote_decode");
+  p["do_remote_prefill"] = true;
   prefill_kv_params_ = p.dump();
   if (!SendDecode(now, out)) {
     Release(out);

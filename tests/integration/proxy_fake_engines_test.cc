@@ -102,6 +102,10 @@ class FakeEngine {
     });
     EXPECT_TRUE(server_.bind_to_port("127.0.0.1", port_));
     thread_ = std::thread([this] { server_.listen_after_bind(); });
+    // stop() before the loop runs would be lost and leave the thread in accept() forever.
+    for (int i = 0; i < 500 && !server_.is_running(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
   }
   ~FakeEngine() {
     server_.stop();

@@ -241,7 +241,7 @@ class PdFlow {
   std::optional<Endpoint> hold_prefill_;  // the prefill that may hold KV for this transfer
   std::vector<std::string> tried_prefill_;
   std::vector<std::string> tried_decode_;
-  std::string prefill_kv_params_;  // READ: the prefill's kv_transfer_params (dumped JSON)
+  std::string prefill_kv_params_;  // READ: the decode leg's kv_transfer_params (dumped JSON)
   int prefill_leg_ = -1;
   int decode_leg_ = -1;
   int next_leg_id_ = 1;
