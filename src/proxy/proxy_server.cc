@@ -3,7 +3,8 @@
 // Per client request one FlowCtx owns the PdFlow; leg coroutines feed it events and queue the
 // actions it returns; the request's own coroutine executes the queued actions in order (so writes
 // to the client never interleave) and sleeps on a timer that leg coroutines cancel to wake it.
-// Everything of one connection runs on one strand, so the flow needs no lock.
+// Everything of one connection runs on one strand (or the one event-loop thread), so the flow
+// needs no lock.
 //
 // Legs reuse keep-alive connections from an UpstreamPool (upstream_pool.h): a leg's connection
 // goes back to the pool only after its whole response (a streamed one: after its end), when both
@@ -375,7 +376,9 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     } else {
       impl->leg_connections_reused->Inc();
     }
-    stream->expires_after(std::chrono::microseconds(impl->options.request_timeout));
+    // No per-operation timer (it would arm and cancel one on every read and write): the flow's
+    // own deadline (FlowOptions::timeout = request_timeout) cancels a leg that takes too long.
+    stream->expires_never();
     co_await http::async_write(*stream, req, net::redirect_error(kAwait, ec));
     if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
@@ -691,15 +694,17 @@ awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
 awaitable<void> ProxyServer::Impl::Accept() {
   for (;;) {
     beast::error_code ec;
-    auto strand = net::make_strand(ioc);
-    tcp::socket sock(strand);
+    // One event-loop thread serialises everything already; a strand would only add a hop.
+    net::any_io_executor ex = options.threads == 1 ? net::any_io_executor(ioc.get_executor())
+                                                   : net::any_io_executor(net::make_strand(ioc));
+    tcp::socket sock(ex);
     co_await acceptor.async_accept(sock, net::redirect_error(kAwait, ec));
     if (ec == net::error::operation_aborted) co_return;
     if (ec) {
       KVB_LOG_WARN("accept failed: {}", ec.message());
       continue;
     }
-    net::co_spawn(strand, Session(std::move(sock)), net::detached);
+    net::co_spawn(ex, Session(std::move(sock)), net::detached);
   }
 }
 
