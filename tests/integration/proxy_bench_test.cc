@@ -37,6 +37,31 @@ class FakeServer {
         return;
       }
       int n = b.value("n", 1), max_tokens = b.value("max_tokens", 1);
+      if (b.value("stream", false)) {
+        // SSE: a role-only event, then (after first_token_ms_) one token event per choice per
+        // step, 20 ms apart, then usage and [DONE].
+        res.set_chunked_content_provider(
+            "text/event-stream", [this, n, max_tokens](size_t, httplib::DataSink& sink) {
+              auto send = [&](const std::string& ev) { return sink.write(ev.data(), ev.size()); };
+              send("data: {\"choices\":[]}\n\n");
+              std::this_thread::sleep_for(std::chrono::milliseconds(first_token_ms_));
+              for (int t = 0; t < max_tokens && !empty_stream_; ++t) {
+                if (t > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                for (int c = 0; c < n; ++c) {
+                  send("data: {\"choices\":[{\"index\":" + std::to_string(c) +
+                       ",\"text\":\"x\"}]}\n\n");
+                }
+              }
+              send(
+                  "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":100,"
+                  "\"completion_tokens\":" +
+                  std::to_string(empty_stream_ ? 0 : n * max_tokens) + "}}\n\n");
+              send("data: [DONE]\n\n");
+              sink.done();
+              return true;
+            });
+        return;
+      }
       json out = {{"choices", json::array()},
                   {"usage",
                    {{"prompt_tokens", 100},
@@ -85,6 +110,8 @@ class FakeServer {
   std::atomic<int> drain_ms_{200};
   std::atomic<int> stuck_held_{0};
   std::atomic<int> lease_expired_{0};
+  std::atomic<int> first_token_ms_{150};
+  std::atomic<bool> empty_stream_{false};
 
  private:
   int port_;
@@ -188,6 +215,53 @@ TEST(BenchAgainstFake, RequestErrorsCountedWithTheirBody) {
   EXPECT_EQ(r->batches[0].errors, 6);
   ASSERT_FALSE(r->batches[0].error_samples.empty());
   EXPECT_EQ(r->batches[0].error_samples[0], R"(HTTP 400: {"error":"nope"})");
+}
+
+TEST(BenchAgainstFake, StreamingReportsTtftAndTpot) {
+  FakeServer s;
+  BenchOptions o = Options(s);
+  o.batches = {2};
+  o.samples = 4;
+  o.best_of_n = 2;
+  o.output_tokens = 15;  // jittered ±10: 5..25 tokens per choice
+  o.stream = true;
+  o.check_drain = false;
+  auto r = RunBench(o, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->ok) << FormatTable(*r);
+  const BatchReport& b = r->batches[0];
+  EXPECT_EQ(b.errors, 0);
+  EXPECT_EQ(b.ttft_count, 4);  // every request: the first token comes after the role event
+  EXPECT_GE(b.ttft_p50_s, 0.15);
+  EXPECT_LT(b.ttft_p50_s, b.latency_p50_s);
+  // Every request has more than one token per choice (max_tokens 5..25), each step >= 20 ms.
+  EXPECT_EQ(b.tpot_count, 4);
+  EXPECT_GE(b.tpot_p50_s, 0.019);
+  for (const json& body : s.Bodies()) {
+    EXPECT_EQ(body["stream"], true);
+    EXPECT_EQ(body["stream_options"], json({{"include_usage", true}}));
+  }
+  EXPECT_NE(FormatTable(*r).find("ttft_p50_ms"), std::string::npos);
+  json j = json::parse(ReportJson(*r));
+  EXPECT_EQ(j["batches"][0]["ttft_s"]["count"], 4);
+}
+
+TEST(BenchAgainstFake, StreamWithoutATokenIsAnError) {
+  FakeServer s;
+  s.empty_stream_ = true;
+  s.first_token_ms_ = 0;
+  BenchOptions o = Options(s);
+  o.batches = {1};
+  o.samples = 2;
+  o.stream = true;
+  o.check_drain = false;
+  auto r = RunBench(o, {});
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->ok);
+  EXPECT_EQ(r->batches[0].errors, 2);
+  ASSERT_FALSE(r->batches[0].error_samples.empty());
+  EXPECT_EQ(r->batches[0].error_samples[0].rfind("stream without a token", 0), 0u)
+      << r->batches[0].error_samples[0];
 }
 
 TEST(BenchAgainstFake, CommandExitCodes) {
