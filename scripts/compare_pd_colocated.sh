@@ -42,6 +42,19 @@ trap 'cleanup; [[ ${KEEP_LOGS:-0} == 1 ]] || rm -rf "$WORK"' EXIT
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
+wait_proxy() {  # proxy base url, instances expected healthy: the proxy probes each second
+  for _ in $(seq 1 300); do
+    if python3 - "$1" "$2" <<'EOF' 2>/dev/null; then return 0; fi
+import json, sys, urllib.request
+j = json.load(urllib.request.urlopen(sys.argv[1] + "/instances", timeout=1))
+sys.exit(0 if sum(i["healthy"] for i in j["instances"]) == int(sys.argv[2]) else 1)
+EOF
+    sleep 0.2
+  done
+  echo "proxy $1 does not list $2 healthy instances; logs in $WORK" >&2
+  KEEP_LOGS=1
+  exit 1
+}
 wait_http() {  # url, what
   for _ in $(seq 1 600); do
     if python3 - "$1" <<'EOF' 2>/dev/null; then return 0; fi
@@ -80,21 +93,25 @@ run_topology() {  # name: pd | colocated
     taskset -c "$CPU_B" "$KVB" serve "$MODEL" --port "$pb" "${ENGINE_ARGS[@]}" --cluster-token "$TOKEN" \
       --kv-transfer-config "$(printf "$cfg" kv_consumer)" >"$WORK/$name-decode.log" 2>&1 &
     PIDS+=($!)
-    "$KVB" proxy --port "$pp" --cluster-token "$TOKEN" --prefill "$url_a" --decode "$url_b" \
-      >"$WORK/$name-proxy.log" 2>&1 &
-    PIDS+=($!)
   else
     taskset -c "$CPU_A" "$KVB" serve "$MODEL" --port "$pa" "${ENGINE_ARGS[@]}" >"$WORK/$name-a.log" 2>&1 &
     PIDS+=($!)
     taskset -c "$CPU_B" "$KVB" serve "$MODEL" --port "$pb" "${ENGINE_ARGS[@]}" >"$WORK/$name-b.log" 2>&1 &
     PIDS+=($!)
-    "$KVB" proxy --port "$pp" --colocated --routing round-robin --decode "$url_a" --decode "$url_b" \
-      >"$WORK/$name-proxy.log" 2>&1 &
-    PIDS+=($!)
   fi
   wait_http "$url_a/health" "$name engine A"
   wait_http "$url_b/health" "$name engine B"
+  # The proxy starts once the engines answer, so its first health probes find them up.
+  if [[ $name == pd ]]; then
+    "$KVB" proxy --port "$pp" --cluster-token "$TOKEN" --prefill "$url_a" --decode "$url_b" \
+      >"$WORK/$name-proxy.log" 2>&1 &
+  else
+    "$KVB" proxy --port "$pp" --colocated --routing round-robin --decode "$url_a" --decode "$url_b" \
+      >"$WORK/$name-proxy.log" 2>&1 &
+  fi
+  PIDS+=($!)
   wait_http "http://127.0.0.1:$pp/health" "$name proxy"
+  wait_proxy "http://127.0.0.1:$pp" 2
   echo "== $name: bench (${BATCHES} concurrency, $SAMPLES requests each, n=$N)" >&2
   local rc=0
   "$KVB" bench --host "http://127.0.0.1:$pp" "${BENCH_ARGS[@]}" --check-drain "$url_a" "$url_b" \
