@@ -373,9 +373,13 @@ class KvBridgeConnector final : public KvConnector {
     } else {
       if (!opt().config.IsConsumer())
         return InvalidArgumentError("this engine is not a kv_consumer");
-      ASSIGN_OR_RETURN(DecodeCore::Match dm,
-                       decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
-                                              num_local_computed, now));
+      Result<DecodeCore::Match> added =
+          decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now);
+      if (!added.ok()) {
+        SyncState();  // its queued-heartbeat entry is gone: the stats snapshot must say so
+        return added.status();
+      }
+      const DecodeCore::Match dm = *added;
       asked_.insert(req.parent_id);
       if (dm.load_async) {
         timeline_.MapRequest(false, req.request_id, p.transfer_id);
