@@ -1199,6 +1199,14 @@ class KvBridgeConnector final : public KvConnector {
   Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
                                   int num_local_computed, TimePoint now) {
     Match m;
+    if (EngineTp(hooks_) > 1 || p.tp_size > 1) {
+      // The write path moves whole blocks with rank 0's agent: refuse rather than mis-write.
+      if (p.do_remote_decode) wprefill_.OnAbortedBeforeAdmission(p.transfer_id, now);
+      return UnimplementedError(
+          "kv_transfer_params.mode \"write\" with tensor parallelism (this engine's tp " +
+          std::to_string(EngineTp(hooks_)) + ", the prefill's tp_size " +
+          std::to_string(p.tp_size) + ") is not supported yet; use \"read\"");
+    }
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
