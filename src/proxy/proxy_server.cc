@@ -487,6 +487,14 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
   ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
   net::co_spawn(ex, WatchClient(ctx, &sock), net::detached);
   bool client_ok = true;
+  bool counted = false;
+  // Counted before the answer's last write, so a client that has its answer sees it in /metrics.
+  auto count_outcome = [&] {
+    if (counted || !ctx->flow.client_done()) return;
+    counted = true;
+    outcome_counters[ctx->flow.outcome()]->Inc();
+    request_seconds.Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
+  };
   std::optional<http::response<http::empty_body>> stream_head;
   std::optional<http::response_serializer<http::empty_body>> serializer;
   beast::error_code ec;
@@ -508,6 +516,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
       } else if (!client_ok) {
         continue;  // the client is gone; its bytes have nowhere to go
       } else if (auto* w = std::get_if<Respond>(&a)) {
+        count_outcome();
         client_ok = co_await WriteWhole(sock, req, w->status, w->content_type, std::move(w->body));
       } else if (auto* st = std::get_if<StartStream>(&a)) {
         stream_head.emplace();
@@ -526,6 +535,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
                                   net::redirect_error(kAwait, ec));
         client_ok = !ec;
       } else if (std::holds_alternative<EndStream>(a)) {
+        count_outcome();
         co_await net::async_write(sock, http::make_chunk_last(), net::redirect_error(kAwait, ec));
         client_ok = !ec;
       }
@@ -546,8 +556,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
   beast::error_code ignore;
   sock.cancel(ignore);  // ends WatchClient
   in_flight.Add(-1);
-  outcome_counters[ctx->flow.outcome()]->Inc();
-  request_seconds.Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
+  count_outcome();
   co_return client_ok && ctx->flow.outcome() != Outcome::kClientDisconnected;
 }
 

@@ -47,6 +47,16 @@ class FakeEngine {
       json body = json::parse(req.body, nullptr, false);
       if (fail_status_ != 0) {
         res.status = fail_status_;
+        if (fail_body_delay_ms_ > 0) {  // the status line now, the body later
+          res.set_chunked_content_provider(
+              "application/json", [this](size_t, httplib::DataSink& sink) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(fail_body_delay_ms_));
+                sink.write(fail_body_.data(), fail_body_.size());
+                sink.done();
+                return true;
+              });
+          return;
+        }
         res.set_content(fail_body_, "application/json");
         return;
       }
@@ -128,6 +138,7 @@ class FakeEngine {
 
   int fail_status_ = 0;
   std::string fail_body_;
+  int fail_body_delay_ms_ = 0;
   int sse_events_ = 3;
   int sse_delay_ms_ = 1;
   std::atomic<bool> stream_broken_{false};
@@ -245,14 +256,49 @@ TEST(ProxyFakeEngines, Decode4xxForwardedWithBodyAndPrefillReleased) {
   ASSERT_EQ(rel.size(), 1u);
   EXPECT_EQ(rel[0].body, json({{"transfer_id", tid}}));
   EXPECT_EQ(rel[0].token, kToken);
-  for (int i = 0; i < 100 && ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_releases_total",
-                                          "result=\"ok\"") < 1;
+  // Outcomes are counted when the flow ends, which may be just after the client has its answer.
+  for (int i = 0; i < 100 && (ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_releases_total",
+                                           "result=\"ok\"") < 1 ||
+                              ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_total",
+                                           "outcome=\"decode_error\"") < 1);
        ++i) {
     std::this_thread::sleep_for(10ms);
   }
   EXPECT_EQ(ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_total",
                          "outcome=\"decode_error\""),
             1.0);
+}
+
+TEST(ProxyFakeEngines, Decode4xxReleasesThePrefillAtTheStatusLineBeforeItsBody) {
+  FakeEngine p(true), d(false);
+  d.fail_status_ = 429;
+  d.fail_body_ = R"({"error":{"message":"slow down","code":429}})";
+  d.fail_body_delay_ms_ = 1500;
+  ProxyOptions o;
+  o.prefill_urls = {p.url()};
+  o.decode_urls = {d.url()};
+  auto proxy = StartProxy(o);
+  std::atomic<bool> answered{false};
+  int status = 0;
+  std::string body;
+  std::thread client([&] {
+    httplib::Client cli("127.0.0.1", proxy->port());
+    auto res = cli.Post("/v1/completions", kBody, "application/json");
+    if (res) {
+      status = res->status;
+      body = res->body;
+    }
+    answered = true;
+  });
+  auto rel = p.WaitCalls("/v1/kv/release", 1);  // bounded at 3 s
+  const bool before_answer = !answered.load();
+  client.join();
+  ASSERT_EQ(rel.size(), 1u);
+  EXPECT_TRUE(before_answer) << "the release waited for the decode's body";
+  EXPECT_EQ(rel[0].body["transfer_id"],
+            p.Calls("/v1/completions").at(0).body["kv_transfer_params"]["transfer_id"]);
+  EXPECT_EQ(status, 429);
+  EXPECT_EQ(body, d.fail_body_);
 }
 
 TEST(ProxyFakeEngines, PrefillErrorForwardedAsIs) {
