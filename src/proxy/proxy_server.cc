@@ -288,9 +288,11 @@ awaitable<bool> WriteWhole(tcp::socket& sock, const Request& req, int status,
 struct FlowCtx {
   FlowCtx(const net::any_io_executor& ex, FlowOptions o, InstancePicker picker)
       : flow(o, MintTransferId(), std::move(picker)), wake(ex) {}
+  // Wakes RunFlow even when `actions` is empty: the event may still have ended the flow (a WRITE
+  // prefill leg that ends after the decode leg answered returns no action but makes done() true).
   void Push(std::vector<Action> actions) {
     for (auto& a : actions) pending.push_back(std::move(a));
-    if (!actions.empty()) wake.cancel();
+    wake.cancel();
   }
   PdFlow flow;
   std::deque<Action> pending;

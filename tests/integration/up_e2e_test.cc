@@ -110,8 +110,13 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 120'000)) << solo.ReadLog();
 
   const int port = testing::FreePort();
-  Subprocess up({bin, "up", GetParam(), "--port", std::to_string(port), "--log-dir", dir + "/logs",
-                 "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
+  // The parameter is "TOPOLOGY" or "TOPOLOGY:MODE".
+  const std::string param = GetParam();
+  const size_t colon = param.find(':');
+  const std::string topology = param.substr(0, colon);
+  const std::string mode = colon == std::string::npos ? "read" : param.substr(colon + 1);
+  Subprocess up({bin, "up", topology, "--mode", mode, "--port", std::to_string(port), "--log-dir",
+                 dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
                 dir + "/up.log");
   bool ready = false;
   for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
@@ -155,7 +160,17 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
 }
 
-INSTANTIATE_TEST_SUITE_P(Topologies, UpEndToEnd, ::testing::Values("1p1d", "1p3d"));
+// "1p1d:write" also guards the proxy against a WRITE flow whose prefill leg ends after the decode
+// leg answered (it once left the client's keep-alive connection unread forever).
+INSTANTIATE_TEST_SUITE_P(Topologies, UpEndToEnd,
+                         ::testing::Values("1p1d", "1p3d", "1p1d:write", "1p3d:write"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (c == ':') c = '_';
+                           }
+                           return name;
+                         });
 
 // Waits (bounded) for `up` to print that the topology is ready.
 bool WaitReady(Subprocess& up) {
