@@ -352,6 +352,7 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     auto stream = std::make_shared<beast::tcp_stream>(ex);
     ctx->legs[leg.leg_id] = stream;
     bool reused = false;
+    int family = -1;  // known for a pooled connection; asked of the socket (a syscall) otherwise
     if (attempt == 0 && pooling) {
       if (auto idle = impl->pool.Take(pool_key, SteadyNow())) {
         stream->socket().assign(idle->family == AF_INET6 ? tcp::v6() : tcp::v4(), idle->fd, ec);
@@ -360,6 +361,7 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
           ec = {};
         } else {
           reused = true;
+          family = idle->family;
         }
       }
     }
@@ -427,7 +429,7 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     // Back to the pool before the flow hears of the end, so the flow's next leg can reuse it.
     if (pooling && parser.keep_alive() && buf.size() == 0 && stream->socket().is_open() &&
         !ctx->Cancelled(leg.leg_id)) {
-      const int family = stream->socket().local_endpoint(ec).protocol().family();
+      if (family < 0) family = stream->socket().local_endpoint(ec).protocol().family();
       int fd = ec ? -1 : stream->socket().release(ec);
       if (!ec && fd >= 0) impl->pool.Put(pool_key, PooledConnection{fd, family}, t2);
     } else {
