@@ -443,18 +443,20 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
   fail(LegFailure::kBroken, "connection lost twice before a response");
 }
 
-// Watches the client socket while a flow runs: readable with EOF (or an error) = disconnect.
-awaitable<void> WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock) {
-  beast::error_code ec;
-  co_await sock->async_wait(tcp::socket::wait_read, net::redirect_error(kAwait, ec));
-  if (ec || ctx->finished) co_return;
-  char c;
-  beast::error_code peek_ec;
-  size_t n = sock->receive(net::buffer(&c, 1), tcp::socket::message_peek, peek_ec);
-  if (peek_ec == net::error::would_block) co_return;
-  if (n == 0 || peek_ec) {
-    ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
-  }
+// Watches the client socket while a flow runs: readable with EOF (or an error) = disconnect. A
+// plain completion handler, not a spawned coroutine: one fewer coroutine frame and executor hop
+// per request, and the wait is armed before the flow can end (RunFlow's cancel always ends it).
+void WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock) {
+  sock->async_wait(tcp::socket::wait_read, [ctx = std::move(ctx), sock](beast::error_code ec) {
+    if (ec || ctx->finished) return;
+    char c;
+    beast::error_code peek_ec;
+    size_t n = sock->receive(net::buffer(&c, 1), tcp::socket::message_peek, peek_ec);
+    if (peek_ec == net::error::would_block) return;
+    if (n == 0 || peek_ec) {
+      ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+    }
+  });
 }
 
 }  // namespace
@@ -489,7 +491,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
       });
   in_flight.Add(1);
   ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
-  net::co_spawn(ex, WatchClient(ctx, &sock), net::detached);
+  WatchClient(ctx, &sock);
   bool client_ok = true;
   bool counted = false;
   // Counted before the answer's last write, so a client that has its answer sees it in /metrics.
