@@ -582,14 +582,15 @@ class KvBridgeConnector final : public KvConnector {
                  .heartbeat_interval = impl_->options.config.EffectiveHeartbeat(),
                  .load_failure_policy = impl_->options.config.load_failure_policy}),
         wprefill_({.engine_id = impl_->engine_id,
-                   .rank = impl_->options.tp_rank,
-                   .tp_size = impl_->options.tp_size,
+                   .tp_size = EngineTp(hooks),
+                   .num_kv_heads = GlobalKvHeads(hooks),
                    .block_size = hooks.kv_view.layout.block_size,
                    .num_layers = hooks.kv_view.layout.num_layers,
                    .lease = impl_->options.config.lease,
                    .max_parked_messages = impl_->options.config.max_parked_messages}),
         wdecode_({.engine_id = impl_->engine_id,
-                  .tp_size = impl_->options.tp_size,
+                  .tp_size = EngineTp(hooks),
+                  .num_kv_heads = GlobalKvHeads(hooks),
                   .block_size = hooks.kv_view.layout.block_size,
                   .write_timeout = WriteTimeout(impl_->options.config),
                   .load_failure_policy = impl_->options.config.load_failure_policy}) {}
@@ -1199,13 +1200,20 @@ class KvBridgeConnector final : public KvConnector {
   Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
                                   int num_local_computed, TimePoint now) {
     Match m;
-    if (EngineTp(hooks_) > 1 || p.tp_size > 1) {
-      // The write path moves whole blocks with rank 0's agent: refuse rather than mis-write.
-      if (p.do_remote_decode) wprefill_.OnAbortedBeforeAdmission(p.transfer_id, now);
-      return UnimplementedError(
-          "kv_transfer_params.mode \"write\" with tensor parallelism (this engine's tp " +
-          std::to_string(EngineTp(hooks_)) + ", the prefill's tp_size " +
-          std::to_string(p.tp_size) + ") is not supported yet; use \"read\"");
+    if (p.do_remote_prefill && (EngineTp(hooks_) > 1 || p.tp_size > 1)) {
+      // Each prefill rank writes the head slices the TP plan reads from it and finishes when its
+      // pairs are done; a prefill rank that is the source of no slice (replicated heads, Tp > Td)
+      // would wait for its lease: refuse that topology rather than leak a hold.
+      std::set<int> sources;
+      for (const auto& [dr, pr] : TpPlanPairs(p.tp_size, EngineTp(hooks_), GlobalKvHeads(hooks_)))
+        sources.insert(pr);
+      if (static_cast<int>(sources.size()) != p.tp_size) {
+        return UnimplementedError(
+            "kv_transfer_params.mode \"write\" with a prefill tp_size " +
+            std::to_string(p.tp_size) + " whose ranks are not all read by this decode (tp " +
+            std::to_string(EngineTp(hooks_)) + ", " + std::to_string(GlobalKvHeads(hooks_)) +
+            " KV heads) is not supported; use \"read\"");
+      }
     }
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
@@ -1297,7 +1305,16 @@ class KvBridgeConnector final : public KvConnector {
     for (size_t i = 0; i < w.local_block_ids.size(); ++i) {
       spec.blocks.push_back({w.local_block_ids[i], w.remote_block_ids[i]});
     }
-    auto prepared = agent_->Prepare(spec);
+    xfer::TransferAgent* agent = AgentFor(w.prefill_rank);
+    if (agent == nullptr) {
+      wprefill_.OnWriteCompleted(w.write_id, InternalError("no transfer agent for this rank"), now);
+      return;
+    }
+    if (Status st = SetWriteHeadSlice(w, spec); !st.ok()) {
+      wprefill_.OnWriteCompleted(w.write_id, st, now);
+      return;
+    }
+    auto prepared = agent->Prepare(spec);
     if (!prepared.ok()) {
       wprefill_.OnWriteCompleted(w.write_id, prepared.status(), now);
       return;
@@ -1306,7 +1323,7 @@ class KvBridgeConnector final : public KvConnector {
     po.transfer_id = w.transfer_id;
     if (w.notification) po.notification = EncodeMessage(*w.notification);
     const uint64_t bytes = (*prepared)->bytes();
-    auto h = agent_->Post(*prepared, po);
+    auto h = agent->Post(*prepared, po);
     if (!h.ok()) {
       wprefill_.OnWriteCompleted(w.write_id, h.status(), now);
       return;
@@ -1314,6 +1331,30 @@ class KvBridgeConnector final : public KvConnector {
     write_handles_[w.write_id] = Posted{*h, bytes, -1};
     write_posted_at_[w.write_id] = SteadyNow();
     write_watcher_->Add(w.write_id, *h);
+  }
+
+  // A WRITE with TP: the head slice of the TP plan that decode rank w.decode.rank reads from
+  // prefill rank w.prefill_rank, inside each K and V half block on both sides (whole blocks
+  // when both halves are whole).
+  Status SetWriteHeadSlice(const PostWriteAction& w, xfer::TransferSpec& spec) const {
+    if (EngineTp(hooks_) == 1 && w.decode_tp_size == 1) return OkStatus();
+    const PagedKvLayout& l = hooks_.kv_view.layout;
+    ASSIGN_OR_RETURN(TpPlan plan, PlanTpTransfer({.prefill_tp = EngineTp(hooks_),
+                                                  .decode_tp = w.decode_tp_size,
+                                                  .num_kv_heads = GlobalKvHeads(hooks_),
+                                                  .head_dim = l.head_dim,
+                                                  .block_size = l.block_size,
+                                                  .dtype_bytes = 1}));
+    for (const TpSlice& s : plan.slices) {
+      if (s.decode_rank != w.decode.rank || s.prefill_rank != w.prefill_rank) continue;
+      if (s.src_whole && s.dst_whole) return OkStatus();
+      spec.local_range = xfer::HeadRangeBytes(l, s.src_head_begin, s.head_count);
+      spec.remote_range = xfer::HeadRangeBytes(l, s.dst_head_begin, s.head_count);
+      return OkStatus();
+    }
+    return InternalError("the TP plan has no slice from prefill rank " +
+                         std::to_string(w.prefill_rank) + " to decode rank " +
+                         std::to_string(w.decode.rank));
   }
 
   void OnWriteEnded(const EvWriteEnded& e, TimePoint now) {
@@ -1408,8 +1449,8 @@ class KvBridgeConnector final : public KvConnector {
   EngineHooks hooks_;
   PrefillCore prefill_;
   DecodeCore decode_;
-  WritePrefillCore wprefill_;  // WRITE mode, prefill side
-  WriteDecodeCore wdecode_;    // WRITE mode, decode side
+  WritePrefillRanks wprefill_;  // WRITE mode, prefill side (one core per TP rank)
+  WriteDecodeCore wdecode_;     // WRITE mode, decode side
   std::unique_ptr<xfer::TransferAgent> agent_;
   std::vector<std::unique_ptr<xfer::TransferAgent>> rank_agents_;  // ranks 1..tp-1 (TP)
   std::unique_ptr<Worker> worker_;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "kvbridge/connector/tp_plan.h"
+
 namespace kvbridge {
 
 // ------------------------------------------------------------------------------------------
@@ -16,6 +18,7 @@ WritePrefillCore::WritePrefillCore(Options options) : options_(std::move(options
   if (options_.lease <= 0) options_.lease = 60 * kSecond;
   if (options_.max_parked_messages < 1) options_.max_parked_messages = 1;
   if (options_.max_tombstones < 1) options_.max_tombstones = 1;
+  next_write_id_ = std::max<uint64_t>(1, options_.first_write_id);
 }
 
 std::string_view WritePrefillCore::ReasonName(CloseReason r) {
@@ -34,9 +37,20 @@ std::string_view WritePrefillCore::ReasonName(CloseReason r) {
   return "open";
 }
 
+std::vector<int> WritePrefillCore::DecodeRanksWrittenBy(int decode_tp) const {
+  // Without a head count, one that splits evenly over both sizes gives the even-split pairs.
+  const int heads =
+      options_.num_kv_heads > 0 ? options_.num_kv_heads : options_.tp_size * std::max(1, decode_tp);
+  std::vector<int> out;
+  for (const auto& [d, p] : TpPlanPairs(options_.tp_size, decode_tp, heads)) {
+    if (p == options_.rank) out.push_back(d);
+  }
+  return out;
+}
+
 std::vector<int> WritePrefillCore::ExpectedDecodeRanks(const Transfer& t) const {
   if (!t.decode_tp) return {};
-  return DecodeRanksReadingFrom(options_.rank, options_.tp_size, *t.decode_tp);
+  return DecodeRanksWrittenBy(*t.decode_tp);
 }
 
 Status WritePrefillCore::OnRequestAdded(const std::string& request_id, int n,
@@ -119,6 +133,7 @@ void WritePrefillCore::PostLayer(const std::string& tid, Transfer& t, Target& g,
                           .port = g.msg.decode_port,
                           .rank = g.msg.decode_rank};
   a.prefill_rank = options_.rank;
+  a.decode_tp_size = g.msg.decode_tp_size;
   a.layer = layer;
   for (size_t i = 0; i < g.msg.block_ids.size(); ++i) {
     const size_t idx = static_cast<size_t>(g.msg.first_block) + i;
@@ -229,8 +244,7 @@ void WritePrefillCore::AddTarget(const std::string& tid, Transfer& t, const Writ
     Reject(msg, "decode tp_size differs from an earlier message of this transfer");
     return;
   }
-  const std::vector<int> ranks =
-      DecodeRanksReadingFrom(options_.rank, options_.tp_size, msg.decode_tp_size);
+  const std::vector<int> ranks = DecodeRanksWrittenBy(msg.decode_tp_size);
   if (std::find(ranks.begin(), ranks.end(), msg.decode_rank) == ranks.end()) {
     Reject(msg, "decode rank " + std::to_string(msg.decode_rank) + " is not written by rank " +
                     std::to_string(options_.rank));
@@ -278,8 +292,7 @@ void WritePrefillCore::ApplyCancel(const std::string& tid, Transfer& t, const Wr
   auto it = t.targets.find(msg.decode_rank);
   if (it == t.targets.end()) {
     // Skip (nothing needed), or a cancel before any block ids: this decode rank is settled.
-    const std::vector<int> ranks =
-        DecodeRanksReadingFrom(options_.rank, options_.tp_size, msg.decode_tp_size);
+    const std::vector<int> ranks = DecodeRanksWrittenBy(msg.decode_tp_size);
     if (std::find(ranks.begin(), ranks.end(), msg.decode_rank) == ranks.end()) {
       ++counters_.notifications_ignored;
       return;
@@ -606,6 +619,198 @@ int64_t WritePrefillCore::NumHeldBlocks() const {
 }
 
 // ------------------------------------------------------------------------------------------
+// WritePrefillRanks
+// ------------------------------------------------------------------------------------------
+
+WritePrefillRanks::WritePrefillRanks(WritePrefillCore::Options options) {
+  const int tp = std::max(1, options.tp_size);
+  for (int r = 0; r < tp; ++r) {
+    WritePrefillCore::Options o = options;
+    o.rank = r;
+    o.tp_size = tp;
+    o.first_write_id = (static_cast<uint64_t>(r) << kRankShift) + 1;
+    cores_.emplace_back(std::move(o));
+  }
+}
+
+Status WritePrefillRanks::OnRequestAdded(const std::string& request_id, int n,
+                                         const std::string& transfer_id, int num_prompt_tokens,
+                                         TimePoint now) {
+  Status first;
+  for (WritePrefillCore& c : cores_) {
+    Status st = c.OnRequestAdded(request_id, n, transfer_id, num_prompt_tokens, now);
+    if (first.ok() && !st.ok()) first = st;
+  }
+  return first;
+}
+
+void WritePrefillRanks::OnLayerComputed(const std::string& request_id, int layer,
+                                        std::span<const int32_t> block_table, TimePoint now) {
+  for (WritePrefillCore& c : cores_) c.OnLayerComputed(request_id, layer, block_table, now);
+}
+
+bool WritePrefillRanks::Hold(const std::string& request_id, const std::set<int>& ranks) {
+  if (ranks.empty()) return false;
+  auto& h = holders_[request_id];
+  h.insert(ranks.begin(), ranks.end());
+  return true;
+}
+
+bool WritePrefillRanks::OnRequestFinished(const std::string& request_id,
+                                          std::span<const int32_t> block_ids, TimePoint now) {
+  std::set<int> ranks;
+  for (WritePrefillCore& c : cores_) {
+    if (c.OnRequestFinished(request_id, block_ids, now)) ranks.insert(c.options().rank);
+  }
+  return Hold(request_id, ranks);
+}
+
+bool WritePrefillRanks::OnRequestAborted(const std::string& request_id, TimePoint now) {
+  std::set<int> ranks;
+  for (WritePrefillCore& c : cores_) {
+    if (c.OnRequestAborted(request_id, now)) ranks.insert(c.options().rank);
+  }
+  return Hold(request_id, ranks);
+}
+
+void WritePrefillRanks::OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now) {
+  for (WritePrefillCore& c : cores_) c.OnAbortedBeforeAdmission(transfer_id, now);
+}
+
+WritePrefillCore& WritePrefillRanks::CoreFor(int prefill_rank) {
+  // A rank out of range goes to rank 0, which refuses it (not its rank).
+  if (prefill_rank < 0 || prefill_rank >= static_cast<int>(cores_.size())) return cores_[0];
+  return cores_[static_cast<size_t>(prefill_rank)];
+}
+
+void WritePrefillRanks::OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now) {
+  CoreFor(msg.prefill_rank).OnWriteBlocks(msg, now);
+}
+
+void WritePrefillRanks::OnWriteCancel(const WriteCancelMsg& msg, TimePoint now) {
+  CoreFor(msg.prefill_rank).OnWriteCancel(msg, now);
+}
+
+Status WritePrefillRanks::OnRelease(const ReleaseMsg& msg, TimePoint now) {
+  Status first;
+  bool any_ok = false;
+  for (WritePrefillCore& c : cores_) {
+    Status st = c.OnRelease(msg, now);
+    any_ok = any_ok || st.ok();
+    if (first.ok() && !st.ok()) first = st;
+  }
+  return any_ok ? OkStatus() : first;
+}
+
+void WritePrefillRanks::OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now) {
+  const uint64_t rank = write_id >> kRankShift;
+  if (rank >= cores_.size()) {
+    ++ignored_;
+    return;
+  }
+  cores_[rank].OnWriteCompleted(write_id, status, now);
+}
+
+void WritePrefillRanks::OnTick(TimePoint now) {
+  for (WritePrefillCore& c : cores_) c.OnTick(now);
+}
+
+std::vector<ConnectorAction> WritePrefillRanks::TakeActions() {
+  std::vector<ConnectorAction> out;
+  for (WritePrefillCore& c : cores_) {
+    for (ConnectorAction& a : c.TakeActions()) {
+      if (auto* f = std::get_if<ReportBlocksFreeAction>(&a)) {
+        // The ranks share one block table: free when the last rank that held lets go.
+        auto h = holders_.find(f->request_id);
+        if (h != holders_.end()) {
+          h->second.erase(c.options().rank);
+          if (!h->second.empty()) continue;
+          holders_.erase(h);
+        }
+      }
+      out.push_back(std::move(a));
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> WritePrefillRanks::TakeTransferTimes() {
+  std::vector<int64_t> out;
+  for (WritePrefillCore& c : cores_) {
+    for (int64_t us : c.TakeTransferTimes()) out.push_back(us);
+  }
+  return out;
+}
+
+std::optional<TimePoint> WritePrefillRanks::NextDeadline() const {
+  std::optional<TimePoint> best;
+  for (const WritePrefillCore& c : cores_) {
+    auto d = c.NextDeadline();
+    if (d && (!best || *d < *best)) best = d;
+  }
+  return best;
+}
+
+bool WritePrefillRanks::Idle() const {
+  return holders_.empty() && std::all_of(cores_.begin(), cores_.end(),
+                                         [](const WritePrefillCore& c) { return c.Idle(); });
+}
+
+int64_t WritePrefillRanks::NumTransfers() const {
+  int64_t n = 0;
+  for (const WritePrefillCore& c : cores_) n = std::max(n, c.NumTransfers());
+  return n;
+}
+
+int64_t WritePrefillRanks::NumParked() const {
+  int64_t n = 0;
+  for (const WritePrefillCore& c : cores_) n += c.NumParked();
+  return n;
+}
+
+bool WritePrefillRanks::Knows(const std::string& transfer_id) const {
+  return std::any_of(cores_.begin(), cores_.end(),
+                     [&](const WritePrefillCore& c) { return c.Knows(transfer_id); });
+}
+
+int64_t WritePrefillRanks::NumHeldBlocks() const {
+  int64_t n = 0;
+  for (const WritePrefillCore& c : cores_) n = std::max(n, c.NumHeldBlocks());
+  return n;
+}
+
+int64_t WritePrefillRanks::NumWritesInFlight() const {
+  int64_t n = 0;
+  for (const WritePrefillCore& c : cores_) n += c.NumWritesInFlight();
+  return n;
+}
+
+WritePrefillCore::Counters WritePrefillRanks::counters() const {
+  WritePrefillCore::Counters s;
+  for (const WritePrefillCore& c : cores_) {
+    const auto& k = c.counters();
+    s.holds += k.holds;
+    s.holds_freed += k.holds_freed;
+    s.lease_expired += k.lease_expired;
+    s.transfers_completed += k.transfers_completed;
+    s.transfers_released += k.transfers_released;
+    s.transfers_aborted += k.transfers_aborted;
+    s.writes_posted += k.writes_posted;
+    s.writes_ok += k.writes_ok;
+    s.writes_failed += k.writes_failed;
+    s.targets_ok += k.targets_ok;
+    s.targets_failed += k.targets_failed;
+    s.notifications_parked += k.notifications_parked;
+    s.notifications_ignored += k.notifications_ignored;
+    s.parked_dropped += k.parked_dropped;
+    s.transfer_us_sum += k.transfer_us_sum;
+    s.compute_us_sum += k.compute_us_sum;
+  }
+  s.notifications_ignored += ignored_;
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------
 // WriteDecodeCore
 // ------------------------------------------------------------------------------------------
 
@@ -613,6 +818,12 @@ WriteDecodeCore::WriteDecodeCore(Options options) : options_(std::move(options))
   if (options_.tp_size < 1) options_.tp_size = 1;
   if (options_.block_size < 1) options_.block_size = 16;
   if (options_.write_timeout <= 0) options_.write_timeout = 70 * kSecond;
+}
+
+std::vector<std::pair<int, int>> WriteDecodeCore::PlanPairs(int prefill_tp) const {
+  const int heads = options_.num_kv_heads > 0 ? options_.num_kv_heads
+                                              : options_.tp_size * std::max(1, prefill_tp);
+  return TpPlanPairs(prefill_tp, options_.tp_size, heads);
 }
 
 PeerEndpoint WriteDecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const {
@@ -661,7 +872,7 @@ Result<WriteDecodeCore::Match> WriteDecodeCore::OnRequestAdded(const std::string
   Request r;
   r.params = params;
   r.num_prompt_tokens = num_prompt_tokens;
-  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
+  for (const auto& [d, p] : PlanPairs(params.tp_size)) {
     r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
   }
   const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
@@ -755,7 +966,7 @@ void WriteDecodeCore::OnAbortedBeforeAdmission(const KvTransferParams& params) {
   if (!params.do_remote_prefill || params.mode != KvTransferMode::kWrite) return;
   Request r;
   r.params = params;
-  for (const auto& [d, p] : TpReadPairs(options_.tp_size, params.tp_size)) {
+  for (const auto& [d, p] : PlanPairs(params.tp_size)) {
     SendCancel(r, Pair{.decode_rank = d, .prefill_rank = p}, /*want_done=*/false);
   }
 }

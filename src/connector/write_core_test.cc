@@ -494,6 +494,138 @@ TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
   EXPECT_TRUE(decode.Idle());
 }
 
+TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
+  // One KV head, prefill tp 2 (the head replicated on both ranks), decode tp 1: the plan reads
+  // the head from prefill rank 0 only (tp_plan.h), where the even split would use both ranks.
+  WritePrefillCore p0({.engine_id = "p0",
+                       .rank = 0,
+                       .tp_size = 2,
+                       .num_kv_heads = 1,
+                       .block_size = 16,
+                       .num_layers = 1});
+  WritePrefillCore p1({.engine_id = "p0",
+                       .rank = 1,
+                       .tp_size = 2,
+                       .num_kv_heads = 1,
+                       .block_size = 16,
+                       .num_layers = 1});
+  WriteDecodeCore decode({.engine_id = "d0", .tp_size = 1, .num_kv_heads = 1, .block_size = 16});
+  KvTransferParams params = WriteParams("x1");
+  params.tp_size = 2;
+  ASSERT_TRUE(p0.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(decode.OnRequestAdded("d-1", params, 40, 0, 1).ok());
+  decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  std::vector<WriteBlocksMsg> wbs;
+  for (auto& a : decode.TakeActions()) {
+    wbs.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
+  }
+  ASSERT_EQ(wbs.size(), 1u);
+  EXPECT_EQ(wbs[0].prefill_rank, 0);
+  EXPECT_EQ(wbs[0].decode_rank, 0);
+  EXPECT_EQ(wbs[0].decode_tp_size, 1);
+  // Prefill rank 1 is no source of decode rank 0: a message naming it there is refused.
+  ASSERT_TRUE(p1.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  WriteBlocksMsg stray = wbs[0];
+  stray.prefill_rank = 1;
+  p1.OnWriteBlocks(stray, 2);
+  auto acts = p1.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  const auto& refused = std::get<WriteDoneMsg>(std::get<SendMessageAction>(acts[0]).msg);
+  EXPECT_NE(refused.outcome, WriteOutcome::kOk);
+  EXPECT_EQ(refused.decode_rank, 0);
+  EXPECT_FALSE(p1.OnRequestAborted("p-1", 2));  // nothing was written: free at once
+  p1.TakeActions();
+  EXPECT_TRUE(p1.Idle());
+  // Rank 0 completes with decode rank 0 alone.
+  p0.OnWriteBlocks(wbs[0], 2);
+  p0.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  acts = p0.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  const auto& w = std::get<PostWriteAction>(acts[0]);
+  EXPECT_EQ(w.decode.rank, 0);
+  EXPECT_EQ(w.local_block_ids, std::vector<int32_t>(kPrefillTable.begin(), kPrefillTable.end()));
+  EXPECT_EQ(w.remote_block_ids, std::vector<int32_t>(kDecodeTable.begin(), kDecodeTable.end()));
+  ASSERT_TRUE(w.notification.has_value());
+  const WriteDoneMsg done = *w.notification;
+  p0.OnWriteCompleted(w.write_id, OkStatus(), 3);
+  EXPECT_FALSE(p0.OnRequestFinished("p-1", kPrefillTable, 3));  // complete: free at once
+  EXPECT_EQ(p0.counters().transfers_completed, 1);
+  decode.OnWriteDone(done, 3);
+  acts = decode.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  EXPECT_EQ(std::get<ReportLoadDoneAction>(acts[0]).request_id, "d-1");
+  EXPECT_TRUE(p0.Idle());
+  EXPECT_TRUE(decode.Idle());
+
+  // Without a head count the cores assume an even split: the decode writes to both ranks.
+  WriteDecodeCore even({.engine_id = "d1", .tp_size = 1, .block_size = 16});
+  ASSERT_TRUE(even.OnRequestAdded("d-2", params, 40, 0, 4).ok());
+  even.OnBlocksAllocated("d-2", kDecodeTable, 0, 39, 4);
+  std::vector<int> ranks;
+  for (auto& a : even.TakeActions()) {
+    ranks.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg).prefill_rank);
+  }
+  EXPECT_EQ(ranks, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(even.OnRequestAborted("d-2", 5));  // writes may land: keep the blocks
+}
+
+TEST(WriteCores, PrefillRanksHoldTheSharedBlocksUntilTheLastRankIsDone) {
+  // Prefill tp 2 -> decode tp 2, 2 KV heads: pairs (0 <- 0) and (1 <- 1). The engine's one block
+  // table is freed once, after both ranks' writes landed; the decode goes on after both.
+  WritePrefillRanks prefill(
+      {.engine_id = "p0", .tp_size = 2, .num_kv_heads = 2, .block_size = 16, .num_layers = 1});
+  WriteDecodeCore decode({.engine_id = "d0", .tp_size = 2, .num_kv_heads = 2, .block_size = 16});
+  KvTransferParams params = WriteParams("x1");
+  params.tp_size = 2;
+  ASSERT_TRUE(prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(decode.OnRequestAdded("d-1", params, 40, 0, 1).ok());
+  decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  std::vector<WriteBlocksMsg> wbs;
+  for (auto& a : decode.TakeActions()) {
+    wbs.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
+  }
+  ASSERT_EQ(wbs.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(wbs[r].decode_rank, r);
+    EXPECT_EQ(wbs[r].prefill_rank, r);
+    prefill.OnWriteBlocks(wbs[r], 2);
+  }
+  prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  EXPECT_TRUE(prefill.OnRequestFinished("p-1", kPrefillTable, 2));
+  std::vector<PostWriteAction> ws;
+  for (auto& a : prefill.TakeActions()) ws.push_back(std::get<PostWriteAction>(a));
+  ASSERT_EQ(ws.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ws[r].prefill_rank, r);
+    EXPECT_EQ(ws[r].decode.rank, r);
+    EXPECT_EQ(ws[r].decode_tp_size, 2);
+    EXPECT_EQ(ws[r].write_id >> WritePrefillRanks::kRankShift, static_cast<uint64_t>(r));
+    ASSERT_TRUE(ws[r].notification.has_value());
+    EXPECT_EQ(ws[r].notification->prefill_rank, r);
+  }
+  EXPECT_EQ(prefill.NumWritesInFlight(), 2);
+  prefill.OnWriteCompleted(ws[0].write_id, OkStatus(), 3);
+  EXPECT_TRUE(prefill.TakeActions().empty());  // rank 1 still writes: still held
+  EXPECT_EQ(prefill.NumHeldBlocks(), 3);
+  decode.OnWriteDone(*ws[0].notification, 3);
+  EXPECT_TRUE(decode.TakeActions().empty());  // one pair of two
+  prefill.OnWriteCompleted(ws[1].write_id, OkStatus(), 4);
+  auto acts = prefill.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  EXPECT_EQ(std::get<ReportBlocksFreeAction>(acts[0]).request_id, "p-1");
+  decode.OnWriteDone(*ws[1].notification, 4);
+  acts = decode.TakeActions();
+  ASSERT_EQ(acts.size(), 1u);
+  EXPECT_EQ(std::get<ReportLoadDoneAction>(acts[0]).request_id, "d-1");
+  EXPECT_EQ(prefill.counters().transfers_completed, 2);
+  EXPECT_EQ(prefill.counters().targets_ok, 2);
+  // A completion for an unknown rank is counted, not routed.
+  prefill.OnWriteCompleted(uint64_t{7} << WritePrefillRanks::kRankShift, OkStatus(), 5);
+  EXPECT_EQ(prefill.counters().notifications_ignored, 1);
+  EXPECT_TRUE(prefill.Idle());
+  EXPECT_TRUE(decode.Idle());
+}
+
 TEST(WriteMessages, RoundTripAndRefuseBadFields) {
   WriteBlocksMsg wb{.transfer_id = "x1",
                     .prefill_engine_id = "p0",

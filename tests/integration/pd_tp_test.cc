@@ -1,9 +1,10 @@
-// Rank-aware READ-mode P/D end to end: a prefill engine of TP = Tp and a decode engine of TP =
-// Td (ranks are threads of one engine, one KV shard and one transfer agent per rank), each with
-// its KvBridgeRuntime and ApiServer; the test plays the proxy. Every decode rank reads the head
-// slices of the TP plan (tp_plan.h) from the prefill ranks that hold them. Greedy answers and
-// top-5 logprobs must be bitwise equal to one colocated TP = 1 engine, for n = 1 and n = 8, and
-// every rank must drain to 0 held / 0 active blocks with no lease expiry.
+// Rank-aware P/D end to end, READ and WRITE mode: a prefill engine of TP = Tp and a decode engine
+// of TP = Td (ranks are threads of one engine, one KV shard and one transfer agent per rank), each
+// with its KvBridgeRuntime and ApiServer; the test plays the proxy. Every decode rank gets the
+// head slices of the TP plan (tp_plan.h) from the prefill ranks that hold them (READ: it reads
+// them; WRITE: each prefill rank writes them). Greedy answers and top-5 logprobs must be bitwise
+// equal to one colocated TP = 1 engine, for n = 1 and n = 8, and every rank must drain to 0 held /
+// 0 active blocks with no lease expiry.
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <unistd.h>
@@ -124,11 +125,13 @@ struct PdEngine {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<server::ApiServer> server;
 
-  static std::unique_ptr<PdEngine> Start(KvRole role, int tp, KvTransport transport) {
+  static std::unique_ptr<PdEngine> Start(KvRole role, int tp, KvTransport transport,
+                                         KvTransferMode mode = KvTransferMode::kRead) {
     auto e = std::make_unique<PdEngine>();
     KvTransferConfig cfg;
     cfg.role = role;
     cfg.transport = transport;
+    cfg.mode = mode;
     cfg.lease = 30 * kSecond;
     cfg.reply_timeout = 5 * kSecond;
     auto kv = KvBridgeRuntime::Create({.config = cfg, .cluster_token = "secret"});
@@ -262,6 +265,109 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(i.param)) +
              (std::get<2>(i.param) == KvTransport::kTcp ? "_tcp" : "_shm");
     });
+
+// WRITE mode with TP: the proxy's flow sends both legs at once; each prefill rank writes, through
+// its own agent, the head slices the TP plan reads from it into each decode rank's blocks (layer
+// by layer), and the decode goes on once every planned (prefill rank -> decode rank) pair said
+// WriteDone. Same answers as colocated TP 1, every rank drains, no lease expiry.
+Answer PdWriteRequest(PdEngine& p, PdEngine& d, const std::string& id, const std::string& tid,
+                      const std::vector<int32_t>& prompt, int max_tokens, int n, int prefill_tp) {
+  EngineRequest pre = Req("p-" + id, prompt, 1, 1);
+  pre.kv_transfer_params =
+      json{{"do_remote_decode", true}, {"transfer_id", tid}, {"mode", "write"}};
+  EngineRequest dec = Req(id, prompt, max_tokens, n);
+  dec.kv_transfer_params = json{{"do_remote_prefill", true},
+                                {"transfer_id", tid},
+                                {"mode", "write"},
+                                {"remote_engine_id", p.kv->engine_id()},
+                                {"remote_host", "127.0.0.1"},
+                                {"remote_port", p.server->port()},
+                                {"tp_size", prefill_tp}};
+  std::thread prefill_leg([&] {
+    Answer pr = RunOne(*p.engine, pre);
+    EXPECT_TRUE(pr.error.ok()) << pr.error.ToString();
+    EXPECT_EQ(pr.kv_transfer_params.value("tp_size", 0), prefill_tp);
+  });
+  Answer out = RunOne(*d.engine, dec);
+  prefill_leg.join();
+  return out;
+}
+
+class PdTpWrite : public ::testing::TestWithParam<TpCase> {};
+
+TEST_P(PdTpWrite, AnswersEqualColocatedTp1AndEveryRankDrains) {
+  const auto [tp_p, tp_d, transport] = GetParam();
+  auto ref_engine = Engine::Create(BaseConfig(1), TinyModel());
+  ASSERT_TRUE(ref_engine.ok());
+  auto p = PdEngine::Start(KvRole::kProducer, tp_p, transport, KvTransferMode::kWrite);
+  auto d = PdEngine::Start(KvRole::kConsumer, tp_d, transport, KvTransferMode::kWrite);
+  ASSERT_TRUE(p && d);
+  int k = 0;
+  for (int n : {1, 8}) {
+    for (int len : {17, 40}) {
+      ++k;
+      const std::string id = "tpw-" + std::to_string(k);
+      auto prompt = Prompt(len, k);
+      Answer ref = RunOne(**ref_engine, Req(id, prompt, 6, n));
+      Answer pd = PdWriteRequest(*p, *d, id, "wxfer-" + std::to_string(k), prompt, 6, n, tp_p);
+      SCOPED_TRACE("n=" + std::to_string(n) + " len=" + std::to_string(len));
+      ExpectSameAnswer(pd, ref, n);
+      EXPECT_TRUE(p->WaitDrained()) << "prefill did not drain";
+      EXPECT_TRUE(d->WaitDrained()) << "decode did not drain";
+    }
+  }
+  // Bytes written equal exactly the decode's whole KV of the loaded blocks (each byte once):
+  // 4 requests of 16 + 39 remote tokens -> 1 + 3 blocks each, x2 for n (same prompts).
+  const int layers = TinyModel()->config().num_hidden_layers;
+  const int head_dim = TinyModel()->config().head_dim;
+  const double block_bytes = 2.0 * 2 * 16 * head_dim * 4 * layers;  // K+V, 2 heads, fp32
+  EXPECT_EQ(p->Metric("kvbridge_kv_transfer_bytes_total"), 2 * (1 + 3) * block_bytes);
+  for (PdEngine* e : {p.get(), d.get()}) {
+    EXPECT_EQ(e->engine->Stats().kv_blocks_held_for_transfer, 0);
+    EXPECT_EQ(e->engine->Stats().kv_blocks_active, 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_lease_expired_total"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_notifications_ignored_total"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_load_failures_total"), 0);
+    EXPECT_EQ(e->Metric("kvbridge_kv_notifications_parked"), 0);
+    KvBridgeStats s = e->kv->Stats();
+    EXPECT_EQ(s.transfers, 0);
+    EXPECT_EQ(s.held_blocks, 0);
+    EXPECT_EQ(s.writes_inflight, 0);
+    EXPECT_EQ(s.waiting_for_remote, 0);
+  }
+  EXPECT_EQ(d->kv->Stats().write_loads_done, 4);
+  (*ref_engine)->Shutdown();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Topologies, PdTpWrite,
+    ::testing::Values(TpCase{2, 2, KvTransport::kTcp}, TpCase{2, 1, KvTransport::kTcp},
+                      TpCase{1, 2, KvTransport::kTcp}, TpCase{2, 2, KvTransport::kShm},
+                      TpCase{2, 1, KvTransport::kShm}, TpCase{1, 2, KvTransport::kShm}),
+    [](const ::testing::TestParamInfo<TpCase>& i) {
+      return "p" + std::to_string(std::get<0>(i.param)) + "_d" +
+             std::to_string(std::get<1>(i.param)) +
+             (std::get<2>(i.param) == KvTransport::kTcp ? "_tcp" : "_shm");
+    });
+
+// A prefill rank the decode never reads (KV heads replicated, Tp > Td) would hold its blocks
+// until the lease in WRITE mode: the decode refuses that topology up front.
+TEST(PdTpWriteRefusal, UnreadPrefillRanksAreRefused) {
+  auto d = PdEngine::Start(KvRole::kConsumer, 1, KvTransport::kTcp, KvTransferMode::kWrite);
+  ASSERT_TRUE(d);
+  EngineRequest dec = Req("r-1", Prompt(40, 1), 4, 1);
+  dec.kv_transfer_params = json{{"do_remote_prefill", true},
+                                {"transfer_id", "wr-1"},
+                                {"mode", "write"},
+                                {"remote_engine_id", "nobody"},
+                                {"remote_host", "127.0.0.1"},
+                                {"remote_port", 1},
+                                {"tp_size", 4}};
+  Answer a = RunOne(*d->engine, dec);
+  EXPECT_EQ(a.error.code(), StatusCode::kUnimplemented) << a.error.ToString();
+  EXPECT_NE(a.error.message().find("not all read"), std::string::npos) << a.error.ToString();
+  EXPECT_TRUE(d->WaitDrained());
+}
 
 // GET /v1/kv/metadata/<rank> serves each rank's agent metadata: TP size, rank and head range.
 TEST(PdTpMetadata, EveryRankServesItsHeadRange) {

@@ -85,6 +85,7 @@ struct PostWriteAction {
   std::string transfer_id;
   PeerEndpoint decode;  ///< engine_id / host / port / rank of the decode rank written to
   int prefill_rank = 0;
+  int decode_tp_size = 1;  ///< the decode's TP size (with the TP plan: which head slice)
   int layer = -1;
   std::vector<int32_t> local_block_ids;
   std::vector<int32_t> remote_block_ids;

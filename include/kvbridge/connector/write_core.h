@@ -3,11 +3,12 @@
 // DESIGN.md "WRITE mode"; docs/protocol.md "WRITE mode" has the sequence and the state tables.
 // The proxy sends both legs at once. The decode reserves blocks for the parent and sends
 // WriteBlocksMsg{transfer_id, decode engine + rank, the blocks its prefix cache lacks} to each
-// prefill rank that writes to it (TpReadPairs). The prefill parks whichever of the request and
-// the block-id message comes first; once both are there, it posts one WRITE per layer right after
-// that layer of the request's final prefill chunk is computed (the transfer overlaps the rest of
-// the forward pass), and after the last layer's data landed it sends WriteDoneMsg(ok) and
-// releases its own blocks. The decode proceeds when every writing rank said ok.
+// prefill rank that writes to it (the TP plan's pairs, TpPlanPairs). The prefill parks whichever of
+// the request and the block-id message comes first; once both are there, it posts one WRITE per
+// layer right after that layer of the request's final prefill chunk is computed (the transfer
+// overlaps the rest of the forward pass), and after the last layer's data landed it sends
+// WriteDoneMsg(ok) and releases its own blocks. The decode proceeds when every writing rank said
+// ok.
 //
 //   WritePrefillCore p({.engine_id = "p0", .block_size = 16, .num_layers = 2});
 //   WriteDecodeCore d({.engine_id = "d0", .block_size = 16});
@@ -61,11 +62,15 @@ class WritePrefillCore {
     std::string engine_id;  ///< this engine incarnation
     int rank = 0;           ///< this TP rank
     int tp_size = 1;
+    /// The model's global KV heads, for the TP plan (tp_plan.h) that says which decode ranks
+    /// this rank writes to (TpPlanPairs). 0: assume enough heads that they split evenly.
+    int num_kv_heads = 0;
     int block_size = 16;
     int num_layers = 1;  ///< layers of the model (a target is done after all of them)
     DurationUs lease = 60 * kSecond;
     int64_t max_parked_messages = 4096;
     int64_t max_tombstones = 65536;
+    uint64_t first_write_id = 1;  ///< write ids count up from here (>= 1)
   };
   struct Counters {
     int64_t holds = 0;                ///< requests whose blocks were held at finish
@@ -206,6 +211,8 @@ class WritePrefillCore {
   void Park(ControlMessage msg, const std::string& tid, TimePoint now);
   void Bury(const std::string& tid, CloseReason reason, TimePoint now);
   std::vector<int> ExpectedDecodeRanks(const Transfer& t) const;
+  // Decode ranks this rank writes to (the TP plan's pairs with this prefill rank).
+  std::vector<int> DecodeRanksWrittenBy(int decode_tp) const;
   static std::string_view ReasonName(CloseReason r);
 
   Options options_;
@@ -222,6 +229,59 @@ class WritePrefillCore {
   void RecordOk(const Target& g);
 };
 
+/// Every rank of a prefill engine in WRITE mode: one WritePrefillCore per TP rank (rank r writes,
+/// through its own transfer agent, the head slices the TP plan reads from it), sharing the
+/// engine's one block table. Engine events go to every rank; a decode's block-id or cancel
+/// message to the rank it names; write ids carry the rank (bits 40..). The request's blocks are
+/// held while any rank holds them: ReportBlocksFree is passed on when the last holding rank
+/// lets go. Thread-safety: not thread-safe (one owner thread).
+class WritePrefillRanks {
+ public:
+  static constexpr int kRankShift = 40;
+  /// `options.tp_size` ranks (>= 1); options.rank and first_write_id are set per rank.
+  explicit WritePrefillRanks(WritePrefillCore::Options options);
+
+  /// As WritePrefillCore's, on every rank; the first error.
+  Status OnRequestAdded(const std::string& request_id, int n, const std::string& transfer_id,
+                        int num_prompt_tokens, TimePoint now);
+  void OnLayerComputed(const std::string& request_id, int layer,
+                       std::span<const int32_t> block_table, TimePoint now);
+  /// True when any rank holds the blocks (one ReportBlocksFree follows, after the last rank).
+  bool OnRequestFinished(const std::string& request_id, std::span<const int32_t> block_ids,
+                         TimePoint now);
+  bool OnRequestAborted(const std::string& request_id, TimePoint now);
+  void OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now);
+  /// To the rank the message names (out of range: refused by rank 0).
+  void OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now);
+  void OnWriteCancel(const WriteCancelMsg& msg, TimePoint now);
+  /// Every rank; OK when any rank knew the transfer.
+  Status OnRelease(const ReleaseMsg& msg, TimePoint now);
+  /// To the rank in the id's high bits.
+  void OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now);
+  void OnTick(TimePoint now);
+
+  std::vector<ConnectorAction> TakeActions();
+  std::vector<int64_t> TakeTransferTimes();
+  std::optional<TimePoint> NextDeadline() const;
+  bool Idle() const;
+  int64_t NumTransfers() const;  ///< max over ranks
+  int64_t NumParked() const;     ///< sum over ranks
+  bool Knows(const std::string& transfer_id) const;
+  int64_t NumHeldBlocks() const;                ///< max over ranks (one shared block table)
+  int64_t NumWritesInFlight() const;            ///< sum over ranks
+  WritePrefillCore::Counters counters() const;  ///< sums over ranks
+  int tp_size() const { return static_cast<int>(cores_.size()); }
+  const WritePrefillCore& rank(int r) const { return cores_[static_cast<size_t>(r)]; }
+
+ private:
+  WritePrefillCore& CoreFor(int prefill_rank);
+  bool Hold(const std::string& request_id, const std::set<int>& ranks);
+
+  std::vector<WritePrefillCore> cores_;
+  std::map<std::string, std::set<int>> holders_;  // request id -> ranks holding its blocks
+  int64_t ignored_ = 0;
+};
+
 /// The decode half of WRITE mode (one per decode engine; it sends for all its ranks).
 ///
 /// Request states: kAwaitingAlloc → kWaiting (WriteBlocks sent to every pair) → reported
@@ -233,6 +293,9 @@ class WriteDecodeCore {
   struct Options {
     std::string engine_id;  ///< this decode engine incarnation
     int tp_size = 1;
+    /// The model's global KV heads, for the TP plan's (decode rank, prefill rank) pairs
+    /// (TpPlanPairs). 0: assume enough heads that they split evenly over both TP sizes.
+    int num_kv_heads = 0;
     int block_size = 16;
     /// Bound on waiting for a prefill rank's WriteDone after WriteBlocks (and on keeping an
     /// aborted request's blocks): the prefill's lease plus a grace for message delays.
@@ -319,6 +382,8 @@ class WriteDecodeCore {
   };
 
   PeerEndpoint Peer(const KvTransferParams& p, int prefill_rank) const;
+  // The TP plan's (decode rank, prefill rank) pairs against a prefill of `prefill_tp` ranks.
+  std::vector<std::pair<int, int>> PlanPairs(int prefill_tp) const;
   void SendCancel(const Request& r, const Pair& pair, bool want_done);
   void Fail(Request& r, Status status);
   void Advance(const std::string& request_id, TimePoint now);
