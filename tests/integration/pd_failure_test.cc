@@ -21,8 +21,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "kvbridge/common/metrics.h"
 #include "support/free_port.h"
+#include "support/serve_harness.h"
 #include "support/subprocess.h"
 
 namespace kvbridge {
@@ -31,8 +31,13 @@ namespace {
 using nlohmann::json;
 using testing::FreePort;
 using testing::KvbridgeBin;
+using testing::MakeModel;
 using testing::MakeTempDir;
+using testing::MetricsDrained;
+using testing::ScrapeMetricAt;
+using testing::SpawnServe;
 using testing::Subprocess;
+using testing::WaitFor;
 using testing::WaitForHttpOk;
 using Clock = std::chrono::steady_clock;
 
@@ -46,73 +51,37 @@ int64_t MsSince(Clock::time_point t0) {
 const std::string& Model() {
   static const std::string model = [] {
     const std::string m = MakeTempDir("kvb_pd_fail") + "/tiny";
-    Subprocess make({KvbridgeBin(), "make-model", "--preset", "tiny", "--seed", "5", "--out", m});
-    EXPECT_EQ(make.Wait(60'000), 0);
+    EXPECT_EQ(MakeModel(m, "tiny", 5, 60'000), 0);
     return m;
   }();
   return model;
 }
 
-struct Engine {
-  std::unique_ptr<Subprocess> proc;
-  int port = 0;
-  std::string log;
-};
+using Engine = testing::ServedEngine;
 
 // `extra` is merged into kv_connector_extra_config; `env` is set for the child only.
 Engine Serve(const std::string& name, const std::string& role, const std::string& transport,
              json extra = json::object(),
              const std::vector<std::pair<std::string, std::string>>& env = {}) {
-  Engine e;
-  e.port = FreePort();
-  e.log = MakeTempDir("kvb_pd_fail_log") + "/" + name + ".log";
-  std::vector<std::string> argv = {
-      KvbridgeBin(),         "serve", Model(),           "--port", std::to_string(e.port),
-      "--served-model-name", "tiny",  "--num-kv-blocks", "128"};
-  if (!role.empty()) {
-    json x = {{"transport", transport}, {"lease_ms", 30000}, {"reply_timeout_ms", 2000}};
-    x.update(extra);
-    json cfg = {
-        {"kv_connector", "KVBridgeConnector"}, {"kv_role", role}, {"kv_connector_extra_config", x}};
-    argv.insert(argv.end(), {"--kv-transfer-config", cfg.dump(), "--cluster-token", kToken});
-  }
-  // The child inherits the environment at fork: set the switches around the spawn only.
-  for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
-  e.proc = std::make_unique<Subprocess>(argv, e.log);
-  for (const auto& [k, v] : env) unsetenv(k.c_str());
+  json x = {{"transport", transport}, {"lease_ms", 30000}, {"reply_timeout_ms", 2000}};
+  x.update(extra);
+  Engine e = SpawnServe({.model_dir = Model(),
+                         .num_kv_blocks = 128,
+                         .role = role,
+                         .extra_config = x,
+                         .cluster_token = kToken,
+                         .env = env,
+                         .log_path = MakeTempDir("kvb_pd_fail_log") + "/" + name + ".log"});
   EXPECT_TRUE(WaitForHttpOk("127.0.0.1", e.port, "/health", 60'000)) << e.proc->ReadLog();
   return e;
 }
 
 double Scrape(int port, const std::string& name, const std::string& labels = "") {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(5, 0);
-  auto r = c.Get("/metrics");
-  return r && r->status == 200 ? ScrapeMetric(r->body, name, labels) : -2;
-}
-
-// Polls until `pred` holds or `ms` pass; returns whether it held.
-template <typename Pred>
-bool WaitFor(Pred pred, int ms) {
-  const auto t0 = Clock::now();
-  while (MsSince(t0) < ms) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return pred();
+  return ScrapeMetricAt(port, name, labels);
 }
 
 // Nothing active, held, running or waiting; connector tables empty; no READ in flight.
-bool Drained(int port) {
-  return Scrape(port, "kvbridge_kv_blocks_active") == 0 &&
-         Scrape(port, "kvbridge_kv_blocks_held_for_transfer") == 0 &&
-         Scrape(port, "kvbridge_kv_transfer_table_entries") == 0 &&
-         Scrape(port, "kvbridge_kv_transfers_inflight") == 0 &&
-         Scrape(port, "kvbridge_kv_notifications_parked") == 0 &&
-         Scrape(port, "kvbridge_requests_running") == 0 &&
-         Scrape(port, "kvbridge_requests_waiting") == 0 &&
-         Scrape(port, "kvbridge_requests_waiting_for_remote_kv") == 0;
-}
+bool Drained(int port) { return MetricsDrained(port); }
 
 httplib::Headers Tok() { return {{"X-KVBridge-Cluster-Token", kToken}}; }
 

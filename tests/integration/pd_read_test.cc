@@ -20,180 +20,32 @@
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/random_model.h"
 #include "kvbridge/server/api_server.h"
+#include "support/pd_engine.h"
 
 namespace kvbridge {
 namespace {
 
 using nlohmann::json;
 
-std::shared_ptr<const Model> TinyModel() {
-  static std::shared_ptr<const Model> model = [] {
-    std::string dir = ::testing::TempDir() + "/kvb_pd_tiny_" + std::to_string(getpid());
-    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 7);
-    EXPECT_TRUE(spec.ok());
-    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
-    auto m = Model::Load(dir, {.num_threads = 1});
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    return std::shared_ptr<const Model>(std::move(m).value());
-  }();
-  return model;
-}
+using testing::BaseConfig;
+using testing::ByteCodec;
+using testing::ExpectSameAnswer;
+using testing::PdEngine;
+using testing::Prompt;
+using testing::Req;
+using testing::RunOne;
+using testing::TinyModel;
+using Result1 = testing::PdResult;
 
-class ByteCodec : public server::TextCodec {
- public:
-  std::vector<int32_t> Encode(std::string_view t) const override {
-    return std::vector<int32_t>(t.begin(), t.end());
-  }
-  std::string Decode(std::span<const int32_t> ids) const override {
-    std::string s;
-    for (int32_t i : ids) s += static_cast<char>(i & 0xff);
-    return s;
-  }
-  int32_t vocab_size() const override { return 256; }
-};
-
-struct Result1 {
-  std::map<int, std::vector<int32_t>> tokens;
-  std::map<int, std::vector<TokenLogprob>> logprobs;
-  json kv_transfer_params;
-  Status error;
-  int num_cached_tokens = -1;
-};
-
-// Runs one request to completion on `engine` (bounded wait).
-Result1 RunOne(Engine& engine, EngineRequest req) {
-  auto st = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
-  auto out = std::make_shared<Result1>();
-  auto done = std::make_shared<bool>(false);
-  Status add = engine.AddRequest(std::move(req), [st, out, done](const RequestOutput& o) {
-    std::lock_guard<std::mutex> l(st->first);
-    for (const CompletionOutput& c : o.outputs) {
-      auto& t = out->tokens[c.index];
-      t.insert(t.end(), c.new_token_ids.begin(), c.new_token_ids.end());
-      auto& lp = out->logprobs[c.index];
-      lp.insert(lp.end(), c.new_logprobs.begin(), c.new_logprobs.end());
-    }
-    if (o.finished) {
-      out->kv_transfer_params = o.kv_transfer_params;
-      out->error = o.error;
-      out->num_cached_tokens = o.num_cached_tokens;
-      *done = true;
-      st->second.notify_all();
-    }
-  });
-  EXPECT_TRUE(add.ok()) << add.ToString();
-  if (!add.ok()) return Result1{.error = add};
-  std::unique_lock<std::mutex> l(st->first);
-  EXPECT_TRUE(st->second.wait_for(l, std::chrono::seconds(60), [&] { return *done; }));
-  return *out;
-}
-
-std::vector<int32_t> Prompt(int len, int salt) {
-  std::vector<int32_t> p;
-  for (int i = 0; i < len; ++i) p.push_back((i * 31 + salt * 17 + 5) % 256);
-  return p;
-}
-
-EngineRequest Req(const std::string& id, std::vector<int32_t> prompt, int max_tokens, int n) {
-  EngineRequest r;
-  r.request_id = id;
-  r.prompt_token_ids = std::move(prompt);
-  r.sampling.max_tokens = max_tokens;
-  r.sampling.n = n;
-  r.sampling.temperature = n > 1 ? 1.0f : 0.0f;  // n > 1: seeded sampling, siblings differ
-  r.sampling.seed = 1234;
-  r.sampling.ignore_eos = true;
-  r.sampling.logprobs = 5;
-  return r;
-}
-
-EngineConfig BaseConfig(KvDtype dtype = KvDtype::kFp32) {
-  EngineConfig c;
-  c.kv_dtype = dtype;
-  c.block_size = 16;
-  c.num_blocks = 256;
-  c.max_num_seqs = 64;
-  c.debug_poison_kv_nan = true;  // a block never written shows up as NaN logits
-  return c;
-}
-
-// One engine with its connector runtime and HTTP server.
-struct PdEngine {
-  std::shared_ptr<KvBridgeRuntime> kv;
-  std::unique_ptr<Engine> engine;
-  std::unique_ptr<server::ApiServer> server;
-
-  static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport, bool corrupt = false,
-                                         KvDtype dtype = KvDtype::kFp32,
-                                         LoadFailurePolicy policy = LoadFailurePolicy::kRecompute) {
-    auto e = std::make_unique<PdEngine>();
-    KvTransferConfig cfg;
-    cfg.role = role;
-    cfg.transport = transport;
-    cfg.lease = 30 * kSecond;
-    cfg.reply_timeout = 5 * kSecond;
-    cfg.load_failure_policy = policy;
-    auto kv = KvBridgeRuntime::Create(
-        {.config = cfg, .cluster_token = "secret", .debug_corrupt_first_read_block = corrupt});
-    EXPECT_TRUE(kv.ok()) << kv.status().ToString();
-    e->kv = *kv;
-    EngineConfig ec = BaseConfig(dtype);
-    ec.connector_factory = e->kv->Factory();
-    auto engine = Engine::Create(ec, TinyModel());
-    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
-    e->engine = std::move(engine).value();
-    server::ServerConfig sc;
-    sc.port = 0;
-    sc.num_http_threads = 4;
-    sc.cluster_token = "secret";
-    sc.validate_kv_transfer_params = e->kv->ValidateHook();
-    auto srv = server::ApiServer::Create(sc, e->engine.get(), std::make_shared<ByteCodec>());
-    EXPECT_TRUE(srv.ok()) << srv.status().ToString();
-    e->server = std::move(srv).value();
-    EXPECT_TRUE(e->kv->InstallRoutes(*e->server).ok());
-    EXPECT_TRUE(e->server->Start().ok());
-    e->kv->SetAdvertisedEndpoint("127.0.0.1", e->server->port());
-    return e;
-  }
-  ~PdEngine() {
-    if (server) server->Stop();
-    if (engine) engine->Shutdown();
-  }
-  // Waits (bounded) until nothing is active or held and the connector is idle.
-  bool WaitDrained(int ms = 10000) {
-    for (int i = 0; i < ms / 10; ++i) {
-      EngineStats s = engine->Stats();
-      if (s.kv_blocks_active == 0 && s.kv_blocks_held_for_transfer == 0 && kv->Stats().idle &&
-          s.running == 0 && s.waiting == 0 && s.waiting_for_remote_kv == 0) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return false;
-  }
-  double Metric(const std::string& name) { return ScrapeMetric(engine->metrics().Render(), name); }
-};
-
-void ExpectSameAnswer(const Result1& pd, const Result1& ref, int n) {
-  ASSERT_TRUE(pd.error.ok()) << pd.error.ToString();
-  ASSERT_EQ(pd.tokens.size(), static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    ASSERT_EQ(pd.tokens.at(i), ref.tokens.at(i)) << "sibling " << i;
-    const auto& a = pd.logprobs.at(i);
-    const auto& b = ref.logprobs.at(i);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t t = 0; t < a.size(); ++t) {
-      EXPECT_EQ(a[t].token, b[t].token);
-      EXPECT_EQ(std::memcmp(&a[t].logprob, &b[t].logprob, sizeof(float)), 0)
-          << "sibling " << i << " token " << t << ": " << a[t].logprob << " vs " << b[t].logprob;
-      ASSERT_EQ(a[t].top.size(), 5u);
-      ASSERT_EQ(b[t].top.size(), 5u);
-      for (size_t k = 0; k < 5; ++k) {
-        EXPECT_EQ(a[t].top[k].token, b[t].top[k].token);
-        EXPECT_EQ(std::memcmp(&a[t].top[k].logprob, &b[t].top[k].logprob, sizeof(float)), 0);
-      }
-    }
-  }
+// A READ-mode engine (`corrupt`: its first READ block arrives corrupted).
+std::unique_ptr<PdEngine> StartEngine(KvRole role, KvTransport transport, bool corrupt = false,
+                                      KvDtype dtype = KvDtype::kFp32,
+                                      LoadFailurePolicy policy = LoadFailurePolicy::kRecompute) {
+  return PdEngine::Start({.role = role,
+                          .transport = transport,
+                          .policy = policy,
+                          .dtype = dtype,
+                          .corrupt_first_read_block = corrupt});
 }
 
 bool SameLogprobs(const Result1& a, const Result1& b) {
@@ -240,8 +92,8 @@ class PdRead : public ::testing::TestWithParam<KvTransport> {};
 TEST_P(PdRead, AnswersEqualColocatedAndEverythingDrains) {
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto p = StartEngine(KvRole::kProducer, GetParam());
+  auto d = StartEngine(KvRole::kConsumer, GetParam());
 
   int k = 0;
   for (int n : {1, 8}) {
@@ -273,8 +125,8 @@ TEST_P(PdRead, AnswersEqualColocatedAndEverythingDrains) {
 }
 
 TEST_P(PdRead, PartialPrefixHitReadsOnlyMissingBlocks) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto p = StartEngine(KvRole::kProducer, GetParam());
+  auto d = StartEngine(KvRole::kConsumer, GetParam());
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
   // First: 64 tokens -> reads ceil(63/16) = 4 blocks.
@@ -301,8 +153,8 @@ TEST_P(PdRead, PartialPrefixHitReadsOnlyMissingBlocks) {
 }
 
 TEST_P(PdRead, CorruptedTransferChangesLogprobs) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam(), /*corrupt=*/true);
+  auto p = StartEngine(KvRole::kProducer, GetParam());
+  auto d = StartEngine(KvRole::kConsumer, GetParam(), /*corrupt=*/true);
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
   auto prompt = Prompt(40, 5);
@@ -316,7 +168,7 @@ TEST_P(PdRead, CorruptedTransferChangesLogprobs) {
 }
 
 TEST_P(PdRead, ExplicitReleaseFreesTheHoldAtOnce) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
+  auto p = StartEngine(KvRole::kProducer, GetParam());
   EngineRequest pre = Req("p-r", Prompt(40, 1), 1, 1);
   pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-r"}};
   Result1 pr = RunOne(*p->engine, pre);
@@ -348,8 +200,8 @@ TEST_P(PdRead, ExplicitReleaseFreesTheHoldAtOnce) {
 }
 
 TEST_P(PdRead, DecodeAbortedBeforeAdmissionReleasesThePrefill) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto p = StartEngine(KvRole::kProducer, GetParam());
+  auto d = StartEngine(KvRole::kConsumer, GetParam());
   // Decode rejects the request (remote_num_tokens disagrees with its prompt): 400, no effect;
   // the proxy then releases explicitly.
   json params;
@@ -372,8 +224,8 @@ TEST_P(PdRead, DecodeAbortedBeforeAdmissionReleasesThePrefill) {
 TEST_P(PdRead, Fp8KvAnswersEqualColocated) {
   auto ref_engine = Engine::Create(BaseConfig(KvDtype::kFp8E4M3), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam(), false, KvDtype::kFp8E4M3);
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam(), false, KvDtype::kFp8E4M3);
+  auto p = StartEngine(KvRole::kProducer, GetParam(), false, KvDtype::kFp8E4M3);
+  auto d = StartEngine(KvRole::kConsumer, GetParam(), false, KvDtype::kFp8E4M3);
   int k = 100;
   for (int n : {1, 8}) {
     for (int len : {17, 40}) {
@@ -396,8 +248,8 @@ TEST_P(PdRead, Fp8KvAnswersEqualColocated) {
 // The client aborts the decode leg at different moments (queued, reading, awaiting the hold
 // reply, decoding): every block on both engines comes back without waiting for the lease.
 TEST_P(PdRead, DecodeAbortAtAnyMomentDrainsWithoutLease) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto p = StartEngine(KvRole::kProducer, GetParam());
+  auto d = StartEngine(KvRole::kConsumer, GetParam());
   int k = 200;
   for (int delay_us : {0, 0, 200, 500, 1000, 2000, 5000}) {
     ++k;
@@ -436,8 +288,8 @@ TEST_P(PdRead, PrefillGoneAfterAnsweringRecomputesOrFails) {
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
   for (LoadFailurePolicy policy : {LoadFailurePolicy::kRecompute, LoadFailurePolicy::kFail}) {
-    auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-    auto d = PdEngine::Start(KvRole::kConsumer, GetParam(), false, KvDtype::kFp32, policy);
+    auto p = StartEngine(KvRole::kProducer, GetParam());
+    auto d = StartEngine(KvRole::kConsumer, GetParam(), false, KvDtype::kFp32, policy);
     auto prompt = Prompt(40, 77);
     EngineRequest pre = Req("p-g", prompt, 1, 1);
     pre.kv_transfer_params = json{{"do_remote_decode", true}, {"transfer_id", "xfer-g"}};
@@ -461,8 +313,8 @@ TEST_P(PdRead, PrefillGoneAfterAnsweringRecomputesOrFails) {
 // The proxy's view over HTTP: token and validation at the door, params returned in the body,
 // decode text equal to a colocated engine's.
 TEST_P(PdRead, OverHttpTokenValidationAndSameText) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam());
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam());
+  auto p = StartEngine(KvRole::kProducer, GetParam());
+  auto d = StartEngine(KvRole::kConsumer, GetParam());
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
   server::ServerConfig rc;
@@ -527,8 +379,8 @@ TEST_P(PdRead, OverHttpTokenValidationAndSameText) {
 TEST(PdReadTransport, AutoPicksShmBetweenSameHostEngines) {
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
-  auto p = PdEngine::Start(KvRole::kProducer, KvTransport::kAuto);
-  auto d = PdEngine::Start(KvRole::kConsumer, KvTransport::kAuto);
+  auto p = StartEngine(KvRole::kProducer, KvTransport::kAuto);
+  auto d = StartEngine(KvRole::kConsumer, KvTransport::kAuto);
   EXPECT_EQ(p->kv->LocalBackends(), (std::vector<std::string>{"shm", "tcp"}));
   EXPECT_EQ(d->kv->LocalBackends(), (std::vector<std::string>{"shm", "tcp"}));
   auto prompt = Prompt(40, 11);

@@ -3,12 +3,10 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
-#include <chrono>
 #include <nlohmann/json.hpp>
-#include <thread>
 
-#include "kvbridge/common/metrics.h"
 #include "support/free_port.h"
+#include "support/serve_harness.h"
 #include "support/subprocess.h"
 
 namespace kvbridge {
@@ -17,48 +15,36 @@ namespace {
 using nlohmann::json;
 using testing::FreePort;
 using testing::KvbridgeBin;
+using testing::MakeModel;
 using testing::MakeTempDir;
+using testing::ScrapeMetricAt;
+using testing::SpawnServe;
 using testing::Subprocess;
+using testing::WaitFor;
 using testing::WaitForHttpOk;
 
 const char* kToken = "pd-secret";
 
-std::string Config(const std::string& role) {
-  return json{{"kv_connector", "KVBridgeConnector"},
-              {"kv_role", role},
-              {"kv_connector_extra_config",
-               {{"transport", "tcp"}, {"lease_ms", 30000}, {"load_failure_policy", "recompute"}}}}
-      .dump();
-}
-
 std::unique_ptr<Subprocess> Serve(const std::string& model, int port, const std::string& log,
                                   const std::string& role) {
-  std::vector<std::string> argv = {KvbridgeBin(),
-                                   "serve",
-                                   model,
-                                   "--port",
-                                   std::to_string(port),
-                                   "--served-model-name",
-                                   "tiny",
-                                   "--num-kv-blocks",
-                                   "128"};
-  if (!role.empty()) {
-    argv.insert(argv.end(), {"--kv-transfer-config", Config(role), "--cluster-token", kToken});
-  }
-  return std::make_unique<Subprocess>(argv, log);
+  return SpawnServe({.model_dir = model,
+                     .num_kv_blocks = 128,
+                     .role = role,
+                     .extra_config = {{"transport", "tcp"},
+                                      {"lease_ms", 30000},
+                                      {"load_failure_policy", "recompute"}},
+                     .cluster_token = kToken,
+                     .log_path = log,
+                     .port = port})
+      .proc;
 }
 
-double Scrape(int port, const std::string& name) {
-  httplib::Client c("127.0.0.1", port);
-  auto r = c.Get("/metrics");
-  return r && r->status == 200 ? ScrapeMetric(r->body, name) : -2;
-}
+double Scrape(int port, const std::string& name) { return ScrapeMetricAt(port, name); }
 
 TEST(PdServe, ReadModeAnswersEqualColocatedAndDrains) {
   const std::string dir = MakeTempDir("kvb_pd_serve");
   const std::string model = dir + "/tiny";
-  Subprocess make({KvbridgeBin(), "make-model", "--preset", "tiny", "--seed", "5", "--out", model});
-  ASSERT_EQ(make.Wait(60'000), 0);
+  ASSERT_EQ(MakeModel(model, "tiny", 5, 60'000), 0);
 
   // A bad config is refused at start with a message naming the key.
   Subprocess bad({KvbridgeBin(), "serve", model, "--port", std::to_string(FreePort()),
@@ -115,14 +101,13 @@ TEST(PdServe, ReadModeAnswersEqualColocatedAndDrains) {
     }
   }
   // Drained on both sides, with no safety net used.
-  bool drained = false;
-  for (int i = 0; i < 500 && !drained; ++i) {
-    drained = Scrape(pport, "kvbridge_kv_blocks_held_for_transfer") == 0 &&
-              Scrape(dport, "kvbridge_kv_transfers_inflight") == 0 &&
-              Scrape(pport, "kvbridge_kv_transfer_table_entries") == 0;
-    if (!drained) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(drained);
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return Scrape(pport, "kvbridge_kv_blocks_held_for_transfer") == 0 &&
+               Scrape(dport, "kvbridge_kv_transfers_inflight") == 0 &&
+               Scrape(pport, "kvbridge_kv_transfer_table_entries") == 0;
+      },
+      5000));
   EXPECT_GT(Scrape(dport, "kvbridge_kv_transfer_bytes_total"), 0);
   for (int port : {pport, dport}) {
     EXPECT_EQ(Scrape(port, "kvbridge_kv_lease_expired_total"), 0);

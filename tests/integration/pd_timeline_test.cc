@@ -22,17 +22,16 @@
 #include <sstream>
 #include <thread>
 
-#include "support/free_port.h"
+#include "support/serve_harness.h"
 #include "support/subprocess.h"
 
 namespace kvbridge {
 namespace {
 
 using nlohmann::json;
-using testing::FreePort;
-using testing::KvbridgeBin;
+using testing::MakeModel;
 using testing::MakeTempDir;
-using testing::Subprocess;
+using testing::SpawnServe;
 using testing::WaitForHttpOk;
 
 int64_t NowUs() {
@@ -45,30 +44,21 @@ std::string Model() {
   if (const char* m = std::getenv("KVB_TIMELINE_MODEL"); m != nullptr && *m != '\0') return m;
   static const std::string made = [] {
     const std::string m = MakeTempDir("kvb_pd_timeline") + "/small";
-    Subprocess make({KvbridgeBin(), "make-model", "--preset", "small", "--out", m});
-    EXPECT_EQ(make.Wait(120'000), 0);
+    EXPECT_EQ(MakeModel(m, "small"), 0);
     return m;
   }();
   return made;
 }
 
-struct Proc {
-  std::unique_ptr<Subprocess> proc;
-  int port = 0;
-};
+using Proc = testing::ServedEngine;
 
 Proc Serve(const std::string& role, const std::string& transport, const std::string& log) {
-  Proc p;
-  p.port = FreePort();
-  json cfg = {{"kv_connector", "KVBridgeConnector"},
-              {"kv_role", role},
-              {"kv_connector_extra_config", {{"transport", transport}}}};
-  setenv("KVBRIDGE_LOG_LEVEL", "debug", 1);
-  p.proc = std::make_unique<Subprocess>(
-      std::vector<std::string>{KvbridgeBin(), "serve", Model(), "--port", std::to_string(p.port),
-                               "--served-model-name", "small", "--kv-transfer-config", cfg.dump()},
-      log);
-  unsetenv("KVBRIDGE_LOG_LEVEL");
+  Proc p = SpawnServe({.model_dir = Model(),
+                       .served_model_name = "small",
+                       .role = role,
+                       .extra_config = {{"transport", transport}},
+                       .env = {{"KVBRIDGE_LOG_LEVEL", "debug"}},
+                       .log_path = log});
   EXPECT_TRUE(WaitForHttpOk("127.0.0.1", p.port, "/health", 60'000)) << p.proc->ReadLog();
   return p;
 }

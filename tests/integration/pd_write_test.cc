@@ -24,182 +24,34 @@
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/random_model.h"
 #include "kvbridge/server/api_server.h"
+#include "support/pd_engine.h"
 
 namespace kvbridge {
 namespace {
 
 using nlohmann::json;
 
-std::shared_ptr<const Model> TinyModel() {
-  static std::shared_ptr<const Model> model = [] {
-    std::string dir = ::testing::TempDir() + "/kvb_pdw_tiny_" + std::to_string(getpid());
-    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 7);
-    EXPECT_TRUE(spec.ok());
-    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
-    auto m = Model::Load(dir, {.num_threads = 1});
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    return std::shared_ptr<const Model>(std::move(m).value());
-  }();
-  return model;
-}
+using testing::BaseConfig;
+using testing::ByteCodec;
+using testing::ExpectSameAnswer;
+using testing::PdEngine;
+using testing::Prompt;
+using testing::Req;
+using testing::RunOne;
+using testing::TinyModel;
+using Result1 = testing::PdResult;
 
-class ByteCodec : public server::TextCodec {
- public:
-  std::vector<int32_t> Encode(std::string_view t) const override {
-    return std::vector<int32_t>(t.begin(), t.end());
-  }
-  std::string Decode(std::span<const int32_t> ids) const override {
-    std::string s;
-    for (int32_t i : ids) s += static_cast<char>(i & 0xff);
-    return s;
-  }
-  int32_t vocab_size() const override { return 256; }
-};
-
-struct Result1 {
-  std::map<int, std::vector<int32_t>> tokens;
-  std::map<int, std::vector<TokenLogprob>> logprobs;
-  json kv_transfer_params;
-  Status error;
-  int num_cached_tokens = -1;
-};
-
-// Runs one request to completion on `engine` (bounded wait).
-Result1 RunOne(Engine& engine, EngineRequest req) {
-  auto st = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
-  auto out = std::make_shared<Result1>();
-  auto done = std::make_shared<bool>(false);
-  Status add = engine.AddRequest(std::move(req), [st, out, done](const RequestOutput& o) {
-    std::lock_guard<std::mutex> l(st->first);
-    for (const CompletionOutput& c : o.outputs) {
-      auto& t = out->tokens[c.index];
-      t.insert(t.end(), c.new_token_ids.begin(), c.new_token_ids.end());
-      auto& lp = out->logprobs[c.index];
-      lp.insert(lp.end(), c.new_logprobs.begin(), c.new_logprobs.end());
-    }
-    if (o.finished) {
-      out->kv_transfer_params = o.kv_transfer_params;
-      out->error = o.error;
-      out->num_cached_tokens = o.num_cached_tokens;
-      *done = true;
-      st->second.notify_all();
-    }
-  });
-  EXPECT_TRUE(add.ok()) << add.ToString();
-  if (!add.ok()) return Result1{.error = add};
-  std::unique_lock<std::mutex> l(st->first);
-  EXPECT_TRUE(st->second.wait_for(l, std::chrono::seconds(60), [&] { return *done; }));
-  return *out;
-}
-
-std::vector<int32_t> Prompt(int len, int salt) {
-  std::vector<int32_t> p;
-  for (int i = 0; i < len; ++i) p.push_back((i * 31 + salt * 17 + 5) % 256);
-  return p;
-}
-
-EngineRequest Req(const std::string& id, std::vector<int32_t> prompt, int max_tokens, int n) {
-  EngineRequest r;
-  r.request_id = id;
-  r.prompt_token_ids = std::move(prompt);
-  r.sampling.max_tokens = max_tokens;
-  r.sampling.n = n;
-  r.sampling.temperature = n > 1 ? 1.0f : 0.0f;  // n > 1: seeded sampling, siblings differ
-  r.sampling.seed = 1234;
-  r.sampling.ignore_eos = true;
-  r.sampling.logprobs = 5;
-  return r;
-}
-
-EngineConfig BaseConfig(KvDtype dtype = KvDtype::kFp32) {
-  EngineConfig c;
-  c.kv_dtype = dtype;
-  c.block_size = 16;
-  c.num_blocks = 256;
-  c.max_num_seqs = 64;
-  c.debug_poison_kv_nan = true;  // a block never written shows up as NaN logits
-  return c;
-}
-
-// One engine with its connector runtime and HTTP server.
-struct PdEngine {
-  std::shared_ptr<KvBridgeRuntime> kv;
-  std::unique_ptr<Engine> engine;
-  std::unique_ptr<server::ApiServer> server;
-
-  static std::unique_ptr<PdEngine> Start(KvRole role, KvTransport transport,
-                                         bool prefix_caching = true,
-                                         LoadFailurePolicy policy = LoadFailurePolicy::kRecompute,
-                                         std::shared_ptr<const Model> model = nullptr) {
-    auto e = std::make_unique<PdEngine>();
-    KvTransferConfig cfg;
-    cfg.role = role;
-    cfg.transport = transport;
-    cfg.lease = 30 * kSecond;
-    cfg.reply_timeout = 5 * kSecond;
-    cfg.load_failure_policy = policy;
-    cfg.mode = KvTransferMode::kWrite;
-    auto kv = KvBridgeRuntime::Create({.config = cfg, .cluster_token = "secret"});
-    EXPECT_TRUE(kv.ok()) << kv.status().ToString();
-    e->kv = *kv;
-    EngineConfig ec = BaseConfig();
-    ec.enable_prefix_caching = prefix_caching;
-    ec.connector_factory = e->kv->Factory();
-    auto engine = Engine::Create(ec, model ? model : TinyModel());
-    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
-    e->engine = std::move(engine).value();
-    server::ServerConfig sc;
-    sc.port = 0;
-    sc.num_http_threads = 4;
-    sc.cluster_token = "secret";
-    sc.validate_kv_transfer_params = e->kv->ValidateHook();
-    auto srv = server::ApiServer::Create(sc, e->engine.get(), std::make_shared<ByteCodec>());
-    EXPECT_TRUE(srv.ok()) << srv.status().ToString();
-    e->server = std::move(srv).value();
-    EXPECT_TRUE(e->kv->InstallRoutes(*e->server).ok());
-    EXPECT_TRUE(e->server->Start().ok());
-    e->kv->SetAdvertisedEndpoint("127.0.0.1", e->server->port());
-    return e;
-  }
-  ~PdEngine() {
-    if (server) server->Stop();
-    if (engine) engine->Shutdown();
-  }
-  // Waits (bounded) until nothing is active or held and the connector is idle.
-  bool WaitDrained(int ms = 10000) {
-    for (int i = 0; i < ms / 10; ++i) {
-      EngineStats s = engine->Stats();
-      if (s.kv_blocks_active == 0 && s.kv_blocks_held_for_transfer == 0 && kv->Stats().idle &&
-          s.running == 0 && s.waiting == 0 && s.waiting_for_remote_kv == 0) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return false;
-  }
-  double Metric(const std::string& name) { return ScrapeMetric(engine->metrics().Render(), name); }
-};
-
-void ExpectSameAnswer(const Result1& pd, const Result1& ref, int n) {
-  ASSERT_TRUE(pd.error.ok()) << pd.error.ToString();
-  ASSERT_EQ(pd.tokens.size(), static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    ASSERT_EQ(pd.tokens.at(i), ref.tokens.at(i)) << "sibling " << i;
-    const auto& a = pd.logprobs.at(i);
-    const auto& b = ref.logprobs.at(i);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t t = 0; t < a.size(); ++t) {
-      EXPECT_EQ(a[t].token, b[t].token);
-      EXPECT_EQ(std::memcmp(&a[t].logprob, &b[t].logprob, sizeof(float)), 0)
-          << "sibling " << i << " token " << t << ": " << a[t].logprob << " vs " << b[t].logprob;
-      ASSERT_EQ(a[t].top.size(), 5u);
-      ASSERT_EQ(b[t].top.size(), 5u);
-      for (size_t k = 0; k < 5; ++k) {
-        EXPECT_EQ(a[t].top[k].token, b[t].top[k].token);
-        EXPECT_EQ(std::memcmp(&a[t].top[k].logprob, &b[t].top[k].logprob, sizeof(float)), 0);
-      }
-    }
-  }
+// A WRITE-mode engine.
+std::unique_ptr<PdEngine> StartEngine(KvRole role, KvTransport transport,
+                                      bool prefix_caching = true,
+                                      LoadFailurePolicy policy = LoadFailurePolicy::kRecompute,
+                                      std::shared_ptr<const Model> model = nullptr) {
+  return PdEngine::Start({.role = role,
+                          .transport = transport,
+                          .mode = KvTransferMode::kWrite,
+                          .policy = policy,
+                          .prefix_caching = prefix_caching,
+                          .model = std::move(model)});
 }
 
 json PrefillParams(const std::string& tid) {
@@ -256,8 +108,8 @@ class PdWrite : public ::testing::TestWithParam<Case> {};
 TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
+  auto p = StartEngine(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+  auto d = StartEngine(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
   int k = 0;
   for (int n : {1, 8}) {
     // 64 twice: with prefix caching on, the second decode hits 3 blocks and asks for 1.
@@ -296,8 +148,8 @@ TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
 TEST_P(PdWrite, DecodeAbortMidWriteThenNewRequestsStillEqualColocated) {
   auto ref_engine = Engine::Create(BaseConfig(), TinyModel());
   ASSERT_TRUE(ref_engine.ok());
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
-  auto d = PdEngine::Start(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
+  auto p = StartEngine(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+  auto d = StartEngine(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
   int k = 300;
   for (int delay_us : {0, 100, 300, 1000, 3000}) {
     ++k;
@@ -347,9 +199,9 @@ TEST_P(PdWrite, PrefillFailedOrReleasedRecomputesOrFails) {
   for (LoadFailurePolicy policy : {LoadFailurePolicy::kRecompute, LoadFailurePolicy::kFail}) {
     for (bool release : {false, true}) {
       SCOPED_TRACE(std::string(LoadFailurePolicyName(policy)) + (release ? " release" : " fail"));
-      auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
-      auto d = PdEngine::Start(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching,
-                               policy);
+      auto p = StartEngine(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+      auto d =
+          StartEngine(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching, policy);
       auto prompt = Prompt(96, 55);
       if (release) {
         httplib::Client cli("127.0.0.1", p->server->port());
@@ -383,7 +235,7 @@ TEST_P(PdWrite, PrefillFailedOrReleasedRecomputesOrFails) {
 // A WRITE prefill leg with n > 1 is refused (the decode forks the siblings); a decode leg
 // without the prefill's endpoint is refused at the door; neither leaves anything behind.
 TEST_P(PdWrite, BadLegsAreRefusedWithNoEffect) {
-  auto p = PdEngine::Start(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
+  auto p = StartEngine(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
   EngineRequest pre = Req("p-b", Prompt(40, 3), 1, 2);
   pre.kv_transfer_params = PrefillParams("xfer-b");
   Result1 r = RunOne(*p->engine, pre);
@@ -415,10 +267,10 @@ TEST(PdWriteOverlap, LongPromptOverlapFigure) {
       "(ms) | first WRITE → last done (ms) |\n",
       model->config().num_hidden_layers - 1);
   for (KvTransport t : {KvTransport::kShm, KvTransport::kTcp}) {
-    auto p = PdEngine::Start(KvRole::kProducer, t, /*prefix_caching=*/false,
-                             LoadFailurePolicy::kRecompute, model);
-    auto d = PdEngine::Start(KvRole::kConsumer, t, /*prefix_caching=*/false,
-                             LoadFailurePolicy::kRecompute, model);
+    auto p = StartEngine(KvRole::kProducer, t, /*prefix_caching=*/false,
+                         LoadFailurePolicy::kRecompute, model);
+    auto d = StartEngine(KvRole::kConsumer, t, /*prefix_caching=*/false,
+                         LoadFailurePolicy::kRecompute, model);
     for (int run = 0; run < 3; ++run) {
       const std::string id = "ov-" + std::string(KvTransportName(t)) + std::to_string(run);
       auto prompt = Prompt(len, 900 + run);
