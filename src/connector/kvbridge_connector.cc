@@ -70,6 +70,33 @@ std::string AgentName(const std::string& engine_id, int rank) {
   return engine_id + "/rank" + std::to_string(rank);
 }
 
+// True when a same-host peer can map this KV memory (shm backend): the engine gave its memfd and
+// one offset per layer.
+bool KvShareable(const PagedKvView& view, int shm_fd, const std::vector<uint64_t>& layer_offsets) {
+  return shm_fd >= 0 && layer_offsets.size() == static_cast<size_t>(view.layout.num_layers);
+}
+
+// One rank's KV memory as its transfer agent registers it (host memory; the memfd and per-layer
+// offsets when `shareable`).
+xfer::KvRegistration KvHostRegistration(const PagedKvView& view, int shm_fd,
+                                        const std::vector<uint64_t>& layer_offsets,
+                                        bool shareable) {
+  xfer::KvRegistration reg;
+  reg.layout = view.layout;
+  for (int l = 0; l < view.layout.num_layers; ++l) {
+    reg.layers.push_back(
+        xfer::MemoryRegion{.kind = xfer::MemoryKind::kHost,
+                           .device = -1,
+                           .base = view.layer_base[l],
+                           .bytes = view.layout.LayerBytes(),
+                           .shm_fd = shareable ? shm_fd : -1,
+                           .shm_offset = shareable ? static_cast<size_t>(layer_offsets[l]) : 0});
+  }
+  reg.k_scale = view.k_scale;
+  reg.v_scale = view.v_scale;
+  return reg;
+}
+
 // Events that other threads hand to the engine thread.
 struct EvReadEnded {
   uint64_t read_id;
@@ -648,27 +675,15 @@ class KvBridgeConnector final : public KvConnector {
     ASSIGN_OR_RETURN(agent_, xfer::TransferAgent::Create(ac));
     // The pool is shareable with a same-host peer (shm backend) when the engine gave its memfd
     // and one offset per layer; otherwise only tcp/ucx can move it.
-    const bool shareable = hooks_.kv_shm_fd >= 0 &&
-                           hooks_.kv_layer_offsets.size() == static_cast<size_t>(layout.num_layers);
+    const bool shareable = KvShareable(hooks_.kv_view, hooks_.kv_shm_fd, hooks_.kv_layer_offsets);
     if (opt().config.transport == KvTransport::kShm && !shareable) {
       return FailedPreconditionError(
           "kv connector: transport \"shm\" needs the engine's KV pool in shareable (memfd) "
           "memory, and this pool is not (memfd_create failed?); use transport \"tcp\" or "
           "\"auto\"");
     }
-    xfer::KvRegistration reg;
-    reg.layout = layout;
-    for (int l = 0; l < layout.num_layers; ++l) {
-      reg.layers.push_back(xfer::MemoryRegion{
-          .kind = xfer::MemoryKind::kHost,
-          .device = -1,
-          .base = hooks_.kv_view.layer_base[l],
-          .bytes = layout.LayerBytes(),
-          .shm_fd = shareable ? hooks_.kv_shm_fd : -1,
-          .shm_offset = shareable ? static_cast<size_t>(hooks_.kv_layer_offsets[l]) : 0});
-    }
-    reg.k_scale = hooks_.kv_view.k_scale;
-    reg.v_scale = hooks_.kv_view.v_scale;
+    const xfer::KvRegistration reg =
+        KvHostRegistration(hooks_.kv_view, hooks_.kv_shm_fd, hooks_.kv_layer_offsets, shareable);
     RETURN_IF_ERROR(
         agent_->RegisterMemory(reg).WithPrefix("kv connector: registering the KV pool"));
     ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent_->Metadata());
@@ -1134,26 +1149,13 @@ class KvBridgeConnector final : public KvConnector {
       ac.tp_rank = r;
       ac.head_begin = rh.kv_head_begin;
       ASSIGN_OR_RETURN(auto agent, xfer::TransferAgent::Create(ac));
-      const PagedKvLayout& layout = rh.kv_view.layout;
-      const bool shareable =
-          rh.kv_shm_fd >= 0 && rh.kv_layer_offsets.size() == static_cast<size_t>(layout.num_layers);
+      const bool shareable = KvShareable(rh.kv_view, rh.kv_shm_fd, rh.kv_layer_offsets);
       if (opt().config.transport == KvTransport::kShm && !shareable) {
         return FailedPreconditionError("kv connector: transport \"shm\" needs rank " +
                                        std::to_string(r) + "'s KV pool in shareable memory");
       }
-      xfer::KvRegistration reg;
-      reg.layout = layout;
-      for (int l = 0; l < layout.num_layers; ++l) {
-        reg.layers.push_back(xfer::MemoryRegion{
-            .kind = xfer::MemoryKind::kHost,
-            .device = -1,
-            .base = rh.kv_view.layer_base[l],
-            .bytes = layout.LayerBytes(),
-            .shm_fd = shareable ? rh.kv_shm_fd : -1,
-            .shm_offset = shareable ? static_cast<size_t>(rh.kv_layer_offsets[l]) : 0});
-      }
-      reg.k_scale = rh.kv_view.k_scale;
-      reg.v_scale = rh.kv_view.v_scale;
+      const xfer::KvRegistration reg =
+          KvHostRegistration(rh.kv_view, rh.kv_shm_fd, rh.kv_layer_offsets, shareable);
       RETURN_IF_ERROR(agent->RegisterMemory(reg).WithPrefix("kv connector: registering rank " +
                                                             std::to_string(r) + "'s KV shard"));
       ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent->Metadata());
