@@ -172,7 +172,8 @@ Result<std::vector<float>> SafetensorsFile::ReadFloat32(
   std::vector<float> out;
   if (t->dtype == "F32") {
     out.resize(d.size() / 4);
-    std::memcpy(out.data(), d.data(), out.size() * 4);
+    // A zero-element tensor leaves out.data() null; memcpy's arguments must never be null.
+    if (!out.empty()) std::memcpy(out.data(), d.data(), out.size() * 4);
   } else if (t->dtype == "BF16" || t->dtype == "F16") {
     out.resize(d.size() / 2);
     const bool bf = t->dtype == "BF16";
