@@ -1,6 +1,9 @@
 // The connector cores with tensor parallelism: the decode reads the TP plan's head slices
 // (tp_plan.h) and notifies exactly the prefill ranks it read from; an engine-level PrefillCore
-// (all_ranks) frees a transfer only after every (decode rank, prefill rank) pair notified.
+// (all_ranks) frees a transfer only after every (decode rank, prefill rank) pair notified. WRITE
+// mode with replicated KV heads (Tp > Td): the prefill ranks the plan writes nothing from are
+// settled by the decode's skip, and the engine's blocks are freed once, when the last writing
+// pair drained — never by the lease.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +12,7 @@
 
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/prefill_core.h"
+#include "kvbridge/connector/write_core.h"
 
 namespace kvbridge {
 namespace {
@@ -290,6 +294,250 @@ TEST(TpCores, EndToEndEveryPairNotifiesAndTheHoldIsFreedOnce) {
     EXPECT_TRUE(p.Idle());
     EXPECT_TRUE(d.Idle());
   }
+}
+
+// ---- WRITE mode with replicated KV heads ----
+
+constexpr int kWriteLayers = 2;
+const std::vector<int32_t> kPrefillTable = {10, 11, 12};  // 40 tokens
+const std::vector<int32_t> kDecodeTable = {0, 1, 2};
+
+KvTransferParams WriteParams(int prefill_tp) {
+  KvTransferParams p;
+  p.do_remote_prefill = true;
+  p.transfer_id = "w1";
+  p.mode = KvTransferMode::kWrite;
+  p.remote_engine_id = "p0";
+  p.remote_host = "127.0.0.1";
+  p.remote_port = 1;
+  p.tp_size = prefill_tp;
+  return p;
+}
+
+WritePrefillRanks MakeWritePrefill(int tp, int heads) {
+  return WritePrefillRanks({.engine_id = "p0",
+                            .tp_size = tp,
+                            .num_kv_heads = heads,
+                            .block_size = 16,
+                            .num_layers = kWriteLayers,
+                            .lease = kLease});
+}
+
+WriteDecodeCore MakeWriteDecode(int tp, int heads) {
+  return WriteDecodeCore({.engine_id = "d0",
+                          .tp_size = tp,
+                          .num_kv_heads = heads,
+                          .block_size = 16,
+                          .write_timeout = kLease + 500 * kMillisecond});
+}
+
+template <typename M>
+std::vector<M> Msgs(const std::vector<ConnectorAction>& acts) {
+  std::vector<M> out;
+  for (const auto& s : Of<SendMessageAction>(acts)) {
+    if (auto* m = std::get_if<M>(&s.msg)) out.push_back(*m);
+  }
+  return out;
+}
+
+// Delivers decode -> prefill messages.
+void Deliver(WritePrefillRanks& p, const std::vector<ConnectorAction>& decode_acts, TimePoint now) {
+  for (const auto& s : Of<SendMessageAction>(decode_acts)) {
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&s.msg)) p.OnWriteBlocks(*wb, now);
+    if (auto* wc = std::get_if<WriteCancelMsg>(&s.msg)) p.OnWriteCancel(*wc, now);
+  }
+}
+
+TEST(WriteCoresTp, DecodeSkipsThePrefillRanksThePlanWritesNothingFrom) {
+  // Prefill TP 4 -> decode TP 1, 2 KV heads: decode rank 0 gets head 0 from prefill rank 0 and
+  // head 1 from prefill rank 2; ranks 1 and 3 hold replicas and are told at admission.
+  WriteDecodeCore d = MakeWriteDecode(1, 2);
+  auto m = d.OnRequestAdded("a", WriteParams(4), 40, 0, 0);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->num_external_tokens, 39);
+  auto acts = d.TakeActions();
+  auto skips = Msgs<WriteCancelMsg>(acts);
+  ASSERT_EQ(acts.size(), 2u);
+  ASSERT_EQ(skips.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(skips[i].prefill_rank, 2 * static_cast<int>(i) + 1);
+    EXPECT_EQ(skips[i].decode_rank, 0);
+    EXPECT_EQ(skips[i].decode_tp_size, 1);
+    EXPECT_EQ(skips[i].transfer_id, "w1");
+    EXPECT_EQ(skips[i].prefill_engine_id, "p0");
+    EXPECT_FALSE(skips[i].want_done);
+  }
+  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
+  auto wbs = Msgs<WriteBlocksMsg>(d.TakeActions());
+  ASSERT_EQ(wbs.size(), 2u);
+  EXPECT_EQ(wbs[0].prefill_rank, 0);
+  EXPECT_EQ(wbs[1].prefill_rank, 2);
+  EXPECT_TRUE(d.OnRequestAborted("a", 2));                      // block ids sent: keep the blocks
+  EXPECT_EQ(Msgs<WriteCancelMsg>(d.TakeActions()).size(), 2u);  // to ranks 0 and 2 only
+
+  // Every prefill rank is a source when the heads split evenly (no skip); and aborted while
+  // queued, the decode tells all four ranks, the replicas included.
+  WriteDecodeCore even = MakeWriteDecode(1, 4);
+  ASSERT_TRUE(even.OnRequestAdded("b", WriteParams(4), 40, 0, 0).ok());
+  EXPECT_TRUE(even.TakeActions().empty());
+  WriteDecodeCore queued = MakeWriteDecode(1, 2);
+  queued.OnAbortedBeforeAdmission(WriteParams(4));
+  std::vector<int> ranks;
+  for (const WriteCancelMsg& c : Msgs<WriteCancelMsg>(queued.TakeActions())) {
+    EXPECT_FALSE(c.want_done);
+    ranks.push_back(c.prefill_rank);
+  }
+  EXPECT_EQ(ranks, (std::vector<int>{0, 2, 1, 3}));
+}
+
+TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheLastWrite) {
+  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WriteDecodeCore d = MakeWriteDecode(1, 2);
+  ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
+  ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 0).ok());
+  Deliver(p, d.TakeActions(), 1);  // the skips to ranks 1 and 3
+  EXPECT_TRUE(p.TakeActions().empty());
+  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
+  Deliver(p, d.TakeActions(), 2);
+  std::vector<PostWriteAction> writes;
+  for (int l = 0; l < kWriteLayers; ++l) {
+    p.OnLayerComputed("p-1", l, kPrefillTable, 3);
+    for (const auto& w : Of<PostWriteAction>(p.TakeActions())) writes.push_back(w);
+  }
+  // Two layers from each writing rank (0 and 2), none from the replicas.
+  ASSERT_EQ(writes.size(), 4u);
+  for (const auto& w : writes) {
+    EXPECT_TRUE(w.prefill_rank == 0 || w.prefill_rank == 2) << w.prefill_rank;
+    EXPECT_EQ(w.decode.rank, 0);
+  }
+  // Finished with writes in flight: held (by ranks 0 and 2 only).
+  EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 4));
+  EXPECT_EQ(p.NumHeldBlocks(), 3);
+  std::vector<std::string> freed;
+  std::vector<WriteDoneMsg> dones;
+  for (size_t i = 0; i < writes.size(); ++i) {
+    EXPECT_TRUE(freed.empty()) << "freed before the last writing pair drained";
+    p.OnWriteCompleted(writes[i].write_id, OkStatus(), 5 + static_cast<TimePoint>(i));
+    auto acts = p.TakeActions();
+    for (const auto& f : Freed(acts)) freed.push_back(f);
+    // Layer 1's WRITEs were posted with layer 0's in flight: WriteDone follows as a message.
+    EXPECT_FALSE(writes[i].notification.has_value());
+    for (const WriteDoneMsg& w : Msgs<WriteDoneMsg>(acts)) dones.push_back(w);
+  }
+  EXPECT_EQ(freed, (std::vector<std::string>{"p-1"}));  // once, at the last write
+  ASSERT_EQ(dones.size(), 2u);
+  for (const WriteDoneMsg& w : dones) d.OnWriteDone(w, 9);
+  EXPECT_EQ(Of<ReportLoadDoneAction>(d.TakeActions()).size(), 1u);
+  // Nothing waits for the lease: past it, no expiry and no second free.
+  p.OnTick(10 * kLease);
+  d.OnTick(10 * kLease);
+  EXPECT_TRUE(p.TakeActions().empty());
+  EXPECT_TRUE(d.TakeActions().empty());
+  const WritePrefillCore::Counters c = p.counters();
+  EXPECT_EQ(c.lease_expired, 0);
+  EXPECT_EQ(c.transfers_completed, 4);  // every rank: two by their writes, two by the skip
+  EXPECT_EQ(c.targets_ok, 2);
+  EXPECT_EQ(c.writes_posted, 4);
+  EXPECT_EQ(c.notifications_ignored, 0);
+  EXPECT_EQ(c.holds, 2);
+  EXPECT_EQ(c.holds_freed, 2);
+  EXPECT_EQ(p.rank(1).counters().holds, 0);
+  EXPECT_EQ(p.rank(3).counters().holds, 0);
+  EXPECT_TRUE(p.Idle());
+  EXPECT_TRUE(d.Idle());
+}
+
+TEST(WriteCoresTp, ALateSkipIsWhatFreesTheReplicaRanksHold) {
+  // The prefill finishes before any decode message: every rank holds (the decode's TP is not
+  // known yet). The writing ranks drain first; the free comes exactly when the last skip lands.
+  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WriteDecodeCore d = MakeWriteDecode(1, 2);
+  ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
+  EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 1));
+  ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 2).ok());
+  auto skips = d.TakeActions();
+  ASSERT_EQ(skips.size(), 2u);
+  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 2);
+  Deliver(p, d.TakeActions(), 3);  // the block ids: one all-layer WRITE per writing rank
+  auto writes = Of<PostWriteAction>(p.TakeActions());
+  ASSERT_EQ(writes.size(), 2u);
+  for (const auto& w : writes) {
+    EXPECT_EQ(w.layer, -1);
+    p.OnWriteCompleted(w.write_id, OkStatus(), 4);
+    ASSERT_TRUE(w.notification.has_value());
+    d.OnWriteDone(*w.notification, 4);
+  }
+  EXPECT_TRUE(Freed(p.TakeActions()).empty());  // ranks 1 and 3 still hold
+  EXPECT_EQ(p.NumHeldBlocks(), 3);
+  EXPECT_EQ(Of<ReportLoadDoneAction>(d.TakeActions()).size(), 1u);
+  std::vector<ConnectorAction> first{skips[0]}, second{skips[1]};
+  Deliver(p, first, 5);
+  EXPECT_TRUE(Freed(p.TakeActions()).empty());
+  Deliver(p, second, 6);
+  EXPECT_EQ(Freed(p.TakeActions()), (std::vector<std::string>{"p-1"}));
+  EXPECT_EQ(p.NumHeldBlocks(), 0);
+  EXPECT_TRUE(p.Idle());
+  // A duplicate skip (its transfer ended) changes nothing.
+  Deliver(p, first, 7);
+  EXPECT_TRUE(p.TakeActions().empty());
+  p.OnTick(10 * kLease);
+  EXPECT_TRUE(p.TakeActions().empty());
+  EXPECT_EQ(p.counters().lease_expired, 0);
+  EXPECT_EQ(p.counters().holds, 4);
+  EXPECT_EQ(p.counters().holds_freed, 4);
+}
+
+TEST(WriteCoresTp, WithoutTheSkipAReplicaRankHoldsUntilTheLease) {
+  // The safety net still works (and shows what the skip saves): rank 3's skip is lost, so the
+  // engine's blocks stay held until rank 3's lease fires.
+  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WriteDecodeCore d = MakeWriteDecode(1, 2);
+  ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
+  ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 0).ok());
+  auto skips = d.TakeActions();
+  ASSERT_EQ(skips.size(), 2u);
+  Deliver(p, std::vector<ConnectorAction>{skips[0]}, 1);  // rank 1 only
+  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
+  Deliver(p, d.TakeActions(), 1);
+  EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 2));
+  for (const auto& w : Of<PostWriteAction>(p.TakeActions())) {
+    p.OnWriteCompleted(w.write_id, OkStatus(), 3);
+  }
+  EXPECT_TRUE(Freed(p.TakeActions()).empty());
+  p.OnTick(2 + kLease - 1);
+  EXPECT_TRUE(Freed(p.TakeActions()).empty());
+  p.OnTick(2 + kLease);
+  EXPECT_EQ(Freed(p.TakeActions()), (std::vector<std::string>{"p-1"}));
+  EXPECT_EQ(p.counters().lease_expired, 1);
+  EXPECT_EQ(p.rank(3).counters().lease_expired, 1);
+}
+
+TEST(WriteCoresTp, ASkipNamingAWritingRankOrAnotherTpIsNotASettlement) {
+  // Rank 0 writes to decode rank 0 at Td = 1: a skip is that pair's "nothing needed", not the
+  // replica settlement. A replica's skip for a second Td after the first is ignored.
+  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
+  WriteCancelMsg skip{.transfer_id = "w1",
+                      .prefill_engine_id = "p0",
+                      .prefill_rank = 1,
+                      .decode_engine_id = "d0",
+                      .decode_rank = 0,
+                      .decode_tp_size = 1,
+                      .want_done = false};
+  p.OnWriteCancel(skip, 1);
+  WriteCancelMsg other = skip;
+  other.decode_tp_size = 2;  // at Td = 2 rank 1 writes to decode rank 1: not a replica there
+  p.OnWriteCancel(other, 1);
+  EXPECT_EQ(p.counters().notifications_ignored, 1);
+  WriteCancelMsg wants = skip;
+  wants.prefill_rank = 3;
+  wants.want_done = true;  // an abort needs a confirmation: a replica has nothing to confirm
+  p.OnWriteCancel(wants, 1);
+  EXPECT_EQ(p.counters().notifications_ignored, 2);
+  EXPECT_EQ(p.counters().transfers_completed, 1);  // rank 1 only
+  EXPECT_FALSE(p.OnRequestAborted("p-1", 2));
+  EXPECT_TRUE(p.TakeActions().empty());
+  EXPECT_TRUE(p.Idle());
 }
 
 }  // namespace

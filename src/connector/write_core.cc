@@ -293,6 +293,13 @@ void WritePrefillCore::ApplyCancel(const std::string& tid, Transfer& t, const Wr
   if (it == t.targets.end()) {
     // Skip (nothing needed), or a cancel before any block ids: this decode rank is settled.
     const std::vector<int> ranks = DecodeRanksWrittenBy(msg.decode_tp_size);
+    if (ranks.empty() && !msg.want_done && !t.decode_tp) {
+      // This rank is the source of no slice for a decode of this TP (its heads are replicas the
+      // plan reads elsewhere): the decode's skip names that TP, and with it this rank has no
+      // pair left to wait for (Advance completes it).
+      t.decode_tp = msg.decode_tp_size;
+      return;
+    }
     if (std::find(ranks.begin(), ranks.end(), msg.decode_rank) == ranks.end()) {
       ++counters_.notifications_ignored;
       return;
@@ -345,8 +352,10 @@ void WritePrefillCore::Advance(const std::string& tid, TimePoint now) {
     if (!g.inflight.empty() || g.state == TargetState::kCancelling) drained = false;
   }
   if (t.close == CloseReason::kNone) {
+    // Complete once the decode's TP is known and every pair this rank writes is done (none,
+    // for a rank that is the source of no slice).
     const std::vector<int> expected = ExpectedDecodeRanks(t);
-    bool complete = !expected.empty();
+    bool complete = t.decode_tp.has_value();
     for (int d : expected) {
       auto g = t.targets.find(d);
       if (g == t.targets.end() || g->second.state != TargetState::kDone) complete = false;
@@ -875,6 +884,7 @@ Result<WriteDecodeCore::Match> WriteDecodeCore::OnRequestAdded(const std::string
   for (const auto& [d, p] : PlanPairs(params.tp_size)) {
     r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
   }
+  SkipUnpairedPrefillRanks(r);
   const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
   if (external == 0) {
     ++counters_.skipped;
@@ -967,7 +977,20 @@ void WriteDecodeCore::OnAbortedBeforeAdmission(const KvTransferParams& params) {
   Request r;
   r.params = params;
   for (const auto& [d, p] : PlanPairs(params.tp_size)) {
-    SendCancel(r, Pair{.decode_rank = d, .prefill_rank = p}, /*want_done=*/false);
+    r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
+    SendCancel(r, r.pairs.back(), /*want_done=*/false);
+  }
+  SkipUnpairedPrefillRanks(r);
+}
+
+void WriteDecodeCore::SkipUnpairedPrefillRanks(const Request& r) {
+  // Replicated KV heads with Tp > Td: the plan reads each head from one prefill holder, so some
+  // prefill ranks write to no decode rank. Each still holds the request's blocks until it knows
+  // the decode's TP; a skip from decode rank 0 tells it that it has no pair (never the lease).
+  std::set<int> sources;
+  for (const Pair& p : r.pairs) sources.insert(p.prefill_rank);
+  for (int p = 0; p < std::max(1, r.params.tp_size); ++p) {
+    if (sources.count(p) == 0) SendCancel(r, Pair{.decode_rank = 0, .prefill_rank = p}, false);
   }
 }
 

@@ -516,13 +516,19 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
   ASSERT_TRUE(decode.OnRequestAdded("d-1", params, 40, 0, 1).ok());
   decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
   std::vector<WriteBlocksMsg> wbs;
+  std::vector<WriteCancelMsg> skips;  // rank 1 writes nothing: told so at admission
   for (auto& a : decode.TakeActions()) {
-    wbs.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
+    const ControlMessage& m = std::get<SendMessageAction>(a).msg;
+    if (auto* wb = std::get_if<WriteBlocksMsg>(&m)) wbs.push_back(*wb);
+    if (auto* wc = std::get_if<WriteCancelMsg>(&m)) skips.push_back(*wc);
   }
   ASSERT_EQ(wbs.size(), 1u);
   EXPECT_EQ(wbs[0].prefill_rank, 0);
   EXPECT_EQ(wbs[0].decode_rank, 0);
   EXPECT_EQ(wbs[0].decode_tp_size, 1);
+  ASSERT_EQ(skips.size(), 1u);
+  EXPECT_EQ(skips[0].prefill_rank, 1);
+  EXPECT_FALSE(skips[0].want_done);
   // Prefill rank 1 is no source of decode rank 0: a message naming it there is refused.
   ASSERT_TRUE(p1.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
   WriteBlocksMsg stray = wbs[0];

@@ -55,7 +55,9 @@ namespace kvbridge {
 /// as layers are computed) → kClosing (aborted, released or lease expired: in-flight writes are
 /// cancelled and every decode rank is told WriteDone(failed) once they drained) → gone (a
 /// tombstone of TTL = lease remembers why, so late messages are answered consistently).
-/// A transfer completes when every expected decode rank has had WriteDone(ok) (or skipped).
+/// A transfer completes when every expected decode rank has had WriteDone(ok) (or skipped). A
+/// rank that is the source of no slice for the decode's TP (replicated KV heads, Tp > Td) is
+/// told so by a skip (WriteCancel, want_done = false, from decode rank 0) and completes on it.
 class WritePrefillCore {
  public:
   struct Options {
@@ -335,8 +337,10 @@ class WriteDecodeCore {
   /// A parent request with do_remote_prefill in write mode is about to be allocated. Returns the
   /// tokens that arrive remotely: max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
   /// when 0, each prefill rank is told at once (WriteCancel, want_done = false) and no entry is
-  /// kept. InvalidArgument when params are not a write-mode decode leg or the local hit is not a
-  /// multiple of block_size; AlreadyExists when the transfer or request is active.
+  /// kept. Prefill ranks that the TP plan reads nothing from (replicated heads, params.tp_size >
+  /// this TP) get that skip at once in every case. InvalidArgument when params are not a
+  /// write-mode decode leg or the local hit is not a multiple of block_size; AlreadyExists when
+  /// the transfer or request is active.
   Result<Match> OnRequestAdded(const std::string& request_id, const KvTransferParams& params,
                                int num_prompt_tokens, int num_local_computed_tokens, TimePoint now);
   /// The engine allocated `block_ids` (the whole table). Sends WriteBlocks to every prefill rank.
@@ -344,8 +348,8 @@ class WriteDecodeCore {
                          int num_local_computed_tokens, int num_external_tokens, TimePoint now);
   /// True when the engine must keep the blocks until ReportBlocksFree (a write may land).
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
-  /// Aborted while still queued (before OnRequestAdded): tells each prefill rank it is not
-  /// needed (WriteCancel, want_done = false). Keeps no state.
+  /// Aborted while still queued (before OnRequestAdded): tells each prefill rank (paired or not)
+  /// it is not needed (WriteCancel, want_done = false). Keeps no state.
   void OnAbortedBeforeAdmission(const KvTransferParams& params);
   /// A prefill rank's WriteDone.
   void OnWriteDone(const WriteDoneMsg& msg, TimePoint now);
@@ -385,6 +389,9 @@ class WriteDecodeCore {
   // The TP plan's (decode rank, prefill rank) pairs against a prefill of `prefill_tp` ranks.
   std::vector<std::pair<int, int>> PlanPairs(int prefill_tp) const;
   void SendCancel(const Request& r, const Pair& pair, bool want_done);
+  // Sends a skip (WriteCancel, want_done = false, from decode rank 0) to every prefill rank that
+  // is the source of none of r's pairs.
+  void SkipUnpairedPrefillRanks(const Request& r);
   void Fail(Request& r, Status status);
   void Advance(const std::string& request_id, TimePoint now);
 
