@@ -217,6 +217,7 @@ struct ProxyServer::Impl {
                       {"static", st.is_static},
                       {"engine_id", st.info.engine_id},
                       {"transfer_endpoints", st.info.transfer_endpoints},
+                      {"tp_size", st.info.tp_size},
                       {"in_flight", st.in_flight},
                       {"load",
                        {{"running", st.load.running},
