@@ -226,7 +226,9 @@ bool PdFlow::SendDecode(TimePoint now, std::vector<Action>& out) {
                   {"mode", "write"},
                   {"remote_engine_id", hold_prefill_->engine_id},
                   {"remote_host", hold_prefill_->transfer_host},
-                  {"remote_port", hold_prefill_->transfer_port}}
+                  {"remote_port", hold_prefill_->transfer_port},
+                  // The decode pairs its ranks with the prefill's (TP plan) before it answers.
+                  {"tp_size", hold_prefill_->tp_size}}
                  .dump();
   }
   decode_leg_ = StartLeg(Role::kDecode, *ep, WithMember(client_body_, "kv_transfer_params", params),

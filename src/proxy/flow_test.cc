@@ -414,9 +414,13 @@ TEST(PdFlowWrite, BothLegsTogetherDecodeNamesPrefill) {
   EXPECT_EQ(d.role, Role::kDecode);
   EXPECT_EQ(p.role, Role::kPrefill);
   json db = json::parse(d.body);
-  json expected = {{"do_remote_prefill", true}, {"transfer_id", kTid},
-                   {"mode", "write"},           {"remote_engine_id", "engine-p1"},
-                   {"remote_host", "10.0.0.1"}, {"remote_port", 7000}};
+  json expected = {{"do_remote_prefill", true},
+                   {"transfer_id", kTid},
+                   {"mode", "write"},
+                   {"remote_engine_id", "engine-p1"},
+                   {"remote_host", "10.0.0.1"},
+                   {"remote_port", 7000},
+                   {"tp_size", 1}};
   EXPECT_EQ(db["kv_transfer_params"], expected);
   EXPECT_EQ(db["n"], 8);
   json pb = json::parse(p.body);
@@ -429,6 +433,47 @@ TEST(PdFlowWrite, BothLegsTogetherDecodeNamesPrefill) {
   ASSERT_EQ(a.size(), 1u);
   EXPECT_EQ(As<Respond>(a[0]).body, R"({"ok":1})");
   EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, DecodeLegNamesThePickedPrefillsTpSize) {
+  // The decode leg is built before the prefill answers, so the prefill's TP comes from its
+  // registration (Endpoint::tp_size); a decode retried after an unreachable one names it too.
+  FlowOptions o;
+  o.mode = KvMode::kWrite;
+  Endpoint p1 = Ep("p1");
+  p1.tp_size = 2;
+  Endpoint p2 = Ep("p2");
+  p2.tp_size = 4;
+  Harness h(o, {p1, p2});
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 2u);
+  const SendLeg d = As<SendLeg>(a[0]);
+  EXPECT_EQ(As<SendLeg>(a[1]).instance.id, "p1");
+  json expected = {{"do_remote_prefill", true},
+                   {"transfer_id", kTid},
+                   {"mode", "write"},
+                   {"remote_engine_id", "engine-p1"},
+                   {"remote_host", "10.0.0.1"},
+                   {"remote_port", 7000},
+                   {"tp_size", 2}};
+  EXPECT_EQ(json::parse(d.body)["kv_transfer_params"], expected);
+  a = h.flow.OnLegError(d.leg_id, LegFailure::kUnreachable, UnavailableError("refused"), 1);
+  ASSERT_EQ(a.size(), 1u);
+  const SendLeg retry = As<SendLeg>(a[0]);
+  EXPECT_EQ(retry.instance.id, "d2");
+  EXPECT_EQ(json::parse(retry.body)["kv_transfer_params"], expected);
+
+  // Another flow picks p2 first (p1 excluded by the picker): tp_size 4.
+  PdFlow f2(o, kTid, ListPicker({p2}, {Ep("d1")}));
+  a = f2.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(json::parse(As<SendLeg>(a[0]).body)["kv_transfer_params"]["tp_size"], 4);
+  // READ mode never invents a tp_size: it forwards the prefill's answer (tp_size 1 there).
+  Harness r({}, {p1});
+  a = r.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = r.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(json::parse(As<SendLeg>(a[0]).body)["kv_transfer_params"]["tp_size"], 1);
 }
 
 TEST(PdFlowWrite, DecodeSucceedsBeforePrefillLegEnds) {

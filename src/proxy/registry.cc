@@ -12,6 +12,8 @@ using nlohmann::json;
 
 int RoleIndex(Role role) { return role == Role::kPrefill ? 0 : 1; }
 
+constexpr int64_t kMaxTpSize = 64;  // as kv_transfer_params' tp_size
+
 bool ValidUrl(const std::string& url) {
   if (url.rfind("http://", 0) != 0) return false;
   std::string rest = url.substr(7);
@@ -50,6 +52,7 @@ Endpoint ToEndpoint(const InstanceInfo& info) {
   ep.id = info.id;
   ep.url = info.url;
   ep.engine_id = info.engine_id;
+  ep.tp_size = info.tp_size;
   if (!info.transfer_endpoints.empty()) {
     std::string e = info.transfer_endpoints.front();
     auto scheme = e.find("://");
@@ -260,6 +263,13 @@ Result<std::pair<InstanceInfo, InstanceLoad>> ParseRegistration(std::string_view
       info.transfer_endpoints.push_back(e.get<std::string>());
     }
   }
+  if (auto it = j.find("tp_size"); it != j.end() && !it->is_null()) {
+    if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > kMaxTpSize) {
+      return InvalidArgumentError("'tp_size' must be an integer in [1, " +
+                                  std::to_string(kMaxTpSize) + "]");
+    }
+    info.tp_size = static_cast<int>(it->get<int64_t>());
+  }
   InstanceLoad load;
   if (auto it = j.find("load"); it != j.end()) {
     ASSIGN_OR_RETURN(load, LoadFromJson(*it));
@@ -274,6 +284,7 @@ std::string RegistrationJson(const InstanceInfo& info, const InstanceLoad& load)
             {"mode", KvModeName(info.mode)},
             {"engine_id", info.engine_id},
             {"transfer_endpoints", info.transfer_endpoints},
+            {"tp_size", info.tp_size},
             {"load",
              {{"running", load.running}, {"waiting", load.waiting}, {"kv_usage", load.kv_usage}}}};
   return j.dump();

@@ -104,6 +104,7 @@ TEST(Registration, JsonRoundTripAndErrors) {
   EXPECT_EQ(r->first.mode, KvMode::kWrite);
   EXPECT_EQ(r->first.url, i.url);
   EXPECT_EQ(r->first.transfer_endpoints, i.transfer_endpoints);
+  EXPECT_EQ(r->first.tp_size, 1);
   EXPECT_EQ(r->second.running, 3);
   EXPECT_EQ(r->second.waiting, 4);
   EXPECT_DOUBLE_EQ(r->second.kv_usage, 0.25);
@@ -116,6 +117,32 @@ TEST(Registration, JsonRoundTripAndErrors) {
       ParseRegistration(R"({"url":"http://a:1","role":"decode","load":{"running":-1}})").ok());
   EXPECT_FALSE(ParseLoad(R"({"kv_usage":"x"})").ok());
   EXPECT_EQ(ParseLoad("{}")->running, 0);
+}
+
+TEST(Registration, TpSizeIsRegisteredAndReachesTheEndpoint) {
+  InstanceInfo i = Info("p", Role::kPrefill, KvMode::kWrite);
+  i.tp_size = 2;
+  const std::string text = RegistrationJson(i, {});
+  EXPECT_NE(text.find(R"("tp_size":2)"), std::string::npos) << text;
+  auto r = ParseRegistration(text);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->first.tp_size, 2);
+  InstanceRegistry reg({.mode = KvMode::kWrite});
+  ASSERT_TRUE(reg.Register(r->first, {}, 0).ok());
+  EXPECT_EQ(reg.Pick(Role::kPrefill, {})->tp_size, 2);
+  EXPECT_EQ(reg.Get("p")->info.tp_size, 2);
+  // Absent: 1 (engines that predate the field). Static instances: 1.
+  EXPECT_EQ(ParseRegistration(R"({"url":"http://a:1","role":"decode"})")->first.tp_size, 1);
+  ASSERT_TRUE(reg.AddStatic(Role::kDecode, "http://127.0.0.1:8000").ok());
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->tp_size, 1);
+  for (const char* bad : {"0", "65", "-1", "1.5", "\"2\"", "true"}) {
+    auto b = ParseRegistration(std::string(R"({"url":"http://a:1","role":"decode","tp_size":)") +
+                               bad + "}");
+    EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(b.status().message().find("tp_size"), std::string::npos) << bad;
+  }
+  EXPECT_EQ(
+      ParseRegistration(R"({"url":"http://a:1","role":"decode","tp_size":64})")->first.tp_size, 64);
 }
 
 }  // namespace

@@ -19,7 +19,7 @@
 // prefill_forward_n, no output-shaping fields, kv_transfer_params{do_remote_decode, transfer_id});
 // when it answers 2xx, the decode leg carries the client's body plus the prefill's
 // kv_transfer_params with do_remote_prefill=true. WRITE mode: both legs start together; the
-// decode leg names the prefill (remote_engine_id/host/port, mode "write").
+// decode leg names the prefill (remote_engine_id/host/port, its tp_size, mode "write").
 //
 // Failure rules: client-supplied kv_transfer_params are dropped; a leg that could not be reached
 // (connect failed, nothing sent) is retried on another instance of its role (READ mode); a leg's
@@ -57,13 +57,16 @@ Result<Role> ParseRole(std::string_view text);
 
 /// How to reach one engine instance. `url` is its HTTP base ("http://127.0.0.1:8100", no
 /// trailing slash). engine_id / transfer_host / transfer_port are its transfer-engine identity,
-/// needed by WRITE mode's decode leg (empty / 0 when unknown).
+/// needed by WRITE mode's decode leg (empty / 0 when unknown); tp_size is its tensor-parallel
+/// size (from its registration; 1 for static instances), which WRITE mode's decode leg names as
+/// the prefill's `tp_size` since that leg is built before the prefill answers.
 struct Endpoint {
   std::string id;
   std::string url;
   std::string engine_id;
   std::string transfer_host;
   int transfer_port = 0;
+  int tp_size = 1;
 };
 
 /// Chooses an instance of `role`, not one whose id is in `exclude` (instances already tried by

@@ -45,9 +45,11 @@ struct InstanceLoad {
 /// What an engine registers. JSON shape (POST /v1/instances/register):
 ///   {"instance_id": "...", "role": "prefill|decode", "url": "http://127.0.0.1:8100",
 ///    "mode": "read|write", "engine_id": "...", "transfer_endpoints": ["tcp://127.0.0.1:9100"],
-///    "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}}
+///    "tp_size": 1, "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}}
 /// instance_id defaults to the url. transfer_endpoints' first "scheme://host:port" gives the
-/// Endpoint's transfer_host/transfer_port (WRITE mode needs them).
+/// Endpoint's transfer_host/transfer_port (WRITE mode needs them). tp_size (optional, default 1,
+/// an integer in [1, 64]) is the engine's tensor-parallel size: WRITE mode's decode leg names the
+/// prefill's.
 struct InstanceInfo {
   std::string id;
   Role role = Role::kPrefill;
@@ -55,6 +57,7 @@ struct InstanceInfo {
   KvMode mode = KvMode::kRead;
   std::string engine_id;
   std::vector<std::string> transfer_endpoints;
+  int tp_size = 1;
 };
 
 /// One instance as GET /instances shows it.
