@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "apps/command_registry.h"
+#include "apps/port_file.h"
 #include "kvbridge/common/logging.h"
 #include "kvbridge/proxy/proxy_server.h"
 
@@ -19,6 +20,7 @@ struct ProxyCliOptions {
   int heartbeat_timeout_ms = 3000;
   int request_timeout_s = 600;
   int upstream_idle_timeout_ms = 1000;
+  std::string port_file;  // where to write the bound port once listening; empty = nowhere
 };
 
 int RunProxy(ProxyCliOptions& cli) {
@@ -46,6 +48,14 @@ int RunProxy(ProxyCliOptions& cli) {
     return 1;
   }
   (*server)->Start();
+  if (!cli.port_file.empty()) {
+    kvbridge::Status written = kvbridge::apps::WritePortFile(cli.port_file, (*server)->port());
+    if (!written.ok()) {
+      std::fprintf(stderr, "error: %s\n", written.ToString().c_str());
+      (*server)->Stop();
+      return 1;
+    }
+  }
   std::printf("kvbridge proxy listening on http://%s:%d (mode %s, routing %s)\n",
               cli.proxy.host.c_str(), (*server)->port(), cli.mode.c_str(), cli.routing.c_str());
   std::fflush(stdout);
@@ -62,6 +72,8 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto o = std::make_shared<ProxyCliOptions>();
       sub.add_option("--host", o->proxy.host, "Address to listen on")->capture_default_str();
       sub.add_option("--port", o->proxy.port, "Port (0 = any free port)")->capture_default_str();
+      sub.add_option("--port-file", o->port_file,
+                     "Write the bound port (a number and a newline) to this file once listening");
       sub.add_option("--prefill", o->proxy.prefill_urls, "Static prefill instances (http://H:P)");
       sub.add_option("--decode", o->proxy.decode_urls, "Static decode instances (http://H:P)");
       sub.add_option("--mode", o->mode, "KV mode of every instance: read|write")

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "apps/command_registry.h"
+#include "apps/port_file.h"
 #include "kvbridge/common/logging.h"
 #include "kvbridge/connector/kvbridge_connector.h"
 #include "kvbridge/engine/engine.h"
@@ -44,7 +45,8 @@ struct ServeOptions {
   std::string kv_transfer_config;
   std::string cluster_token;
   std::string advertise_host;
-  std::string proxy;  // HOST:PORT of a `kvbridge proxy` to register with; empty = none
+  std::string proxy;      // HOST:PORT of a `kvbridge proxy` to register with; empty = none
+  std::string port_file;  // where to write the bound port once listening; empty = nowhere
 };
 
 Result<KvDtype> ParseKvDtype(const std::string& s) {
@@ -140,6 +142,10 @@ int RunServe(const ServeOptions& o) {
   }
   Status started = (*srv)->Start();
   if (!started.ok()) return Fail(started);
+  if (!o.port_file.empty()) {
+    Status written = WritePortFile(o.port_file, (*srv)->port());
+    if (!written.ok()) return Fail(written);
+  }
   if (kv)
     kv->SetAdvertisedEndpoint(o.advertise_host.empty() ? o.host : o.advertise_host, (*srv)->port());
 
@@ -198,6 +204,8 @@ const bool kRegistered = RegisterCommand(
       sub.add_option("--host", o->host, "Address to listen on")->capture_default_str();
       sub.add_option("--port", o->port, "TCP port to listen on (0: any free port)")
           ->capture_default_str();
+      sub.add_option("--port-file", o->port_file,
+                     "Write the bound port (a number and a newline) to this file once listening");
       sub.add_option("--served-model-name", o->served_model_name,
                      "Model name clients send in \"model\" (default: the model directory's name)");
       sub.add_option("--max-model-len", o->max_model_len,

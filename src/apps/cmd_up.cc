@@ -4,14 +4,13 @@
 // /proc/self/exe) with their logs in --log-dir, waits until every instance is healthy and known
 // to the proxy, prints the endpoints, and on SIGINT/SIGTERM stops every child and exits 0. A child
 // that dies is reported with the tail of its log, the rest are stopped, and the exit code is 1.
-// See docs/proxy.md.
-#include <arpa/inet.h>
+// Every engine binds a free port itself (`serve --port 0 --port-file F`) and up reads the port
+// back from F, so no other process can take it between a choice and a bind; the proxy does the
+// same with --port 0. See docs/proxy.md.
 #include <fcntl.h>
 #include <httplib.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <toml++/toml.h>
 #include <unistd.h>
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "apps/command_registry.h"
+#include "apps/port_file.h"
 #include "kvbridge/proxy/flow.h"
 
 namespace {
@@ -61,8 +61,10 @@ struct UpOptions {
 
 struct Child {
   std::string name;
-  std::string url;
+  std::string url;  ///< http://127.0.0.1:PORT once `port` is known
   std::string log;
+  std::string port_file;  ///< where the child writes the port it bound (apps/port_file.h)
+  int port = 0;           ///< 0 until read from port_file
   pid_t pid = -1;
   bool exited = false;
 };
@@ -71,23 +73,6 @@ std::string SelfExe() {
   std::error_code ec;
   auto p = fs::read_symlink("/proc/self/exe", ec);
   return ec ? std::string("kvbridge") : p.string();
-}
-
-int FreeLocalPort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  ::close(fd);
-  return port;
 }
 
 pid_t Spawn(const std::vector<std::string>& argv, const std::string& log_path) {
@@ -187,8 +172,6 @@ bool HttpOk(int port, const std::string& path, std::string* body = nullptr) {
   if (body) *body = res->body;
   return true;
 }
-
-int PortOf(const std::string& url) { return std::atoi(url.substr(url.rfind(':') + 1).c_str()); }
 
 std::string Usage(const std::string& why) {
   std::fprintf(stderr, "kvbridge up: %s\n", why.c_str());
@@ -293,6 +276,10 @@ int RunUp(UpOptions o) {
         "read, or --prefill-tp 1)");
     return 2;
   }
+  if (o.port < 0 || o.port > 65535) {
+    Usage("--port must be in [0, 65535] (0: any free port)");
+    return 2;
+  }
   const std::string exe = SelfExe();
   if (o.model_dir.empty()) o.model_dir = DefaultModelDir();
   if (o.log_dir.empty()) {
@@ -339,16 +326,25 @@ int RunUp(UpOptions o) {
   }
 
   std::vector<Child> children;
-  const std::string proxy_addr = "127.0.0.1:" + std::to_string(o.port);
-  auto engine_argv = [&](bool prefill, int port) {
+  std::string proxy_addr;  // 127.0.0.1:PORT once the proxy has bound
+  auto engine_argv = [&](bool prefill, const std::string& port_file) {
     nlohmann::json cfg = {
         {"kv_connector", "KVBridgeConnector"},
         {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
         {"kv_connector_extra_config", {{"mode", o.mode}, {"transport", o.transport}}}};
-    std::vector<std::string> a = {
-        exe,         "serve",           o.model_dir,          "--host",
-        "127.0.0.1", "--port",          std::to_string(port), "--kv-transfer-config",
-        cfg.dump(),  "--cluster-token", o.cluster_token};
+    std::vector<std::string> a = {exe,
+                                  "serve",
+                                  o.model_dir,
+                                  "--host",
+                                  "127.0.0.1",
+                                  "--port",
+                                  "0",
+                                  "--port-file",
+                                  port_file,
+                                  "--kv-transfer-config",
+                                  cfg.dump(),
+                                  "--cluster-token",
+                                  o.cluster_token};
     if (o.no_prefix_caching) a.push_back("--no-enable-prefix-caching");
     if (const int tp = prefill ? o.prefill_tp : o.decode_tp; tp > 1) {
       a.push_back("--tensor-parallel-size");  // ranks are threads of the engine
@@ -366,43 +362,21 @@ int RunUp(UpOptions o) {
     for (const auto& x : prefill ? o.prefill_args : o.decode_args) a.push_back(x);
     return a;
   };
-  std::vector<std::string> proxy_argv = {
-      exe,      "proxy", "--host",    "127.0.0.1", "--port",          std::to_string(o.port),
-      "--mode", o.mode,  "--routing", o.routing,   "--cluster-token", o.cluster_token};
+  std::vector<std::string> proxy_argv = {exe,
+                                         "proxy",
+                                         "--host",
+                                         "127.0.0.1",
+                                         "--port",
+                                         std::to_string(o.port),
+                                         "--port-file",
+                                         o.log_dir + "/proxy.port",
+                                         "--mode",
+                                         o.mode,
+                                         "--routing",
+                                         o.routing,
+                                         "--cluster-token",
+                                         o.cluster_token};
   if (o.prefill_forward_n) proxy_argv.push_back("--prefill-forward-n");
-
-  std::vector<Child> engines;
-  for (int i = 0; i < o.num_prefill + o.num_decode; ++i) {
-    const bool prefill = i < o.num_prefill;
-    Child c;
-    c.name =
-        prefill ? "prefill-" + std::to_string(i) : "decode-" + std::to_string(i - o.num_prefill);
-    int port = FreeLocalPort();
-    c.url = "http://127.0.0.1:" + std::to_string(port);
-    c.log = o.log_dir + "/" + c.name + ".log";
-    if (!registration) {
-      proxy_argv.push_back(prefill ? "--prefill" : "--decode");
-      proxy_argv.push_back(c.url);
-    }
-    engines.push_back(c);
-  }
-  auto start_proxy = [&] {
-    Child p;
-    p.name = "proxy";
-    p.url = "http://" + proxy_addr;
-    p.log = o.log_dir + "/proxy.log";
-    p.pid = Spawn(proxy_argv, p.log);
-    children.push_back(p);
-  };
-  // With registration the proxy comes first (engines register as they start); with static lists
-  // it comes last (its first health probes then find the engines up).
-  if (registration) start_proxy();
-  for (Child& e : engines) {
-    const bool prefill = e.name.rfind("prefill", 0) == 0;
-    e.pid = Spawn(engine_argv(prefill, PortOf(e.url)), e.log);
-    children.push_back(e);
-  }
-  if (!registration) start_proxy();
 
   auto report_death = [&](Child* c, int status) {
     std::fprintf(stderr, "kvbridge up: %s (pid %d) %s; its log %s ends:\n%s\n", c->name.c_str(),
@@ -411,7 +385,90 @@ int RunUp(UpOptions o) {
   const auto t0 = Clock::now();
   const auto deadline =
       t0 + std::chrono::milliseconds(static_cast<int64_t>(o.ready_timeout_s * 1000));
-  const size_t want = engines.size();
+  // Starts a child whose argv names `c.port_file` (a stale file from an earlier run goes first).
+  auto start = [&](Child c, const std::vector<std::string>& argv) {
+    fs::remove(c.port_file, ec);
+    c.pid = Spawn(argv, c.log);
+    children.push_back(std::move(c));
+  };
+  // Waits until every started child has written its port file (it bound its port): -1 then, else
+  // the exit code after a child died, a signal or the deadline (everything stopped).
+  auto await_ports = [&]() -> int {
+    for (;;) {
+      std::string waiting_for;
+      for (Child& c : children) {
+        if (c.port != 0) continue;
+        kvbridge::Result<int> port = kvbridge::apps::ReadPortFile(c.port_file);
+        if (port.ok()) {
+          c.port = *port;
+          c.url = "http://127.0.0.1:" + std::to_string(c.port);
+        } else if (port.status().code() == kvbridge::StatusCode::kNotFound) {
+          waiting_for += " " + c.name;
+        } else {
+          std::fprintf(stderr, "kvbridge up: %s: %s\n", c.name.c_str(),
+                       port.status().ToString().c_str());
+          StopAll(children);
+          return 1;
+        }
+      }
+      if (waiting_for.empty()) return -1;
+      int status = 0;
+      if (Child* dead = ReapDead(children, &status)) {
+        report_death(dead, status);
+        StopAll(children);
+        return 1;
+      }
+      if (Clock::now() >= deadline) {
+        std::fprintf(stderr, "kvbridge up: not listening after %.0f s:%s (logs in %s)\n",
+                     o.ready_timeout_s, waiting_for.c_str(), o.log_dir.c_str());
+        StopAll(children);
+        return 1;
+      }
+      timespec ts{0, 50'000'000};
+      int sig = sigtimedwait(&sigs, nullptr, &ts);
+      if (sig == SIGINT || sig == SIGTERM) {
+        std::printf("kvbridge up: signal %d before ready; stopping\n", sig);
+        StopAll(children);
+        return 0;
+      }
+    }
+  };
+  auto start_proxy = [&]() -> int {
+    Child p;
+    p.name = "proxy";
+    p.log = o.log_dir + "/proxy.log";
+    p.port_file = o.log_dir + "/proxy.port";
+    start(p, proxy_argv);
+    if (int rc = await_ports(); rc >= 0) return rc;
+    proxy_addr = "127.0.0.1:" + std::to_string(children.back().port);
+    return -1;
+  };
+  // With registration the proxy comes first (engines register with its bound port as they
+  // start); with static lists it comes last, given the engines' bound ports (its first health
+  // probes then find the engines up).
+  if (registration) {
+    if (int rc = start_proxy(); rc >= 0) return rc;
+  }
+  for (int i = 0; i < o.num_prefill + o.num_decode; ++i) {
+    const bool prefill = i < o.num_prefill;
+    Child c;
+    c.name =
+        prefill ? "prefill-" + std::to_string(i) : "decode-" + std::to_string(i - o.num_prefill);
+    c.log = o.log_dir + "/" + c.name + ".log";
+    c.port_file = o.log_dir + "/" + c.name + ".port";
+    start(c, engine_argv(prefill, c.port_file));
+  }
+  if (int rc = await_ports(); rc >= 0) return rc;
+  if (!registration) {
+    for (const Child& c : children) {
+      proxy_argv.push_back(c.name.rfind("prefill", 0) == 0 ? "--prefill" : "--decode");
+      proxy_argv.push_back(c.url);
+    }
+    if (int rc = start_proxy(); rc >= 0) return rc;
+  }
+  const int proxy_port = std::atoi(proxy_addr.c_str() + proxy_addr.rfind(':') + 1);
+
+  const size_t want = static_cast<size_t>(o.num_prefill + o.num_decode);
   std::string waiting_for;
   for (;;) {
     int status = 0;
@@ -422,10 +479,10 @@ int RunUp(UpOptions o) {
     }
     waiting_for.clear();
     for (const Child& c : children) {
-      if (c.name != "proxy" && !HttpOk(PortOf(c.url), "/health")) waiting_for += " " + c.name;
+      if (c.name != "proxy" && !HttpOk(c.port, "/health")) waiting_for += " " + c.name;
     }
     std::string body;
-    if (!HttpOk(o.port, "/instances", &body)) {
+    if (!HttpOk(proxy_port, "/instances", &body)) {
       waiting_for += " proxy";
     } else if (waiting_for.empty()) {
       auto j = nlohmann::json::parse(body, nullptr, false);
@@ -489,7 +546,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto o = std::make_shared<UpOptions>();
       auto cfg = std::make_shared<std::string>();
       auto* topo = sub.add_option("topology", o->topology, "NpMd: 1p1d, 1p3d, 2p2d, ...");
-      auto* port = sub.add_option("--port", o->port, "The proxy's port")->capture_default_str();
+      auto* port = sub.add_option("--port", o->port,
+                                  "The proxy's port (0: any free port; the bound one is printed)")
+                       ->capture_default_str();
       auto* log = sub.add_option("--log-dir", o->log_dir, "Directory for the children's logs");
       auto* mode = sub.add_option("--mode", o->mode, "read|write")->capture_default_str();
       auto* transport =

@@ -3,14 +3,24 @@
 // client-supplied kv_transfer_params without effect, `kvbridge bench --check-drain` exits 0, and
 // SIGTERM stops the topology with exit 0; `up 1p1d --prefill-forward-n` under concurrency 16 with
 // n=8 drains clean. Skips, saying why, while the engine does not speak P/D.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "kvbridge/common/metrics.h"
 #include "support/free_port.h"
@@ -234,6 +244,130 @@ TEST(UpPrefillForwardN, Concurrency16WithN8DrainsClean) {
 
   up.Signal(SIGTERM);
   EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+}
+
+// A listening socket on 127.0.0.1 (port 0: any free one); returns the fd (-1 on failure) and
+// sets *port.
+int ListenLoopback(int want_port, int* port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(want_port));
+  socklen_t len = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(fd, 4) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
+// `up` never picks a port for a child to bind later (another process could take it in between):
+// each child binds its own (`--port 0 --port-file`) and up reads it back. A proxy port that is
+// taken fails up at once with the bind error; with --port 0, while this process keeps taking
+// free ports, 1p2d comes up and every printed endpoint is the port its child really serves on.
+TEST(UpPorts, ChildrenBindTheirOwnPortsWhileOtherProcessesTakePorts) {
+  std::string why = SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string bin = KvbridgeBin();
+  const std::string dir = testing::MakeTempDir("kvb-upports-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+
+  int busy_port = 0;
+  const int busy_fd = ListenLoopback(0, &busy_port);
+  ASSERT_GE(busy_fd, 0);
+  {
+    Subprocess up({bin, "up", "1p1d", "--port", std::to_string(busy_port), "--log-dir",
+                   dir + "/logs-busy", "--model", model, "--ready-timeout", "240"},
+                  dir + "/up-busy.log");
+    EXPECT_EQ(up.Wait(60'000), 1) << up.ReadLog();
+    const std::string log = up.ReadLog();
+    EXPECT_NE(log.find("proxy (pid"), std::string::npos) << log;
+    EXPECT_NE(log.find("cannot listen on 127.0.0.1:" + std::to_string(busy_port)),
+              std::string::npos)
+        << log;
+    EXPECT_EQ(log.find(": ready in"), std::string::npos) << log;
+  }
+
+  // Other processes taking free ports meanwhile: a thread holds up to 300 more.
+  std::atomic<bool> stop{false};
+  std::vector<int> taken_fds;
+  std::set<int> taken_ports = {busy_port};
+  std::thread taker([&] {
+    for (int i = 0; i < 300 && !stop.load(); ++i) {
+      int port = 0;
+      const int fd = ListenLoopback(0, &port);
+      if (fd >= 0) {
+        taken_fds.push_back(fd);
+        taken_ports.insert(port);
+      }
+      usleep(5'000);
+    }
+  });
+  Subprocess up({bin, "up", "1p2d", "--port", "0", "--log-dir", dir + "/logs", "--model", model,
+                 "--ready-timeout", "240"},
+                dir + "/up.log");
+  const bool ready = WaitReady(up);
+  stop = true;
+  taker.join();
+  ASSERT_TRUE(ready) << up.ReadLog();
+
+  // "  NAME  http://127.0.0.1:PORT  pid N  log ..." per child, then the proxy's API line.
+  const std::string log = up.ReadLog();
+  std::map<std::string, int> printed;
+  static const std::regex kLine(R"(\n  (\S+) +http://127\.0\.0\.1:([0-9]+) +pid)");
+  for (std::sregex_iterator it(log.begin(), log.end(), kLine), end; it != end; ++it) {
+    printed[(*it)[1].str()] = std::stoi((*it)[2].str());
+  }
+  ASSERT_EQ(printed.size(), 4u) << log;
+  ASSERT_EQ(printed.count("proxy") + printed.count("prefill-0") + printed.count("decode-0") +
+                printed.count("decode-1"),
+            4u)
+      << log;
+  const int proxy_port = printed["proxy"];
+  EXPECT_NE(
+      log.find("OpenAI API: http://127.0.0.1:" + std::to_string(proxy_port) + "/v1/completions"),
+      std::string::npos)
+      << log;
+  std::set<int> distinct;
+  for (const auto& [name, port] : printed) {
+    distinct.insert(port);
+    EXPECT_EQ(taken_ports.count(port), 0u) << name << " printed a port this test holds: " << port;
+    // The child's own report of its bound port.
+    std::ifstream pf(dir + "/logs/" + name + ".port");
+    int file_port = 0;
+    pf >> file_port;
+    EXPECT_EQ(file_port, port) << name;
+    EXPECT_FALSE(GetBody("http://127.0.0.1:" + std::to_string(port), "/health").empty()) << name;
+  }
+  EXPECT_EQ(distinct.size(), 4u);
+  // The proxy knows every engine by its printed endpoint, healthy.
+  json inst = json::parse(GetBody("http://127.0.0.1:" + std::to_string(proxy_port), "/instances"),
+                          nullptr, false);
+  ASSERT_TRUE(inst.is_object() && inst["instances"].is_array()) << inst.dump();
+  std::set<std::string> registered, want;
+  for (const auto& i : inst["instances"]) {
+    EXPECT_TRUE(i.value("healthy", false)) << i.dump();
+    registered.insert(i.value("url", ""));
+  }
+  for (const auto& [name, port] : printed) {
+    if (name != "proxy") want.insert("http://127.0.0.1:" + std::to_string(port));
+  }
+  EXPECT_EQ(registered, want);
+  json got = Post(proxy_port, "/v1/completions",
+                  {{"prompt", "The quick brown fox"}, {"max_tokens", 4}, {"temperature", 0}});
+  EXPECT_EQ(got["_status"], 200) << got.dump();
+
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  for (int fd : taken_fds) ::close(fd);
+  ::close(busy_fd);
 }
 
 }  // namespace
