@@ -1,7 +1,12 @@
 #include "kvbridge/connector/messages.h"
 
+#include <algorithm>
+#include <array>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
+#include <span>
+#include <utility>
 
 #include "kvbridge/connector/kv_transfer_config.h"
 
@@ -14,12 +19,7 @@ constexpr int kMaxTp = 1024;
 
 Status Bad(std::string m) { return InvalidArgumentError("control message: " + std::move(m)); }
 
-Status CheckKeys(const json& j, const std::set<std::string>& keys) {
-  for (const auto& [k, v] : j.items()) {
-    if (!keys.count(k)) return Bad("unknown field \"" + k + "\"");
-  }
-  return OkStatus();
-}
+// ---- Typed fields: each checks presence, type and range, and names the field when it fails.
 
 Result<std::string> Id(const json& j, const char* k, bool allow_empty = false) {
   if (!j.contains(k) || !j.at(k).is_string()) return Bad(std::string(k) + " must be a string");
@@ -29,55 +29,210 @@ Result<std::string> Id(const json& j, const char* k, bool allow_empty = false) {
   return s;
 }
 
-Result<int> Int(const json& j, const char* k, int lo, int hi) {
+// An integer in [lo, hi], hi >= 0.
+Result<int64_t> Integer(const json& j, const char* k, int64_t lo, int64_t hi) {
   if (!j.contains(k) || !j.at(k).is_number_integer())
     return Bad(std::string(k) + " must be an integer");
   if (j.at(k).is_number_unsigned() && j.at(k).get<uint64_t>() > static_cast<uint64_t>(hi)) {
     return Bad(std::string(k) + " out of range");
   }
-  int64_t v = j.at(k).get<int64_t>();
+  const int64_t v = j.at(k).get<int64_t>();
   if (v < lo || v > hi) return Bad(std::string(k) + " out of range");
+  return v;
+}
+
+Result<int> Int(const json& j, const char* k, int lo, int hi) {
+  ASSIGN_OR_RETURN(int64_t v, Integer(j, k, lo, hi));
   return static_cast<int>(v);
 }
+
+// Microseconds in [0, 2^53] (exact as a JSON double).
+Result<int64_t> Micros(const json& j, const char* k) { return Integer(j, k, 0, int64_t{1} << 53); }
 
 Result<bool> Bool(const json& j, const char* k) {
   if (!j.contains(k) || !j.at(k).is_boolean()) return Bad(std::string(k) + " must be a boolean");
   return j.at(k).get<bool>();
 }
 
-Result<int64_t> Micros(const json& j, const char* k) {
-  if (!j.contains(k) || !j.at(k).is_number_integer())
-    return Bad(std::string(k) + " must be an integer");
-  if (j.at(k).is_number_unsigned() && j.at(k).get<uint64_t>() > (uint64_t{1} << 53)) {
-    return Bad(std::string(k) + " out of range");
+Result<std::string> Text(const json& j, const char* k, size_t max_chars) {
+  if (!j.contains(k) || !j.at(k).is_string() || j.at(k).get<std::string>().size() > max_chars) {
+    return Bad(std::string(k) + " must be a string of <= " + std::to_string(max_chars) + " chars");
   }
-  const int64_t v = j.at(k).get<int64_t>();
-  if (v < 0 || v > (int64_t{1} << 53)) return Bad(std::string(k) + " out of range");
-  return v;
+  return j.at(k).get<std::string>();
 }
 
-// The WRITE-mode messages (write_blocks, write_done, write_cancel).
-Result<ControlMessage> DecodeWriteMessage(const std::string& type, const json& j) {
-  if (type == "write_blocks") {
-    RETURN_IF_ERROR(
-        CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
-                      "decode_engine_id", "decode_rank", "decode_tp_size", "decode_host",
-                      "decode_port", "num_prompt_tokens", "first_block", "block_ids"}));
-    WriteBlocksMsg w;
-    ASSIGN_OR_RETURN(w.transfer_id, Id(j, "transfer_id"));
-    ASSIGN_OR_RETURN(w.prefill_engine_id, Id(j, "prefill_engine_id"));
-    ASSIGN_OR_RETURN(w.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
-    ASSIGN_OR_RETURN(w.decode_engine_id, Id(j, "decode_engine_id"));
-    ASSIGN_OR_RETURN(w.decode_tp_size, Int(j, "decode_tp_size", 1, kMaxTp));
-    ASSIGN_OR_RETURN(w.decode_rank, Int(j, "decode_rank", 0, w.decode_tp_size - 1));
-    if (!j.contains("decode_host") || !j.at("decode_host").is_string() ||
-        j.at("decode_host").get<std::string>().size() > 255) {
-      return Bad("decode_host must be a string of <= 255 chars");
+// An enum on the wire as one of its names.
+template <typename E>
+struct NamedValue {
+  const char* name;
+  E value;
+};
+
+constexpr NamedValue<ReadOutcome> kReadOutcomes[] = {{"ok", ReadOutcome::kOk},
+                                                     {"failed", ReadOutcome::kFailed},
+                                                     {"aborted", ReadOutcome::kAborted},
+                                                     {"skipped", ReadOutcome::kSkipped}};
+constexpr NamedValue<WriteOutcome> kWriteOutcomes[] = {{"ok", WriteOutcome::kOk},
+                                                       {"failed", WriteOutcome::kFailed},
+                                                       {"cancelled", WriteOutcome::kCancelled}};
+
+template <typename E, size_t N>
+Result<E> Named(const json& j, const char* k, const NamedValue<E> (&names)[N]) {
+  if (!j.contains(k) || !j.at(k).is_string()) return Bad(std::string(k) + " must be a string");
+  const std::string s = j.at(k).get<std::string>();
+  std::string all;
+  for (const auto& [name, value] : names) {
+    if (s == name) return value;
+    all += (all.empty() ? "" : "|") + std::string(name);
+  }
+  return Bad(std::string(k) + " \"" + s + "\" unknown (" + all + ")");
+}
+
+template <typename E, size_t N>
+std::string_view NameOf(E v, const NamedValue<E> (&names)[N]) {
+  for (const auto& [name, value] : names) {
+    if (value == v) return name;
+  }
+  return names[0].name;
+}
+
+// ---- The route that every rank-to-rank message carries: the shared transfer_id, the prefill
+// incarnation and rank, the decode incarnation and rank, and in some messages the decode's TP
+// size (which then bounds decode_rank; without it decode_rank is bounded by kMaxTp).
+
+template <typename M>
+concept Routed = requires(const M& m) {
+  m.decode_rank;
+};
+template <typename M>
+concept HasDecodeTp = requires(const M& m) {
+  m.decode_tp_size;
+};
+
+constexpr std::string_view kRouteKeys[] = {"type",          "transfer_id",      "prefill_engine_id",
+                                           "prefill_rank",  "decode_engine_id", "decode_rank",
+                                           "decode_tp_size"};
+
+// Refuses a key that is neither the route's (when M has one; decode_tp_size only when M has it)
+// nor one of `own`.
+template <typename M>
+Status CheckKeys(const json& j, std::span<const std::string_view> own) {
+  for (const auto& [k, v] : j.items()) {
+    const bool route_key = Routed<M> && std::ranges::find(kRouteKeys, k) != std::end(kRouteKeys) &&
+                           (HasDecodeTp<M> || k != "decode_tp_size");
+    if (!route_key && std::ranges::find(own, k) == own.end()) {
+      return Bad("unknown field \"" + k + "\"");
     }
-    w.decode_host = j.at("decode_host").get<std::string>();
-    ASSIGN_OR_RETURN(w.decode_port, Int(j, "decode_port", 0, 65535));
-    ASSIGN_OR_RETURN(w.num_prompt_tokens, Int(j, "num_prompt_tokens", 1, 1 << 30));
-    ASSIGN_OR_RETURN(w.first_block, Int(j, "first_block", 0, 1 << 30));
+  }
+  return OkStatus();
+}
+
+template <Routed M>
+void EncodeRoute(const M& m, json& j) {
+  j["transfer_id"] = m.transfer_id;
+  j["prefill_engine_id"] = m.prefill_engine_id;
+  j["prefill_rank"] = m.prefill_rank;
+  j["decode_engine_id"] = m.decode_engine_id;
+  j["decode_rank"] = m.decode_rank;
+  if constexpr (HasDecodeTp<M>) j["decode_tp_size"] = m.decode_tp_size;
+}
+
+template <Routed M>
+Status DecodeRoute(const json& j, M& m) {
+  ASSIGN_OR_RETURN(m.transfer_id, Id(j, "transfer_id"));
+  ASSIGN_OR_RETURN(m.prefill_engine_id, Id(j, "prefill_engine_id"));
+  ASSIGN_OR_RETURN(m.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
+  ASSIGN_OR_RETURN(m.decode_engine_id, Id(j, "decode_engine_id"));
+  int decode_tp = kMaxTp;
+  if constexpr (HasDecodeTp<M>) {
+    ASSIGN_OR_RETURN(m.decode_tp_size, Int(j, "decode_tp_size", 1, kMaxTp));
+    decode_tp = m.decode_tp_size;
+  }
+  ASSIGN_OR_RETURN(m.decode_rank, Int(j, "decode_rank", 0, decode_tp - 1));
+  return OkStatus();
+}
+
+// ---- Each message's wire form beyond the route: its "type", its other keys, and how they are
+// written and read (Decode runs after CheckKeys and DecodeRoute).
+template <typename M>
+struct Wire;
+
+template <>
+struct Wire<ReadDoneMsg> {
+  static constexpr std::string_view kType = "read_done";
+  static constexpr std::array<std::string_view, 2> kKeys = {"outcome", "want_reply"};
+  static void Encode(const ReadDoneMsg& m, json& j) {
+    j["outcome"] = NameOf(m.outcome, kReadOutcomes);
+    j["want_reply"] = m.want_reply;
+  }
+  static Status Decode(const json& j, ReadDoneMsg& m) {
+    ASSIGN_OR_RETURN(m.want_reply, Bool(j, "want_reply"));
+    ASSIGN_OR_RETURN(m.outcome, Named(j, "outcome", kReadOutcomes));
+    return OkStatus();
+  }
+};
+
+template <>
+struct Wire<HoldReplyMsg> {
+  static constexpr std::string_view kType = "hold_reply";
+  static constexpr std::array<std::string_view, 2> kKeys = {"hold_valid", "reason"};
+  static void Encode(const HoldReplyMsg& m, json& j) {
+    j["hold_valid"] = m.hold_valid;
+    j["reason"] = m.reason;
+  }
+  static Status Decode(const json& j, HoldReplyMsg& m) {
+    ASSIGN_OR_RETURN(m.hold_valid, Bool(j, "hold_valid"));
+    if (j.contains("reason")) {
+      ASSIGN_OR_RETURN(m.reason, Text(j, "reason", 256));
+    }
+    return OkStatus();
+  }
+};
+
+template <>
+struct Wire<HeartbeatMsg> {
+  static constexpr std::string_view kType = "heartbeat";
+  static constexpr std::array<std::string_view, 0> kKeys = {};
+  static void Encode(const HeartbeatMsg&, json&) {}
+  static Status Decode(const json&, HeartbeatMsg&) { return OkStatus(); }
+};
+
+// Not rank-to-rank: the proxy (or a decode) ends a prefill's hold on a transfer.
+template <>
+struct Wire<ReleaseMsg> {
+  static constexpr std::string_view kType = "release";
+  static constexpr std::array<std::string_view, 3> kKeys = {"type", "transfer_id",
+                                                            "prefill_engine_id"};
+  static void Encode(const ReleaseMsg& m, json& j) {
+    j["transfer_id"] = m.transfer_id;
+    j["prefill_engine_id"] = m.prefill_engine_id;
+  }
+  static Status Decode(const json& j, ReleaseMsg& m) {
+    ASSIGN_OR_RETURN(m.transfer_id, Id(j, "transfer_id"));
+    if (j.contains("prefill_engine_id")) {
+      ASSIGN_OR_RETURN(m.prefill_engine_id, Id(j, "prefill_engine_id", /*allow_empty=*/true));
+    }
+    return OkStatus();
+  }
+};
+
+template <>
+struct Wire<WriteBlocksMsg> {
+  static constexpr std::string_view kType = "write_blocks";
+  static constexpr std::array<std::string_view, 5> kKeys = {
+      "decode_host", "decode_port", "num_prompt_tokens", "first_block", "block_ids"};
+  static void Encode(const WriteBlocksMsg& m, json& j) {
+    j["decode_host"] = m.decode_host;
+    j["decode_port"] = m.decode_port;
+    j["num_prompt_tokens"] = m.num_prompt_tokens;
+    j["first_block"] = m.first_block;
+    j["block_ids"] = m.block_ids;
+  }
+  static Status Decode(const json& j, WriteBlocksMsg& m) {
+    ASSIGN_OR_RETURN(m.decode_host, Text(j, "decode_host", 255));
+    ASSIGN_OR_RETURN(m.decode_port, Int(j, "decode_port", 0, 65535));
+    ASSIGN_OR_RETURN(m.num_prompt_tokens, Int(j, "num_prompt_tokens", 1, 1 << 30));
+    ASSIGN_OR_RETURN(m.first_block, Int(j, "first_block", 0, 1 << 30));
     if (!j.contains("block_ids") || !j.at("block_ids").is_array()) {
       return Bad("block_ids must be an array");
     }
@@ -89,162 +244,105 @@ Result<ControlMessage> DecodeWriteMessage(const std::string& type, const json& j
       }
       const int32_t b = static_cast<int32_t>(v.get<int64_t>());
       if (!seen.insert(b).second) return Bad("block_ids repeats " + std::to_string(b));
-      w.block_ids.push_back(b);
+      m.block_ids.push_back(b);
     }
-    if (w.block_ids.empty()) return Bad("block_ids must not be empty");
-    const int64_t bs_blocks = static_cast<int64_t>(w.first_block) + w.block_ids.size();
-    if (bs_blocks > w.num_prompt_tokens) {
+    if (m.block_ids.empty()) return Bad("block_ids must not be empty");
+    if (static_cast<int64_t>(m.first_block) + static_cast<int64_t>(m.block_ids.size()) >
+        m.num_prompt_tokens) {
       return Bad("first_block + block_ids exceed the prompt's tokens");
     }
-    return ControlMessage(w);
+    return OkStatus();
   }
-  if (type == "write_done") {
-    RETURN_IF_ERROR(
-        CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
-                      "decode_engine_id", "decode_rank", "outcome", "reason", "compute_us",
-                      "write_us", "since_last_layer_us", "last_layer_at_us"}));
-    WriteDoneMsg w;
-    ASSIGN_OR_RETURN(w.transfer_id, Id(j, "transfer_id"));
-    ASSIGN_OR_RETURN(w.prefill_engine_id, Id(j, "prefill_engine_id"));
-    ASSIGN_OR_RETURN(w.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
-    ASSIGN_OR_RETURN(w.decode_engine_id, Id(j, "decode_engine_id"));
-    ASSIGN_OR_RETURN(w.decode_rank, Int(j, "decode_rank", 0, kMaxTp - 1));
-    if (!j.contains("outcome") || !j.at("outcome").is_string())
-      return Bad("outcome must be a string");
-    const std::string o = j.at("outcome").get<std::string>();
-    if (o == "ok")
-      w.outcome = WriteOutcome::kOk;
-    else if (o == "failed")
-      w.outcome = WriteOutcome::kFailed;
-    else if (o == "cancelled")
-      w.outcome = WriteOutcome::kCancelled;
-    else
-      return Bad("outcome \"" + o + "\" unknown (ok|failed|cancelled)");
+};
+
+template <>
+struct Wire<WriteDoneMsg> {
+  static constexpr std::string_view kType = "write_done";
+  static constexpr std::array<std::string_view, 6> kKeys = {
+      "outcome", "reason", "compute_us", "write_us", "since_last_layer_us", "last_layer_at_us"};
+  static void Encode(const WriteDoneMsg& m, json& j) {
+    j["outcome"] = NameOf(m.outcome, kWriteOutcomes);
+    j["reason"] = m.reason;
+    j["compute_us"] = m.compute_us;
+    j["write_us"] = m.write_us;
+    j["since_last_layer_us"] = m.since_last_layer_us;
+    j["last_layer_at_us"] = m.last_layer_at_us;
+  }
+  static Status Decode(const json& j, WriteDoneMsg& m) {
+    ASSIGN_OR_RETURN(m.outcome, Named(j, "outcome", kWriteOutcomes));
     if (j.contains("reason")) {
-      if (!j.at("reason").is_string() || j.at("reason").get<std::string>().size() > 256) {
-        return Bad("reason must be a string of <= 256 chars");
-      }
-      w.reason = j.at("reason").get<std::string>();
+      ASSIGN_OR_RETURN(m.reason, Text(j, "reason", 256));
     }
-    ASSIGN_OR_RETURN(w.compute_us, Micros(j, "compute_us"));
-    ASSIGN_OR_RETURN(w.write_us, Micros(j, "write_us"));
-    ASSIGN_OR_RETURN(w.since_last_layer_us, Micros(j, "since_last_layer_us"));
+    ASSIGN_OR_RETURN(m.compute_us, Micros(j, "compute_us"));
+    ASSIGN_OR_RETURN(m.write_us, Micros(j, "write_us"));
+    ASSIGN_OR_RETURN(m.since_last_layer_us, Micros(j, "since_last_layer_us"));
     if (j.contains("last_layer_at_us")) {
-      ASSIGN_OR_RETURN(w.last_layer_at_us, Micros(j, "last_layer_at_us"));
+      ASSIGN_OR_RETURN(m.last_layer_at_us, Micros(j, "last_layer_at_us"));
     }
-    return ControlMessage(w);
+    return OkStatus();
   }
-  RETURN_IF_ERROR(CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
-                                "decode_engine_id", "decode_rank", "decode_tp_size", "want_done"}));
-  WriteCancelMsg w;
-  ASSIGN_OR_RETURN(w.transfer_id, Id(j, "transfer_id"));
-  ASSIGN_OR_RETURN(w.prefill_engine_id, Id(j, "prefill_engine_id"));
-  ASSIGN_OR_RETURN(w.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
-  ASSIGN_OR_RETURN(w.decode_engine_id, Id(j, "decode_engine_id"));
-  ASSIGN_OR_RETURN(w.decode_tp_size, Int(j, "decode_tp_size", 1, kMaxTp));
-  ASSIGN_OR_RETURN(w.decode_rank, Int(j, "decode_rank", 0, w.decode_tp_size - 1));
-  ASSIGN_OR_RETURN(w.want_done, Bool(j, "want_done"));
-  return ControlMessage(w);
+};
+
+template <>
+struct Wire<WriteCancelMsg> {
+  static constexpr std::string_view kType = "write_cancel";
+  static constexpr std::array<std::string_view, 1> kKeys = {"want_done"};
+  static void Encode(const WriteCancelMsg& m, json& j) { j["want_done"] = m.want_done; }
+  static Status Decode(const json& j, WriteCancelMsg& m) {
+    ASSIGN_OR_RETURN(m.want_done, Bool(j, "want_done"));
+    return OkStatus();
+  }
+};
+
+template <typename M>
+Result<ControlMessage> DecodeAs(const json& j) {
+  RETURN_IF_ERROR(CheckKeys<M>(j, Wire<M>::kKeys));
+  M m;
+  if constexpr (Routed<M>) RETURN_IF_ERROR(DecodeRoute(j, m));
+  RETURN_IF_ERROR(Wire<M>::Decode(j, m));
+  return ControlMessage(std::move(m));
 }
+
+// Decodes `j` as the ControlMessage alternative whose Wire kType is `type`; nullopt when none is.
+template <size_t... I>
+std::optional<Result<ControlMessage>> DecodeByType(std::string_view type, const json& j,
+                                                   std::index_sequence<I...>) {
+  std::optional<Result<ControlMessage>> out;
+  (void)((type == Wire<std::variant_alternative_t<I, ControlMessage>>::kType &&
+          (out = DecodeAs<std::variant_alternative_t<I, ControlMessage>>(j), true)) ||
+         ...);
+  return out;
+}
+
+// "read_done|hold_reply|...": every type, in ControlMessage's order.
+template <size_t... I>
+std::string TypeNames(std::index_sequence<I...>) {
+  std::string all;
+  ((all +=
+    (I == 0 ? "" : "|") + std::string(Wire<std::variant_alternative_t<I, ControlMessage>>::kType)),
+   ...);
+  return all;
+}
+
+constexpr auto kAlternatives = std::make_index_sequence<std::variant_size_v<ControlMessage>>();
 
 }  // namespace
 
-std::string_view WriteOutcomeName(WriteOutcome o) {
-  switch (o) {
-    case WriteOutcome::kOk:
-      return "ok";
-    case WriteOutcome::kFailed:
-      return "failed";
-    case WriteOutcome::kCancelled:
-      return "cancelled";
-  }
-  return "ok";
-}
+std::string_view WriteOutcomeName(WriteOutcome o) { return NameOf(o, kWriteOutcomes); }
 
-std::string_view ReadOutcomeName(ReadOutcome o) {
-  switch (o) {
-    case ReadOutcome::kOk:
-      return "ok";
-    case ReadOutcome::kFailed:
-      return "failed";
-    case ReadOutcome::kAborted:
-      return "aborted";
-    case ReadOutcome::kSkipped:
-      return "skipped";
-  }
-  return "ok";
-}
+std::string_view ReadOutcomeName(ReadOutcome o) { return NameOf(o, kReadOutcomes); }
 
 std::string EncodeMessage(const ControlMessage& m) {
-  json j;
-  if (const auto* r = std::get_if<ReadDoneMsg>(&m)) {
-    j = {{"type", "read_done"},
-         {"transfer_id", r->transfer_id},
-         {"prefill_engine_id", r->prefill_engine_id},
-         {"prefill_rank", r->prefill_rank},
-         {"decode_engine_id", r->decode_engine_id},
-         {"decode_rank", r->decode_rank},
-         {"decode_tp_size", r->decode_tp_size},
-         {"outcome", ReadOutcomeName(r->outcome)},
-         {"want_reply", r->want_reply}};
-  } else if (const auto* h = std::get_if<HoldReplyMsg>(&m)) {
-    j = {{"type", "hold_reply"},
-         {"transfer_id", h->transfer_id},
-         {"prefill_engine_id", h->prefill_engine_id},
-         {"prefill_rank", h->prefill_rank},
-         {"decode_engine_id", h->decode_engine_id},
-         {"decode_rank", h->decode_rank},
-         {"hold_valid", h->hold_valid},
-         {"reason", h->reason}};
-  } else if (const auto* b = std::get_if<HeartbeatMsg>(&m)) {
-    j = {{"type", "heartbeat"},
-         {"transfer_id", b->transfer_id},
-         {"prefill_engine_id", b->prefill_engine_id},
-         {"prefill_rank", b->prefill_rank},
-         {"decode_engine_id", b->decode_engine_id},
-         {"decode_rank", b->decode_rank}};
-  } else if (const auto* wb = std::get_if<WriteBlocksMsg>(&m)) {
-    j = {{"type", "write_blocks"},
-         {"transfer_id", wb->transfer_id},
-         {"prefill_engine_id", wb->prefill_engine_id},
-         {"prefill_rank", wb->prefill_rank},
-         {"decode_engine_id", wb->decode_engine_id},
-         {"decode_rank", wb->decode_rank},
-         {"decode_tp_size", wb->decode_tp_size},
-         {"decode_host", wb->decode_host},
-         {"decode_port", wb->decode_port},
-         {"num_prompt_tokens", wb->num_prompt_tokens},
-         {"first_block", wb->first_block},
-         {"block_ids", wb->block_ids}};
-  } else if (const auto* wd = std::get_if<WriteDoneMsg>(&m)) {
-    j = {{"type", "write_done"},
-         {"transfer_id", wd->transfer_id},
-         {"prefill_engine_id", wd->prefill_engine_id},
-         {"prefill_rank", wd->prefill_rank},
-         {"decode_engine_id", wd->decode_engine_id},
-         {"decode_rank", wd->decode_rank},
-         {"outcome", WriteOutcomeName(wd->outcome)},
-         {"reason", wd->reason},
-         {"compute_us", wd->compute_us},
-         {"write_us", wd->write_us},
-         {"since_last_layer_us", wd->since_last_layer_us},
-         {"last_layer_at_us", wd->last_layer_at_us}};
-  } else if (const auto* wc = std::get_if<WriteCancelMsg>(&m)) {
-    j = {{"type", "write_cancel"},
-         {"transfer_id", wc->transfer_id},
-         {"prefill_engine_id", wc->prefill_engine_id},
-         {"prefill_rank", wc->prefill_rank},
-         {"decode_engine_id", wc->decode_engine_id},
-         {"decode_rank", wc->decode_rank},
-         {"decode_tp_size", wc->decode_tp_size},
-         {"want_done", wc->want_done}};
-  } else {
-    const auto& rel = std::get<ReleaseMsg>(m);
-    j = {{"type", "release"},
-         {"transfer_id", rel.transfer_id},
-         {"prefill_engine_id", rel.prefill_engine_id}};
-  }
-  return j.dump();
+  return std::visit(
+      [](const auto& msg) {
+        using M = std::decay_t<decltype(msg)>;
+        json j;
+        j["type"] = Wire<M>::kType;
+        if constexpr (Routed<M>) EncodeRoute(msg, j);
+        Wire<M>::Encode(msg, j);
+        return j.dump();
+      },
+      m);
 }
 
 Result<ControlMessage> DecodeMessage(std::string_view text) {
@@ -253,76 +351,8 @@ Result<ControlMessage> DecodeMessage(std::string_view text) {
   if (j.is_discarded() || !j.is_object()) return Bad("not a JSON object");
   if (!j.contains("type") || !j.at("type").is_string()) return Bad("type must be a string");
   const std::string type = j.at("type").get<std::string>();
-  if (type == "read_done") {
-    RETURN_IF_ERROR(CheckKeys(
-        j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank", "decode_engine_id",
-            "decode_rank", "decode_tp_size", "outcome", "want_reply"}));
-    ReadDoneMsg r;
-    ASSIGN_OR_RETURN(r.transfer_id, Id(j, "transfer_id"));
-    ASSIGN_OR_RETURN(r.prefill_engine_id, Id(j, "prefill_engine_id"));
-    ASSIGN_OR_RETURN(r.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
-    ASSIGN_OR_RETURN(r.decode_engine_id, Id(j, "decode_engine_id"));
-    ASSIGN_OR_RETURN(r.decode_tp_size, Int(j, "decode_tp_size", 1, kMaxTp));
-    ASSIGN_OR_RETURN(r.decode_rank, Int(j, "decode_rank", 0, r.decode_tp_size - 1));
-    ASSIGN_OR_RETURN(r.want_reply, Bool(j, "want_reply"));
-    if (!j.contains("outcome") || !j.at("outcome").is_string())
-      return Bad("outcome must be a string");
-    const std::string o = j.at("outcome").get<std::string>();
-    if (o == "ok")
-      r.outcome = ReadOutcome::kOk;
-    else if (o == "failed")
-      r.outcome = ReadOutcome::kFailed;
-    else if (o == "aborted")
-      r.outcome = ReadOutcome::kAborted;
-    else if (o == "skipped")
-      r.outcome = ReadOutcome::kSkipped;
-    else
-      return Bad("outcome \"" + o + "\" unknown (ok|failed|aborted|skipped)");
-    return ControlMessage(r);
-  }
-  if (type == "hold_reply") {
-    RETURN_IF_ERROR(CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
-                                  "decode_engine_id", "decode_rank", "hold_valid", "reason"}));
-    HoldReplyMsg h;
-    ASSIGN_OR_RETURN(h.transfer_id, Id(j, "transfer_id"));
-    ASSIGN_OR_RETURN(h.prefill_engine_id, Id(j, "prefill_engine_id"));
-    ASSIGN_OR_RETURN(h.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
-    ASSIGN_OR_RETURN(h.decode_engine_id, Id(j, "decode_engine_id"));
-    ASSIGN_OR_RETURN(h.decode_rank, Int(j, "decode_rank", 0, kMaxTp - 1));
-    ASSIGN_OR_RETURN(h.hold_valid, Bool(j, "hold_valid"));
-    if (j.contains("reason")) {
-      if (!j.at("reason").is_string() || j.at("reason").get<std::string>().size() > 256) {
-        return Bad("reason must be a string of <= 256 chars");
-      }
-      h.reason = j.at("reason").get<std::string>();
-    }
-    return ControlMessage(h);
-  }
-  if (type == "heartbeat") {
-    RETURN_IF_ERROR(CheckKeys(j, {"type", "transfer_id", "prefill_engine_id", "prefill_rank",
-                                  "decode_engine_id", "decode_rank"}));
-    HeartbeatMsg b;
-    ASSIGN_OR_RETURN(b.transfer_id, Id(j, "transfer_id"));
-    ASSIGN_OR_RETURN(b.prefill_engine_id, Id(j, "prefill_engine_id"));
-    ASSIGN_OR_RETURN(b.prefill_rank, Int(j, "prefill_rank", 0, kMaxTp - 1));
-    ASSIGN_OR_RETURN(b.decode_engine_id, Id(j, "decode_engine_id"));
-    ASSIGN_OR_RETURN(b.decode_rank, Int(j, "decode_rank", 0, kMaxTp - 1));
-    return ControlMessage(b);
-  }
-  if (type == "release") {
-    RETURN_IF_ERROR(CheckKeys(j, {"type", "transfer_id", "prefill_engine_id"}));
-    ReleaseMsg r;
-    ASSIGN_OR_RETURN(r.transfer_id, Id(j, "transfer_id"));
-    if (j.contains("prefill_engine_id")) {
-      ASSIGN_OR_RETURN(r.prefill_engine_id, Id(j, "prefill_engine_id", /*allow_empty=*/true));
-    }
-    return ControlMessage(r);
-  }
-  if (type == "write_blocks" || type == "write_done" || type == "write_cancel") {
-    return DecodeWriteMessage(type, j);
-  }
-  return Bad("unknown type \"" + type +
-             "\" (read_done|hold_reply|heartbeat|release|write_blocks|write_done|write_cancel)");
+  if (auto decoded = DecodeByType(type, j, kAlternatives)) return *std::move(decoded);
+  return Bad("unknown type \"" + type + "\" (" + TypeNames(kAlternatives) + ")");
 }
 
 std::vector<std::pair<int, int>> TpReadPairs(int decode_tp, int prefill_tp) {
