@@ -1202,21 +1202,6 @@ class KvBridgeConnector final : public KvConnector {
   Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
                                   int num_local_computed, TimePoint now) {
     Match m;
-    if (p.do_remote_prefill && (EngineTp(hooks_) > 1 || p.tp_size > 1)) {
-      // Each prefill rank writes the head slices the TP plan reads from it and finishes when its
-      // pairs are done; a prefill rank that is the source of no slice (replicated heads, Tp > Td)
-      // would wait for its lease: refuse that topology rather than leak a hold.
-      std::set<int> sources;
-      for (const auto& [dr, pr] : TpPlanPairs(p.tp_size, EngineTp(hooks_), GlobalKvHeads(hooks_)))
-        sources.insert(pr);
-      if (static_cast<int>(sources.size()) != p.tp_size) {
-        return UnimplementedError(
-            "kv_transfer_params.mode \"write\" with a prefill tp_size " +
-            std::to_string(p.tp_size) + " whose ranks are not all read by this decode (tp " +
-            std::to_string(EngineTp(hooks_)) + ", " + std::to_string(GlobalKvHeads(hooks_)) +
-            " KV heads) is not supported; use \"read\"");
-      }
-    }
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");

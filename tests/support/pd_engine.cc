@@ -110,6 +110,7 @@ std::unique_ptr<PdEngine> PdEngine::Start(const PdEngineOptions& o) {
   e->kv = *kv;
   EngineConfig ec = BaseConfig(o.dtype);
   ec.enable_prefix_caching = o.prefix_caching;
+  ec.tensor_parallel_size = o.tensor_parallel_size;
   ec.connector_factory = e->kv->Factory();
   auto engine = Engine::Create(ec, o.model ? o.model : TinyModel());
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();

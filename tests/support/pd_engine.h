@@ -1,6 +1,6 @@
 // tests/support/pd_engine.h — in-process P/D engines for the connector's end-to-end tests
-// (pd_read_test, pd_write_test): a real Engine with its KvBridgeRuntime (transfer agent on
-// 127.0.0.1) and ApiServer (for the connector's HTTP routes), the tiny random model, and the
+// (pd_read_test, pd_write_test, pd_tp_test): a real Engine with its KvBridgeRuntime (transfer agent
+// on 127.0.0.1) and ApiServer (for the connector's HTTP routes), the tiny random model, and the
 // helpers that run one request and compare answers bitwise.
 //
 //   auto ref = Engine::Create(BaseConfig(), TinyModel());
@@ -66,6 +66,8 @@ struct PdEngineOptions {
   bool corrupt_first_read_block = false;
   /// nullptr: TinyModel().
   std::shared_ptr<const Model> model;
+  /// The engine's TP size (ranks are threads; one KV shard and transfer agent per rank).
+  int tensor_parallel_size = 1;
 };
 
 /// One engine with its connector runtime (lease 30 s, reply timeout 5 s, cluster token
