@@ -24,6 +24,26 @@ KvTransferParams WriteParams(const std::string& tid) {
   return p;
 }
 
+const std::vector<int32_t> kPrefillTable = {10, 11, 12};  // 40 tokens
+const std::vector<int32_t> kDecodeTable = {0, 1, 2};
+
+// The decode leg `request_id` of a 40-token prompt (no local hit) admitted and its blocks
+// (kDecodeTable) allocated at `now`.
+void AddDecode(WriteDecodeCore& decode, const std::string& request_id,
+               const KvTransferParams& params, TimePoint now) {
+  ASSERT_TRUE(decode.OnRequestAdded(request_id, params, 40, 0, now).ok());
+  decode.OnBlocksAllocated(request_id, kDecodeTable, 0, 39, now);
+}
+
+// The decode's block-id messages, taken from its actions (each action must be one).
+std::vector<WriteBlocksMsg> TakeWriteBlocks(WriteDecodeCore& decode) {
+  std::vector<WriteBlocksMsg> out;
+  for (auto& a : decode.TakeActions()) {
+    out.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
+  }
+  return out;
+}
+
 struct Posted {
   PostWriteAction a;
   bool cancelled = false;
@@ -90,6 +110,17 @@ struct Pipe {
     }
     Pump(now);
   }
+  // Transfer x1 (40 tokens): the prefill leg p-1 and the decode leg d-1 admitted, the decode's
+  // blocks allocated and its block ids delivered, at `now`.
+  void AddBoth(TimePoint now) {
+    ASSERT_TRUE(prefill.OnRequestAdded("p-1", 1, "x1", 40, now).ok());
+    AddDecode(decode, "d-1", WriteParams("x1"), now);
+    Pump(now);
+  }
+  // Layers [0, num_layers) of p-1 computed at `now` (its block table: kPrefillTable).
+  void ComputeLayers(TimePoint now, int num_layers = kLayers) {
+    for (int l = 0; l < num_layers; ++l) prefill.OnLayerComputed("p-1", l, kPrefillTable, now);
+  }
   void ExpectIdle() {
     EXPECT_TRUE(prefill.Idle());
     EXPECT_TRUE(decode.Idle());
@@ -99,9 +130,6 @@ struct Pipe {
     EXPECT_EQ(decode.NumWaiting(), 0);
   }
 };
-
-const std::vector<int32_t> kPrefillTable = {10, 11, 12};  // 40 tokens
-const std::vector<int32_t> kDecodeTable = {0, 1, 2};
 
 TEST(WriteCores, BlockIdsFirstThenPerLayerWritesThenDone) {
   Pipe p;
@@ -155,7 +183,7 @@ TEST(WriteCores, BlockIdsFirstThenPerLayerWritesThenDone) {
 TEST(WriteCores, RequestFirstComputedBeforeBlockIdsWritesAllLayersAtOnce) {
   Pipe p;
   ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  p.ComputeLayers(2);
   EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 3));  // parked request: held
   p.Pump(3);
   EXPECT_TRUE(p.writes.empty());
@@ -200,11 +228,8 @@ TEST(WriteCores, DecodeSkipsWhenItsPrefixCacheHasEverything) {
 
 TEST(WriteCores, WritesDoneBeforeTheRequestFinishesFreeAtFinish) {
   Pipe p;
-  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  p.Pump(1);
-  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  p.AddBoth(1);
+  p.ComputeLayers(2);
   p.Pump(2);
   p.CompleteWrites(3);
   EXPECT_EQ(p.loads_done, (std::vector<std::string>{"d-1"}));
@@ -216,9 +241,8 @@ TEST(WriteCores, WritesDoneBeforeTheRequestFinishesFreeAtFinish) {
 TEST(WriteCores, DuplicateAndUnknownMessagesAreCountedNoOps) {
   Pipe p;
   ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
   p.deliver = false;
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  AddDecode(p.decode, "d-1", WriteParams("x1"), 1);
   p.Pump(1);
   ASSERT_EQ(p.to_prefill.size(), 1u);
   const WriteBlocksMsg wb = std::get<WriteBlocksMsg>(p.to_prefill[0]);
@@ -227,7 +251,7 @@ TEST(WriteCores, DuplicateAndUnknownMessagesAreCountedNoOps) {
   EXPECT_EQ(p.prefill.counters().notifications_ignored, 1);
   p.to_prefill.clear();
   p.deliver = true;
-  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  p.ComputeLayers(2);
   EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
   p.Pump(2);
   EXPECT_EQ(p.writes.size(), 3u);  // not 6
@@ -256,10 +280,7 @@ TEST(WriteCores, DuplicateAndUnknownMessagesAreCountedNoOps) {
 
 TEST(WriteCores, DecodeAbortMidWriteKeepsBlocksUntilThePrefillConfirmsDrained) {
   Pipe p;
-  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  p.Pump(1);
+  p.AddBoth(1);
   p.prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
   p.Pump(2);
   ASSERT_EQ(p.writes.size(), 1u);
@@ -288,9 +309,8 @@ TEST(WriteCores, DecodeAbortMidWriteKeepsBlocksUntilThePrefillConfirmsDrained) {
 
 TEST(WriteCores, DecodeAbortWithoutAnyDrainFreesAfterTheWriteTimeout) {
   Pipe p;
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
   p.deliver = false;  // the prefill never hears of it
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  AddDecode(p.decode, "d-1", WriteParams("x1"), 1);
   EXPECT_TRUE(p.decode.OnRequestAborted("d-1", 2));
   p.Pump(2);
   p.decode.OnTick(1 + 12 * kSecond - 1);
@@ -307,10 +327,7 @@ TEST(WriteCores, DecodeAbortWithoutAnyDrainFreesAfterTheWriteTimeout) {
 
 TEST(WriteCores, PrefillAbortMidWriteTellsTheDecodeWhichRecomputes) {
   Pipe p;
-  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  p.Pump(1);
+  p.AddBoth(1);
   p.prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
   p.Pump(2);
   EXPECT_TRUE(p.prefill.OnRequestAborted("p-1", 3));  // keep: the write may still read them
@@ -335,8 +352,7 @@ TEST(WriteCores, PrefillAbortBeforeBlockIdsAnswersTheLateBlockIdsWithFailure) {
                               .load_failure_policy = LoadFailurePolicy::kFail});
   ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
   EXPECT_FALSE(p.prefill.OnRequestAborted("p-1", 2));  // nothing in flight: free now
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 3).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 3);
+  AddDecode(p.decode, "d-1", WriteParams("x1"), 3);
   p.Pump(3);
   ASSERT_EQ(p.load_failed.size(), 1u);
   EXPECT_FALSE(p.load_failed[0].recompute);  // policy "fail"
@@ -346,11 +362,8 @@ TEST(WriteCores, PrefillAbortBeforeBlockIdsAnswersTheLateBlockIdsWithFailure) {
 
 TEST(WriteCores, FailedWriteFailsTheLoadAndFreesBothSides) {
   Pipe p;
-  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  p.Pump(1);
-  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  p.AddBoth(1);
+  p.ComputeLayers(2);
   EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
   p.Pump(2);
   ASSERT_EQ(p.writes.size(), 3u);
@@ -378,8 +391,7 @@ TEST(WriteCores, LeaseFreesAPrefillWhoseBlockIdsNeverCame) {
   EXPECT_EQ(p.prefill_freed, (std::vector<std::string>{"p-1"}));
   EXPECT_EQ(p.prefill.counters().lease_expired, 1);
   // The block ids arrive late: answered "expired", the decode recomputes.
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 3 + 10 * kSecond).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 3 + 10 * kSecond);
+  AddDecode(p.decode, "d-1", WriteParams("x1"), 3 + 10 * kSecond);
   p.Pump(3 + 10 * kSecond);
   ASSERT_EQ(p.load_failed.size(), 1u);
   EXPECT_NE(p.load_failed[0].status.message().find("expired"), std::string::npos);
@@ -390,8 +402,7 @@ TEST(WriteCores, ParkedBlockIdsExpireWithAnAnswerAndTheParkingIsBounded) {
   Pipe p;
   for (int i = 0; i < 5; ++i) {
     const std::string id = "d-" + std::to_string(i);
-    ASSERT_TRUE(p.decode.OnRequestAdded(id, WriteParams("x" + std::to_string(i)), 40, 0, 1).ok());
-    p.decode.OnBlocksAllocated(id, kDecodeTable, 0, 39, 1);
+    AddDecode(p.decode, id, WriteParams("x" + std::to_string(i)), 1);
   }
   p.Pump(1);
   EXPECT_EQ(p.prefill.NumParked(), 4);  // max_parked_messages: the fifth is refused at once
@@ -405,11 +416,8 @@ TEST(WriteCores, ParkedBlockIdsExpireWithAnAnswerAndTheParkingIsBounded) {
 
 TEST(WriteCores, ProxyReleaseMidWriteCancelsAndFreesOnceDrained) {
   Pipe p;
-  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  p.Pump(1);
-  for (int l = 0; l < kLayers; ++l) p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 2);
+  p.AddBoth(1);
+  p.ComputeLayers(2);
   EXPECT_TRUE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 2));
   p.Pump(2);
   EXPECT_EQ(p.prefill.OnRelease({.transfer_id = "x1", .prefill_engine_id = "other"}, 3).code(),
@@ -449,12 +457,8 @@ TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
   WritePrefillCore prefill({.engine_id = "p0", .block_size = 16, .num_layers = 1});
   WriteDecodeCore decode({.engine_id = "d0", .tp_size = 2, .block_size = 16});
   ASSERT_TRUE(prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 0, 1).ok());
-  decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  std::vector<WriteBlocksMsg> wbs;
-  for (auto& a : decode.TakeActions()) {
-    wbs.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
-  }
+  AddDecode(decode, "d-1", WriteParams("x1"), 1);
+  const std::vector<WriteBlocksMsg> wbs = TakeWriteBlocks(decode);
   ASSERT_EQ(wbs.size(), 2u);
   EXPECT_EQ(wbs[0].decode_rank, 0);
   EXPECT_EQ(wbs[1].decode_rank, 1);
@@ -513,8 +517,7 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
   KvTransferParams params = WriteParams("x1");
   params.tp_size = 2;
   ASSERT_TRUE(p0.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(decode.OnRequestAdded("d-1", params, 40, 0, 1).ok());
-  decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  AddDecode(decode, "d-1", params, 1);
   std::vector<WriteBlocksMsg> wbs;
   std::vector<WriteCancelMsg> skips;  // rank 1 writes nothing: told so at admission
   for (auto& a : decode.TakeActions()) {
@@ -565,12 +568,9 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
 
   // Without a head count the cores assume an even split: the decode writes to both ranks.
   WriteDecodeCore even({.engine_id = "d1", .tp_size = 1, .block_size = 16});
-  ASSERT_TRUE(even.OnRequestAdded("d-2", params, 40, 0, 4).ok());
-  even.OnBlocksAllocated("d-2", kDecodeTable, 0, 39, 4);
+  AddDecode(even, "d-2", params, 4);
   std::vector<int> ranks;
-  for (auto& a : even.TakeActions()) {
-    ranks.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg).prefill_rank);
-  }
+  for (const WriteBlocksMsg& wb : TakeWriteBlocks(even)) ranks.push_back(wb.prefill_rank);
   EXPECT_EQ(ranks, (std::vector<int>{0, 1}));
   EXPECT_TRUE(even.OnRequestAborted("d-2", 5));  // writes may land: keep the blocks
 }
@@ -584,12 +584,8 @@ TEST(WriteCores, PrefillRanksHoldTheSharedBlocksUntilTheLastRankIsDone) {
   KvTransferParams params = WriteParams("x1");
   params.tp_size = 2;
   ASSERT_TRUE(prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
-  ASSERT_TRUE(decode.OnRequestAdded("d-1", params, 40, 0, 1).ok());
-  decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
-  std::vector<WriteBlocksMsg> wbs;
-  for (auto& a : decode.TakeActions()) {
-    wbs.push_back(std::get<WriteBlocksMsg>(std::get<SendMessageAction>(a).msg));
-  }
+  AddDecode(decode, "d-1", params, 1);
+  const std::vector<WriteBlocksMsg> wbs = TakeWriteBlocks(decode);
   ASSERT_EQ(wbs.size(), 2u);
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(wbs[r].decode_rank, r);
