@@ -268,14 +268,6 @@ int RunUp(UpOptions o) {
     Usage("--mode must be read|write");
     return 2;
   }
-  if (o.mode == "write" && o.prefill_tp > 1) {
-    // The proxy's WRITE decode leg does not yet name the prefill's TP size, so a decode would plan
-    // for one prefill rank; the engines themselves support it (pd_tp_test PdTpWrite).
-    Usage(
-        "--mode write with --prefill-tp > 1 is not supported through the proxy yet (use --mode "
-        "read, or --prefill-tp 1)");
-    return 2;
-  }
   if (o.port < 0 || o.port > 65535) {
     Usage("--port must be in [0, 65535] (0: any free port)");
     return 2;

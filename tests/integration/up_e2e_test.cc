@@ -1,8 +1,9 @@
 // End to end with real engines: `kvbridge up 1p1d` / `1p3d` (READ mode, prefix caching off), greedy
 // answers through the proxy equal to one colocated engine's (n>1, streaming and not),
 // client-supplied kv_transfer_params without effect, `kvbridge bench --check-drain` exits 0, and
-// SIGTERM stops the topology with exit 0; `up 1p1d --prefill-forward-n` under concurrency 16 with
-// n=8 drains clean. Skips, saying why, while the engine does not speak P/D.
+// SIGTERM stops the topology with exit 0; WRITE mode too, also with TP 2 prefills (2x2, 2x1);
+// `up 1p1d --prefill-forward-n` under concurrency 16 with n=8 drains clean. Skips, saying why,
+// while the engine does not speak P/D.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -100,6 +101,14 @@ std::string StreamText(int port, const json& body, int index) {
   return text;
 }
 
+std::string GetBody(const std::string& url, const std::string& path) {
+  auto colon = url.rfind(':');
+  httplib::Client c("127.0.0.1", std::atoi(url.c_str() + colon + 1));
+  c.set_read_timeout(10, 0);
+  auto r = c.Get(path.c_str());
+  return r && r->status == 200 ? r->body : std::string();
+}
+
 class UpEndToEnd : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
@@ -120,14 +129,22 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 120'000)) << solo.ReadLog();
 
   const int port = testing::FreePort();
-  // The parameter is "TOPOLOGY" or "TOPOLOGY:MODE".
+  // The parameter is "TOPOLOGY", "TOPOLOGY:MODE" or "TOPOLOGY:MODE:tpPxD" (prefill TP P, decode
+  // TP D).
   const std::string param = GetParam();
   const size_t colon = param.find(':');
   const std::string topology = param.substr(0, colon);
-  const std::string mode = colon == std::string::npos ? "read" : param.substr(colon + 1);
-  Subprocess up({bin, "up", topology, "--mode", mode, "--port", std::to_string(port), "--log-dir",
-                 dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
-                dir + "/up.log");
+  std::string mode = colon == std::string::npos ? "read" : param.substr(colon + 1);
+  int prefill_tp = 1, decode_tp = 1;
+  if (const size_t c2 = mode.find(":tp"); c2 != std::string::npos) {
+    ASSERT_EQ(std::sscanf(mode.c_str() + c2, ":tp%dx%d", &prefill_tp, &decode_tp), 2) << param;
+    mode.resize(c2);
+  }
+  Subprocess up(
+      {bin, "up", topology, "--mode", mode, "--port", std::to_string(port), "--log-dir",
+       dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240",
+       "--prefill-tp", std::to_string(prefill_tp), "--decode-tp", std::to_string(decode_tp)},
+      dir + "/up.log");
   bool ready = false;
   for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
     ready = up.ReadLog().find("ready in") != std::string::npos;
@@ -160,20 +177,44 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   sbody["n"] = 2;
   EXPECT_EQ(StreamText(port, sbody, 1), want["choices"][0]["text"].get<std::string>());
 
-  Subprocess bench({bin, "bench", "--host", "http://127.0.0.1:" + std::to_string(port), "--samples",
-                    "12", "--batches", "2,4", "--best-of-n", "4", "--input-tokens", "200",
-                    "--output-tokens", "12", "--check-drain", "--drain-timeout", "5"},
-                   dir + "/bench.log");
+  // TP engines run their ranks as threads on the same few cores: a shorter bench keeps the test
+  // time small.
+  const bool tp = prefill_tp > 1 || decode_tp > 1;
+  Subprocess bench(
+      {bin, "bench", "--host", "http://127.0.0.1:" + std::to_string(port), "--samples",
+       tp ? "4" : "12", "--batches", tp ? "2" : "2,4", "--best-of-n", "4", "--input-tokens", "200",
+       "--output-tokens", "12", "--check-drain", "--drain-timeout", "5"},
+      dir + "/bench.log");
   EXPECT_EQ(bench.Wait(300'000), 0) << bench.ReadLog();
+
+  // Every instance registered its TP size (the WRITE decode leg names the prefill's), and drained
+  // with no safety net used.
+  const std::string host = "http://127.0.0.1:" + std::to_string(port);
+  json inst = json::parse(GetBody(host, "/instances"), nullptr, false);
+  ASSERT_TRUE(inst.is_object() && inst.contains("instances")) << inst.dump();
+  for (const auto& i : inst["instances"]) {
+    const std::string url = i["url"];
+    EXPECT_EQ(i["tp_size"], i["role"] == "prefill" ? prefill_tp : decode_tp) << i.dump();
+    const std::string m = GetBody(url, "/metrics");
+    ASSERT_FALSE(m.empty()) << url;
+    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_active"), 0.0) << url;
+    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_held_for_transfer"), 0.0) << url;
+    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_lease_expired_total"), 0.0) << url;
+    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_notifications_ignored_total"), 0.0) << url;
+  }
 
   up.Signal(SIGTERM);
   EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
 }
 
 // "1p1d:write" also guards the proxy against a WRITE flow whose prefill leg ends after the decode
-// leg answered (it once left the client's keep-alive connection unread forever).
+// leg answered (it once left the client's keep-alive connection unread forever). The ":tp" cases
+// run WRITE with a TP 2 prefill through the proxy: the decode leg names tp_size 2 from the
+// prefill's registration (tiny model: 2 KV heads, so Tp = Td pairs rank to rank and (2, 1) has
+// the decode's one rank take a head from each prefill rank).
 INSTANTIATE_TEST_SUITE_P(Topologies, UpEndToEnd,
-                         ::testing::Values("1p1d", "1p3d", "1p1d:write", "1p3d:write"),
+                         ::testing::Values("1p1d", "1p3d", "1p1d:write", "1p3d:write",
+                                           "1p1d:write:tp2x2", "1p1d:write:tp2x1"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;
                            for (char& c : name) {
@@ -189,14 +230,6 @@ bool WaitReady(Subprocess& up) {
     usleep(100'000);
   }
   return false;
-}
-
-std::string GetBody(const std::string& url, const std::string& path) {
-  auto colon = url.rfind(':');
-  httplib::Client c("127.0.0.1", std::atoi(url.c_str() + colon + 1));
-  c.set_read_timeout(10, 0);
-  auto r = c.Get(path.c_str());
-  return r && r->status == 200 ? r->body : std::string();
 }
 
 // The prefill gets the client's n (its 1:many sibling path) while 16 requests with n=8 are in
