@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -39,8 +40,7 @@ struct Recorded {
 class FakeEngine {
  public:
   // keep_alive_max: requests the server answers on one connection before it closes it.
-  explicit FakeEngine(bool prefill, int keep_alive_max = 5)
-      : prefill_(prefill), port_(testing::FreePort()) {
+  explicit FakeEngine(bool prefill, int keep_alive_max = 5) : prefill_(prefill) {
     server_.set_keep_alive_max_count(keep_alive_max);
     auto handler = [this](const httplib::Request& req, httplib::Response& res) {
       Record(req);
@@ -110,7 +110,8 @@ class FakeEngine {
     server_.Get("/v1/models", [](const httplib::Request&, httplib::Response& res) {
       res.set_content(R"({"object":"list","data":[{"id":"fake"}]})", "application/json");
     });
-    EXPECT_TRUE(server_.bind_to_port("127.0.0.1", port_));
+    port_ = server_.bind_to_any_port("127.0.0.1");
+    EXPECT_GT(port_, 0);
     thread_ = std::thread([this] { server_.listen_after_bind(); });
     // stop() before the loop runs would be lost and leave the thread in accept() forever.
     for (int i = 0; i < 500 && !server_.is_running(); ++i) {
@@ -150,7 +151,7 @@ class FakeEngine {
                       req.get_header_value(kClusterTokenHeader)});
   }
   bool prefill_;
-  int port_;
+  int port_ = -1;
   httplib::Server server_;
   std::thread thread_;
   std::mutex mu_;
@@ -166,17 +167,58 @@ std::unique_ptr<ProxyServer> StartProxy(ProxyOptions o) {
   return std::move(p).value();
 }
 
+// StartProxy with one static prefill and one static decode; `tune` sets other options first.
+std::unique_ptr<ProxyServer> StartProxy(const std::string& prefill_url,
+                                        const std::string& decode_url,
+                                        const std::function<void(ProxyOptions&)>& tune = {}) {
+  ProxyOptions o;
+  o.prefill_urls = {prefill_url};
+  o.decode_urls = {decode_url};
+  if (tune) tune(o);
+  return StartProxy(o);
+}
+
+// Waits (bounded, 1 s) until the proxy's `name{labels}` reaches `value`; returns its value then.
+// Outcomes are counted when a flow ends, which may be just after the client has its answer.
+double WaitMetric(ProxyServer& proxy, const std::string& name, const std::string& labels,
+                  double value) {
+  for (int i = 0; i < 100 && ScrapeMetric(proxy.MetricsText(), name, labels) < value; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  return ScrapeMetric(proxy.MetricsText(), name, labels);
+}
+
+// A streamed POST /v1/completions of `body`; the bytes received are appended to *got.
+httplib::Request StreamRequest(const std::string& body, std::string* got) {
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body;
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [got](const char* data, size_t len, uint64_t, uint64_t) {
+    got->append(data, len);
+    return true;
+  };
+  return req;
+}
+
 const std::string kBody =
     R"({"model":"fake","prompt":"hi","max_tokens":16,"n":4,"min_tokens":2,"logprobs":1,)"
     R"("kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[999],)"
     R"("transfer_id":"client-chosen"}})";
 
+// POSTs kBody to /v1/completions `times` times on `cli`; every answer must be 200.
+void PostOk(httplib::Client& cli, int times) {
+  for (int i = 0; i < times; ++i) {
+    auto res = cli.Post("/v1/completions", kBody, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200) << res->body;
+  }
+}
+
 TEST(ProxyFakeEngines, ReadFlowLegShapesAndStripping) {
   FakeEngine p(true), d(false);
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
@@ -226,11 +268,7 @@ TEST(ProxyFakeEngines, ReadFlowLegShapesAndStripping) {
 
 TEST(ProxyFakeEngines, PrefillForwardN) {
   FakeEngine p(true), d(false);
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  o.prefill_forward_n = true;
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url(), [](ProxyOptions& o) { o.prefill_forward_n = true; });
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
@@ -242,10 +280,7 @@ TEST(ProxyFakeEngines, Decode4xxForwardedWithBodyAndPrefillReleased) {
   FakeEngine p(true), d(false);
   d.fail_status_ = 400;
   d.fail_body_ = R"({"error":{"message":"max_tokens too large","code":400}})";
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
@@ -256,16 +291,8 @@ TEST(ProxyFakeEngines, Decode4xxForwardedWithBodyAndPrefillReleased) {
   ASSERT_EQ(rel.size(), 1u);
   EXPECT_EQ(rel[0].body, json({{"transfer_id", tid}}));
   EXPECT_EQ(rel[0].token, kToken);
-  // Outcomes are counted when the flow ends, which may be just after the client has its answer.
-  for (int i = 0; i < 100 && (ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_releases_total",
-                                           "result=\"ok\"") < 1 ||
-                              ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_total",
-                                           "outcome=\"decode_error\"") < 1);
-       ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_total",
-                         "outcome=\"decode_error\""),
+  EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_releases_total", "result=\"ok\"", 1), 1.0);
+  EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"decode_error\"", 1),
             1.0);
 }
 
@@ -274,10 +301,7 @@ TEST(ProxyFakeEngines, Decode4xxReleasesThePrefillAtTheStatusLineBeforeItsBody) 
   d.fail_status_ = 429;
   d.fail_body_ = R"({"error":{"message":"slow down","code":429}})";
   d.fail_body_delay_ms_ = 1500;
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   std::atomic<bool> answered{false};
   int status = 0;
   std::string body;
@@ -305,10 +329,7 @@ TEST(ProxyFakeEngines, PrefillErrorForwardedAsIs) {
   FakeEngine p(true), d(false);
   p.fail_status_ = 413;
   p.fail_body_ = R"({"error":"prompt too long"})";
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/chat/completions", R"({"messages":[]})", "application/json");
   ASSERT_TRUE(res);
@@ -319,10 +340,7 @@ TEST(ProxyFakeEngines, PrefillErrorForwardedAsIs) {
 
 TEST(ProxyFakeEngines, DecodeUnreachableReleasesPrefill) {
   FakeEngine p(true);
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {"http://127.0.0.1:" + std::to_string(testing::FreePort())};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), "http://127.0.0.1:" + std::to_string(testing::FreePort()));
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
@@ -340,34 +358,18 @@ TEST(ProxyFakeEngines, UnreachablePrefillRetriedOnAnother) {
   o.health_probe_interval = 3600 * kSecond;  // keep the dead one "healthy" so it gets picked
   auto proxy = StartProxy(o);
   httplib::Client cli("127.0.0.1", proxy->port());
-  for (int i = 0; i < 4; ++i) {
-    auto res = cli.Post("/v1/completions", kBody, "application/json");
-    ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 200) << res->body;
-  }
+  PostOk(cli, 4);
   EXPECT_EQ(p.Calls("/v1/completions").size(), 4u);
 }
 
 TEST(ProxyFakeEngines, StreamingPassThrough) {
   FakeEngine p(true), d(false);
   d.sse_events_ = 5;
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
   std::string got;
-  std::string content_type;
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.body = R"({"prompt":"hi","stream":true,"stream_options":{"include_usage":true}})";
-  req.set_header("Content-Type", "application/json");
-  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
-    got.append(data, len);
-    return true;
-  };
-  auto res = cli.send(req);
+  auto res = cli.send(StreamRequest(
+      R"({"prompt":"hi","stream":true,"stream_options":{"include_usage":true}})", &got));
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200);
   EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
@@ -386,10 +388,7 @@ TEST(ProxyFakeEngines, ClientDisconnectMidStreamCancelsDecodeAndReleases) {
   FakeEngine p(true), d(false);
   d.sse_events_ = 400;
   d.sse_delay_ms_ = 10;  // 4 s of stream unless cancelled
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   // A raw client: send the request, read the first bytes, then close.
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -419,14 +418,9 @@ TEST(ProxyFakeEngines, ClientDisconnectMidStreamCancelsDecodeAndReleases) {
   ASSERT_EQ(rel.size(), 1u);
   EXPECT_EQ(rel[0].body["transfer_id"],
             p.Calls("/v1/completions").at(0).body["kv_transfer_params"]["transfer_id"]);
-  for (int i = 0; i < 100 && ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_total",
-                                          "outcome=\"client_disconnected\"") < 1;
-       ++i) {
-    std::this_thread::sleep_for(10ms);
-  }
-  EXPECT_EQ(ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_total",
-                         "outcome=\"client_disconnected\""),
-            1.0);
+  EXPECT_EQ(
+      WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"client_disconnected\"", 1),
+      1.0);
 }
 
 TEST(ProxyFakeEngines, RegistrationHeartbeatExpiryAndMixedModeRefused) {
@@ -499,10 +493,7 @@ TEST(ProxyFakeEngines, RegistrationHeartbeatExpiryAndMixedModeRefused) {
 
 TEST(ProxyFakeEngines, BadRequestsAndUnknownPaths) {
   FakeEngine p(true), d(false);
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", "{not json", "application/json");
   ASSERT_TRUE(res);
@@ -551,16 +542,9 @@ TEST(ProxyFakeEngines, RegistrationClientRetriesAndRegistersAgainAfterProxyResta
 
 TEST(ProxyFakeEngines, LegsReuseKeepAliveConnections) {
   FakeEngine p(true, 1000), d(false, 1000);
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
-  for (int i = 0; i < 6; ++i) {
-    auto res = cli.Post("/v1/completions", kBody, "application/json");
-    ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 200);
-  }
+  PostOk(cli, 6);
   // One connection per engine, then every later leg reuses it.
   std::string m = proxy->MetricsText();
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 2.0);
@@ -569,22 +553,11 @@ TEST(ProxyFakeEngines, LegsReuseKeepAliveConnections) {
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_upstream_idle_connections"), 2.0);
 
   // A streamed decode leg goes back to the pool only after its end, and is reused after it.
-  httplib::Request req;
-  req.method = "POST";
-  req.path = "/v1/completions";
-  req.body = R"({"prompt":"hi","stream":true})";
-  req.set_header("Content-Type", "application/json");
   std::string got;
-  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
-    got.append(data, len);
-    return true;
-  };
-  auto res = cli.send(req);
+  auto res = cli.send(StreamRequest(R"({"prompt":"hi","stream":true})", &got));
   ASSERT_TRUE(res);
   EXPECT_EQ(got, "data: {\"i\":0}\n\ndata: {\"i\":1}\n\ndata: {\"i\":2}\n\ndata: [DONE]\n\n");
-  res = cli.Post("/v1/completions", kBody, "application/json");
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200);
+  PostOk(cli, 1);
   m = proxy->MetricsText();
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 2.0);
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"reused\""), 14.0);
@@ -592,17 +565,9 @@ TEST(ProxyFakeEngines, LegsReuseKeepAliveConnections) {
 
 TEST(ProxyFakeEngines, PoolOffOpensAConnectionPerLeg) {
   FakeEngine p(true, 1000), d(false, 1000);
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  o.upstream_max_idle = 0;
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url(), [](ProxyOptions& o) { o.upstream_max_idle = 0; });
   httplib::Client cli("127.0.0.1", proxy->port());
-  for (int i = 0; i < 3; ++i) {
-    auto res = cli.Post("/v1/completions", kBody, "application/json");
-    ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 200);
-  }
+  PostOk(cli, 3);
   std::string m = proxy->MetricsText();
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 6.0);
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"reused\""), 0.0);
@@ -610,16 +575,9 @@ TEST(ProxyFakeEngines, PoolOffOpensAConnectionPerLeg) {
 
 TEST(ProxyFakeEngines, EngineClosingAfterEachResponseIsNotReused) {
   FakeEngine p(true, 1), d(false, 1);  // "Connection: close" on every response
-  ProxyOptions o;
-  o.prefill_urls = {p.url()};
-  o.decode_urls = {d.url()};
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(p.url(), d.url());
   httplib::Client cli("127.0.0.1", proxy->port());
-  for (int i = 0; i < 3; ++i) {
-    auto res = cli.Post("/v1/completions", kBody, "application/json");
-    ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 200);
-  }
+  PostOk(cli, 3);
   std::string m = proxy->MetricsText();
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_connections_total", "kind=\"new\""), 6.0);
   EXPECT_EQ(ScrapeMetric(m, "kvbridge_proxy_leg_retries_total"), 0.0);
@@ -714,11 +672,9 @@ class DroppingEngine {
 
 TEST(ProxyFakeEngines, RequestLostOnAReusedConnectionIsSentAgainOnceOnANewOne) {
   DroppingEngine e(/*drop_from=*/1);
-  ProxyOptions o;
-  o.prefill_urls = {e.url()};
-  o.decode_urls = {e.url()};
-  o.health_probe_interval = 3600 * kSecond;  // no probe connections in the counts
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(e.url(), e.url(), [](ProxyOptions& o) {
+    o.health_probe_interval = 3600 * kSecond;  // no probe connections in the counts
+  });
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
@@ -737,11 +693,8 @@ TEST(ProxyFakeEngines, RequestLostOnAReusedConnectionIsSentAgainOnceOnANewOne) {
 
 TEST(ProxyFakeEngines, RequestLostOnANewConnectionIsNotSentAgain) {
   DroppingEngine e(/*drop_from=*/0);
-  ProxyOptions o;
-  o.prefill_urls = {e.url()};
-  o.decode_urls = {e.url()};
-  o.health_probe_interval = 3600 * kSecond;
-  auto proxy = StartProxy(o);
+  auto proxy = StartProxy(e.url(), e.url(),
+                          [](ProxyOptions& o) { o.health_probe_interval = 3600 * kSecond; });
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
