@@ -16,6 +16,7 @@
 #include <numeric>
 #include <thread>
 
+#include "transfer/backend_util.h"
 #include "transfer/backends/cuda_ipc/block_copy.h"
 #include "transfer/backends/cuda_ipc/cuda_status.h"
 #include "transfer/backends/cuda_ipc/peer_link.h"
@@ -193,9 +194,7 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
     const auto& segs = *job->segments;
     uint64_t unit = 0;
     for (const Segment& s : segs) {  // defence in depth: Prepare checked against the metadata
-      if (s.remote_layer >= map_->layer_base.size() ||
-          s.remote_offset > map_->layer_bytes[s.remote_layer] ||
-          s.length > map_->layer_bytes[s.remote_layer] - s.remote_offset) {
+      if (!SegmentFitsPeer(s, map_->layer_bytes)) {
         return job->finish(InvalidArgumentError("segment outside the peer's mapped region"));
       }
       if (!local_->Contains(s.local, s.length)) {
@@ -237,13 +236,7 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
 
   void Close() override {
     MarkDead();
-    if (reader_.joinable()) {
-      if (reader_.get_id() == std::this_thread::get_id()) {
-        reader_.detach();
-      } else {
-        reader_.join();
-      }
-    }
+    JoinOrDetach(reader_);
   }
 
  private:
@@ -412,12 +405,7 @@ class CudaIpcBackend : public Backend {
 
   void Shutdown() override {
     std::list<std::shared_ptr<CudaIpcChannel>> inbound;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (shut_) return;
-      shut_ = true;
-      inbound.swap(inbound_);
-    }
+    if (!inbound_.Shut(&inbound)) return;
     if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);
     if (accept_.joinable()) accept_.join();
     if (listen_fd_ >= 0) ::close(listen_fd_);
@@ -428,12 +416,7 @@ class CudaIpcBackend : public Backend {
 
  private:
   void AcceptLoop() {
-    for (;;) {
-      int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;
-      }
+    for (int fd; (fd = AcceptRetrying(listen_fd_)) >= 0;) {
       Channel hs(::dup(fd));
       Result<cuda_ipc::Message> m = hs.Recv(ctx_.peer_timeout_ms);
       uint64_t inc = 0, expect = 0;
@@ -458,19 +441,7 @@ class CudaIpcBackend : public Backend {
       }
       auto ch = std::make_shared<CudaIpcChannel>(fd, peer_name, &ctx_, engine_.get(),
                                                  completer_.get(), &local_, nullptr);
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        if (shut_) return;
-        for (auto it = inbound_.begin(); it != inbound_.end();) {
-          if (!(*it)->alive()) {
-            (*it)->Close();
-            it = inbound_.erase(it);
-          } else {
-            ++it;
-          }
-        }
-        inbound_.push_back(ch);
-      }
+      if (!inbound_.Add(ch, [](const CudaIpcChannel& c) { return !c.alive(); })) return;
       if (ctx_.on_inbound) ctx_.on_inbound(peer_name, ch);
       ch->StartReader();
     }
@@ -484,9 +455,7 @@ class CudaIpcBackend : public Backend {
   std::unique_ptr<Completer> completer_;
   int listen_fd_ = -1;
   std::thread accept_;
-  std::mutex mu_;
-  bool shut_ = false;
-  std::list<std::shared_ptr<CudaIpcChannel>> inbound_;
+  InboundConns<CudaIpcChannel> inbound_;
 };
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "kvbridge/common/logging.h"
+#include "transfer/backend_util.h"
 #include "transfer/socket_util.h"
 #include "transfer/wire.h"
 
@@ -35,33 +36,10 @@ struct RemoteMap {
   }
 };
 
-// Completion of a job split into parts: the last part reports the combined status.
-struct Parts {
-  std::atomic<int> remaining;
-  std::mutex mu;
-  Status status;
-  explicit Parts(int n) : remaining(n) {}
-  void Done(const std::shared_ptr<TransferJob>& job, Status s) {
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> l(mu);
-      if (status.ok() || status.code() == StatusCode::kCancelled) status = std::move(s);
-    }
-    // acq_rel: the last part must see every other part's status write.
-    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      Status final_status;
-      {
-        std::lock_guard<std::mutex> l(mu);
-        final_status = status;
-      }
-      if (job->finish) job->finish(std::move(final_status));
-    }
-  }
-};
-
 struct Work {
   std::shared_ptr<TransferJob> job;
   std::shared_ptr<RemoteMap> map;
-  std::shared_ptr<Parts> parts;
+  std::shared_ptr<JobParts> parts;  // a part's Copy returns OK or Cancelled only
   size_t begin = 0, end = 0;
 };
 
@@ -167,9 +145,7 @@ class ShmChannel : public BackendPeer, public std::enable_shared_from_this<ShmCh
     }
     const auto& segs = *job->segments;
     for (const Segment& s : segs) {  // defence in depth: Prepare checked against the metadata
-      if (s.remote_layer >= map_->layer_base.size() ||
-          s.remote_offset > map_->layer_bytes[s.remote_layer] ||
-          s.length > map_->layer_bytes[s.remote_layer] - s.remote_offset) {
+      if (!SegmentFitsPeer(s, map_->layer_bytes)) {
         job->finish(InvalidArgumentError("segment outside the peer's mapped region"));
         return;
       }
@@ -178,7 +154,7 @@ class ShmChannel : public BackendPeer, public std::enable_shared_from_this<ShmCh
     if (job->total_bytes >= kSplitBytes && pool_->size() > 1 && segs.size() > 1) {
       nparts = static_cast<int>(std::min<size_t>(pool_->size(), segs.size()));
     }
-    auto parts = std::make_shared<Parts>(nparts);
+    auto parts = std::make_shared<JobParts>(nparts);
     std::vector<Work> work;
     size_t begin = 0;
     uint64_t acc = 0;
@@ -207,13 +183,7 @@ class ShmChannel : public BackendPeer, public std::enable_shared_from_this<ShmCh
 
   void Close() override {
     MarkDead();
-    if (reader_.joinable()) {
-      if (reader_.get_id() == std::this_thread::get_id()) {
-        reader_.detach();
-      } else {
-        reader_.join();
-      }
-    }
+    JoinOrDetach(reader_);
   }
 
  private:
@@ -326,12 +296,7 @@ class ShmBackend : public Backend {
 
   void Shutdown() override {
     std::list<std::shared_ptr<ShmChannel>> inbound;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (shut_) return;
-      shut_ = true;
-      inbound.swap(inbound_);
-    }
+    if (!inbound_.Shut(&inbound)) return;
     net::Shutdown(listen_.get());
     if (accept_.joinable()) accept_.join();
     for (auto& c : inbound) c->Close();
@@ -339,12 +304,7 @@ class ShmBackend : public Backend {
 
  private:
   void AcceptLoop() {
-    for (;;) {
-      int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;
-      }
+    for (int fd; (fd = AcceptRetrying(listen_.get())) >= 0;) {
       net::Fd sock(fd);
       // The handshake is short and bounded by the timeout; do it inline.
       net::SetTimeouts(sock.get(), ctx_.peer_timeout_ms, ctx_.peer_timeout_ms);
@@ -380,20 +340,8 @@ class ShmBackend : public Backend {
       net::SetTimeouts(sock.get(), 0, ctx_.peer_timeout_ms);
       auto ch =
           std::make_shared<ShmChannel>(std::move(sock), hello->agent_name, &ctx_, &pool_, nullptr);
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        if (shut_) return;
-        // Drop channels whose peer is gone (their reader has finished).
-        for (auto it = inbound_.begin(); it != inbound_.end();) {
-          if (!(*it)->alive()) {
-            (*it)->Close();
-            it = inbound_.erase(it);
-          } else {
-            ++it;
-          }
-        }
-        inbound_.push_back(ch);
-      }
+      // Drops channels whose peer is gone (their reader has finished).
+      if (!inbound_.Add(ch, [](const ShmChannel& c) { return !c.alive(); })) return;
       if (ctx_.on_inbound) ctx_.on_inbound(hello->agent_name, ch);
       ch->StartReader();
     }
@@ -404,9 +352,7 @@ class ShmBackend : public Backend {
   const KvRegistration* reg_ = nullptr;
   net::Fd listen_;
   std::thread accept_;
-  std::mutex mu_;
-  bool shut_ = false;
-  std::list<std::shared_ptr<ShmChannel>> inbound_;
+  InboundConns<ShmChannel> inbound_;
 };
 
 }  // namespace

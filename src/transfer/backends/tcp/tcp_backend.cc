@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "kvbridge/common/logging.h"
+#include "transfer/backend_util.h"
 #include "transfer/socket_util.h"
 #include "transfer/wire.h"
 
@@ -23,35 +24,10 @@ constexpr uint64_t kMaxRequestBytes = 16u << 20;
 constexpr uint64_t kMinStripeBytes = 256u << 10;
 constexpr size_t kMaxRequestSegments = 16384;
 
-struct Parts {
-  std::atomic<int> remaining{0};
-  std::mutex mu;
-  Status status;
-  void Done(const std::shared_ptr<TransferJob>& job, Status s) {
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> l(mu);
-      // Unavailable wins (the peer is gone), then any peer error, then Cancelled.
-      if (status.ok() || status.code() == StatusCode::kCancelled ||
-          (s.code() == StatusCode::kUnavailable && status.code() != StatusCode::kUnavailable)) {
-        status = std::move(s);
-      }
-    }
-    // acq_rel: the last part must see every other part's status write.
-    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      Status final_status;
-      {
-        std::lock_guard<std::mutex> l(mu);
-        final_status = status;
-      }
-      if (job->finish) job->finish(std::move(final_status));
-    }
-  }
-};
-
 struct Request {
   uint64_t id = 0;
   std::shared_ptr<TransferJob> job;
-  std::shared_ptr<Parts> parts;
+  std::shared_ptr<JobParts> parts;
   size_t begin = 0, end = 0;
   uint64_t bytes = 0;
 };
@@ -160,8 +136,7 @@ class TcpPeer : public BackendPeer {
       cur.bytes += segs[i].length;
     }
     reqs.push_back(cur);
-    auto parts = std::make_shared<Parts>();
-    parts->remaining.store(static_cast<int>(reqs.size()));
+    auto parts = std::make_shared<JobParts>(static_cast<int>(reqs.size()));
     for (auto& r : reqs) {
       r.job = job;
       r.parts = parts;
@@ -355,13 +330,7 @@ class ServerConn : public BackendPeer {
   bool alive() const override { return alive_.load(); }
   void Close() override {
     Kill();
-    if (thread_.joinable()) {
-      if (thread_.get_id() == std::this_thread::get_id()) {
-        thread_.detach();
-      } else {
-        thread_.join();
-      }
-    }
+    JoinOrDetach(thread_);
   }
   void SetSelf(std::weak_ptr<ServerConn> self) { self_ = std::move(self); }
 
@@ -546,12 +515,7 @@ class TcpBackend : public Backend {
 
   void Shutdown() override {
     std::list<std::shared_ptr<ServerConn>> conns;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (shut_) return;
-      shut_ = true;
-      conns.swap(conns_);
-    }
+    if (!conns_.Shut(&conns)) return;
     net::Shutdown(listen_.get());
     if (accept_.joinable()) accept_.join();
     for (auto& c : conns) c->Close();
@@ -559,26 +523,12 @@ class TcpBackend : public Backend {
 
  private:
   void AcceptLoop() {
-    for (;;) {
-      int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;
-      }
+    for (int fd; (fd = AcceptRetrying(listen_.get())) >= 0;) {
       net::TuneTcp(fd, ctx_.peer_timeout_ms);
       auto c = std::make_shared<ServerConn>(net::Fd(fd), &ctx_, reg_);
       c->SetSelf(c);
-      std::lock_guard<std::mutex> l(mu_);
-      if (shut_) return;
-      for (auto it = conns_.begin(); it != conns_.end();) {
-        if ((*it)->finished()) {
-          (*it)->Close();
-          it = conns_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      conns_.push_back(c);
+      if (!conns_.Add(c, [](const ServerConn& x) { return x.finished(); })) return;
+      // Started after it is listed: Shutdown closes the listed ones only once this thread ended.
       c->Start();
     }
   }
@@ -587,9 +537,7 @@ class TcpBackend : public Backend {
   const KvRegistration* reg_ = nullptr;
   net::Fd listen_;
   std::thread accept_;
-  std::mutex mu_;
-  bool shut_ = false;
-  std::list<std::shared_ptr<ServerConn>> conns_;
+  InboundConns<ServerConn> conns_;
 };
 
 }  // namespace
