@@ -289,11 +289,16 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
     return out;
   }
   // Clients never steer the KV protocol: their kv_transfer_params are dropped.
-  j.erase("kv_transfer_params");
+  const bool stripped = j.erase("kv_transfer_params") > 0;
   if (auto it = j.find("stream"); it != j.end() && it->is_boolean()) {
     client_stream_ = it->get<bool>();
   }
-  client_body_ = j.dump();
+  // Serialized again only when it changed: else the client's own text goes on (no dump of a long
+  // prompt). It must end with the object's '}' (WithMember splices before it) and not be empty.
+  const std::string& raw = request.body;
+  const bool raw_ok =
+      !stripped && !j.empty() && !raw.empty() && raw.front() == '{' && raw.back() == '}';
+  client_body_ = raw_ok ? raw : j.dump();
   if (!options_.colocated) {
     json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};
     if (options_.mode == KvMode::kWrite) prefill_params["mode"] = "write";

@@ -605,5 +605,33 @@ TEST(MintTransferId, Is32HexAndUnique) {
   EXPECT_NE(a, b);
 }
 
+TEST(PdFlowColocated, ClientBodyGoesAsSentUnlessItHadKvParams) {
+  FlowOptions o;
+  o.colocated = true;
+  // No kv_transfer_params: the client's text as it came (spacing, key order), not re-serialized.
+  const std::string raw = R"({ "prompt": "hi",  "model":"m" ,"max_tokens":2})";
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", raw}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<SendLeg>(a[0]).body, raw);
+  // With kv_transfer_params, or text the splice could not extend (trailing space), re-serialized.
+  for (const std::string& body : {std::string(R"({"prompt":"hi","kv_transfer_params":{"x":1}})"),
+                                  std::string(R"({"prompt":"hi"} )")}) {
+    Harness h2(o);
+    a = h2.flow.OnClientRequest({"/v1/completions", body}, 0);
+    ASSERT_EQ(a.size(), 1u);
+    EXPECT_EQ(As<SendLeg>(a[0]).body, R"({"prompt":"hi"})") << body;
+  }
+  // READ mode: the decode leg splices the prefill's params into the client's own text.
+  Harness h3;
+  a = h3.flow.OnClientRequest({"/v1/completions", raw}, 0);
+  ASSERT_EQ(a.size(), 1u);
+  a = h3.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  ASSERT_EQ(a.size(), 1u);
+  const std::string& d = As<SendLeg>(a[0]).body;
+  ASSERT_EQ(d.rfind(raw.substr(0, raw.size() - 1) + ",\"kv_transfer_params\":{", 0), 0u) << d;
+  EXPECT_EQ(json::parse(d)["kv_transfer_params"]["remote_block_ids"], json({1, 2, 3}));
+}
+
 }  // namespace
 }  // namespace kvbridge::proxy

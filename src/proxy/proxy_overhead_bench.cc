@@ -2,6 +2,7 @@
 // run against the same upstream (docs/proxy.md has the figures and the command).
 //
 //   build/bin/proxy_overhead_bench --kvbridge build/bin/kvbridge [--requests 2000] [--nginx PATH]
+//       [--only kvbridge-colo]   (one path alone, to profile its process under load)
 //
 // The upstream is a fake OpenAI engine in this process that answers at once (so what is measured
 // is the proxies, not a model): a prefill-shaped request (kv_transfer_params.do_remote_decode)
@@ -105,6 +106,7 @@ double Quantile(std::vector<double> v, double q) {
 int main(int argc, char** argv) {
   std::string kvbridge = "build/bin/kvbridge", nginx = "/usr/sbin/nginx";
   int requests = 2000;
+  std::string only;  // one path alone (e.g. kvbridge-colo), to profile that process under load
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i];
     if (k == "--kvbridge")
@@ -113,8 +115,12 @@ int main(int argc, char** argv) {
       nginx = argv[i + 1];
     else if (k == "--requests")
       requests = std::atoi(argv[i + 1]);
+    else if (k == "--only")
+      only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: %s [--kvbridge PATH] [--nginx PATH] [--requests N]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--kvbridge PATH] [--nginx PATH] [--requests N] [--only PATH_NAME]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -214,6 +220,7 @@ int main(int argc, char** argv) {
     int errors = 0;
     for (int i = 0; i < requests + 100; ++i) {
       for (size_t k = 0; k < kPaths; ++k) {
+        if (!only.empty() && only != paths[k].name) continue;
         auto t0 = Clock::now();
         auto r = clients[k]->Post("/v1/completions", body, "application/json");
         double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -224,44 +231,54 @@ int main(int argc, char** argv) {
         if (i >= 100) paths[k].us.push_back(us);  // the first 100 rounds warm up
       }
     }
-    double direct = Median(paths[0].us);
-    std::printf("%d requests per path (after 100 warm-up rounds), %d errors\n", requests, errors);
-    std::printf("%-14s %10s %10s %10s %16s %14s\n", "path", "p50_us", "p90_us", "p99_us",
-                "added_p50_us", "added_p99_us");
-    const double direct_p99 = Quantile(paths[0].us, 0.99);
-    for (auto& p : paths) {
-      std::printf("%-14s %10.1f %10.1f %10.1f %16.1f %14.1f\n", p.name, Median(p.us),
-                  Quantile(p.us, 0.90), Quantile(p.us, 0.99), Median(p.us) - direct,
-                  Quantile(p.us, 0.99) - direct_p99);
+    if (!only.empty()) {
+      for (auto& p : paths) {
+        if (p.name != only) continue;
+        std::printf("%s alone: %zu requests, %d errors, p50 %.1f us, p90 %.1f us, p99 %.1f us\n",
+                    p.name, p.us.size(), errors, Median(p.us), Quantile(p.us, 0.90),
+                    Quantile(p.us, 0.99));
+      }
     }
-    double ours = Median(paths[3].us) - direct, theirs = Median(paths[1].us) - direct,
-           theirs_ka = Median(paths[2].us) - direct, colo = Median(paths[5].us) - direct;
-    std::printf(
-        "added median latency: nginx %.1f us, nginx-ka %.1f us, kvbridge-colo %.1f us (1 upstream "
-        "call each); kvbridge P/D %.1f us (2 upstream calls; %.1f us beyond a second direct "
-        "call)\n",
-        theirs, theirs_ka, colo, ours, ours - direct);
-    std::printf(
-        "goal, like for like (1 upstream call): kvbridge-colo <= nginx (default): %s; "
-        "<= nginx-ka: %s\n",
-        colo <= theirs ? "met" : "NOT met", colo <= theirs_ka ? "met" : "NOT met");
-    // Where kvbridge's time goes, from its own histograms (means over every request it served).
-    httplib::Client mc("127.0.0.1", proxy_port);
-    if (auto m = mc.Get("/metrics"); m && m->status == 200) {
-      auto mean_us = [&](const std::string& name, const std::string& labels) {
-        double sum = kvbridge::ScrapeMetric(m->body, name + "_sum", labels);
-        double count = kvbridge::ScrapeMetric(m->body, name + "_count", labels);
-        return count > 0 ? 1e6 * sum / count : -1.0;
-      };
+    if (only.empty()) {
+      const double direct = Median(paths[0].us);
+      std::printf("%d requests per path (after 100 warm-up rounds), %d errors\n", requests, errors);
+      std::printf("%-14s %10s %10s %10s %16s %14s\n", "path", "p50_us", "p90_us", "p99_us",
+                  "added_p50_us", "added_p99_us");
+      const double direct_p99 = Quantile(paths[0].us, 0.99);
+      for (auto& p : paths) {
+        std::printf("%-14s %10.1f %10.1f %10.1f %16.1f %14.1f\n", p.name, Median(p.us),
+                    Quantile(p.us, 0.90), Quantile(p.us, 0.99), Median(p.us) - direct,
+                    Quantile(p.us, 0.99) - direct_p99);
+      }
+      double ours = Median(paths[3].us) - direct, theirs = Median(paths[1].us) - direct,
+             theirs_ka = Median(paths[2].us) - direct, colo = Median(paths[5].us) - direct;
       std::printf(
-          "kvbridge inside (means): request %.1f us; prefill leg %.1f us; decode leg %.1f us; "
-          "legs on new/reused connections %.0f/%.0f\n",
-          mean_us("kvbridge_proxy_request_seconds", ""),
-          mean_us("kvbridge_proxy_leg_seconds", "role=\"prefill\""),
-          mean_us("kvbridge_proxy_leg_seconds", "role=\"decode\""),
-          kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_leg_connections_total", "kind=\"new\""),
-          kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_leg_connections_total",
-                                 "kind=\"reused\""));
+          "added median latency: nginx %.1f us, nginx-ka %.1f us, kvbridge-colo %.1f us (1 "
+          "upstream call each); kvbridge P/D %.1f us (2 upstream calls; %.1f us beyond a second "
+          "direct call)\n",
+          theirs, theirs_ka, colo, ours, ours - direct);
+      std::printf(
+          "goal, like for like (1 upstream call): kvbridge-colo <= nginx (default): %s; "
+          "<= nginx-ka: %s\n",
+          colo <= theirs ? "met" : "NOT met", colo <= theirs_ka ? "met" : "NOT met");
+      // Where kvbridge's time goes, from its own histograms (means over every request it served).
+      httplib::Client mc("127.0.0.1", proxy_port);
+      if (auto m = mc.Get("/metrics"); m && m->status == 200) {
+        auto mean_us = [&](const std::string& name, const std::string& labels) {
+          double sum = kvbridge::ScrapeMetric(m->body, name + "_sum", labels);
+          double count = kvbridge::ScrapeMetric(m->body, name + "_count", labels);
+          return count > 0 ? 1e6 * sum / count : -1.0;
+        };
+        std::printf(
+            "kvbridge inside (means): request %.1f us; prefill leg %.1f us; decode leg %.1f us; "
+            "legs on new/reused connections %.0f/%.0f\n",
+            mean_us("kvbridge_proxy_request_seconds", ""),
+            mean_us("kvbridge_proxy_leg_seconds", "role=\"prefill\""),
+            mean_us("kvbridge_proxy_leg_seconds", "role=\"decode\""),
+            kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_leg_connections_total", "kind=\"new\""),
+            kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_leg_connections_total",
+                                   "kind=\"reused\""));
+      }
     }
     if (errors > 0) rc = 1;
   }

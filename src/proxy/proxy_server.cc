@@ -1,21 +1,25 @@
 // The proxy runtime: wires PdFlow and InstanceRegistry to sockets with Boost.Beast coroutines.
 //
-// Per client request one FlowCtx owns the PdFlow; leg coroutines feed it events and queue the
-// actions it returns; the request's own coroutine executes the queued actions in order (so writes
-// to the client never interleave) and sleeps on a timer that leg coroutines cancel to wake it.
-// Everything of one connection runs on one strand (or the one event-loop thread), so the flow
-// needs no lock.
+// Per client request one FlowCtx owns the PdFlow. Leg events feed it; cancels and releases it
+// returns run at once, legs to send and writes to the client queue and run in order (so writes to
+// the client never interleave). A leg that is the only one running (READ mode's prefill, then its
+// decode; --colocated's one leg) runs inline in the request's own coroutine, which writes to the
+// client between the leg's reads; WRITE mode's two concurrent legs are spawned coroutines, and
+// the request's coroutine sleeps on a timer they cancel to wake it. Everything of one connection
+// runs on one strand (or the one event-loop thread), so the flow needs no lock.
 //
-// Legs reuse keep-alive connections from an UpstreamPool (upstream_pool.h): a leg's connection
-// goes back to the pool only after its whole response (a streamed one: after its end), when both
-// sides keep it alive and no byte is left over; a leg that fails on a reused connection before
-// any response byte arrived (the engine closed it while idle) is retried once on a new one.
+// Legs reuse keep-alive connections from an UpstreamPool (upstream_pool.h), which keeps them as
+// registered Asio sockets: a leg's connection goes back to the pool only after its whole response
+// (a streamed one: after its end), when both sides keep it alive and no byte is left over; a leg
+// that fails on a reused connection before any response byte arrived (the engine closed it while
+// idle) is retried once on a new one.
 #include "kvbridge/proxy/proxy_server.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
@@ -23,6 +27,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 #include <utility>  // before asio: its awaitable.hpp uses std::exchange without including it
 
@@ -41,6 +46,27 @@ using net::ip::tcp;
 using nlohmann::json;
 
 constexpr auto kAwait = net::use_awaitable;
+
+std::string_view ToStd(beast::string_view s) { return {s.data(), s.size()}; }
+
+// Writes all of `buffers` on a non-blocking socket: first at once (a small write into a send
+// buffer with room completes there and then), the rest, if any, asynchronously. An async write
+// that completes at once still costs a trip through the event loop's queue; this does not.
+template <typename ConstBufferSequence>
+awaitable<beast::error_code> WriteNow(tcp::socket& sock, const ConstBufferSequence& buffers) {
+  beast::error_code ec;
+  const size_t total = net::buffer_size(buffers);
+  size_t n = sock.write_some(buffers, ec);
+  if (ec == net::error::would_block || ec == net::error::try_again) {
+    ec = {};
+    n = 0;
+  }
+  if (ec || n == total) co_return ec;
+  beast::buffers_suffix<ConstBufferSequence> rest(buffers);
+  rest.consume(n);
+  co_await net::async_write(sock, rest, net::redirect_error(kAwait, ec));
+  co_return ec;
+}
 
 struct HostPort {
   std::string host;
@@ -135,8 +161,8 @@ struct ProxyServer::Impl {
             metrics.AddGauge("kvbridge_proxy_requests_in_flight", "Client requests being served.")),
         expired(metrics.AddCounter("kvbridge_proxy_instances_expired_total",
                                    "Registered instances dropped for missed heartbeats.")),
-        pool(UpstreamPool::Options{o.upstream_max_idle, o.upstream_idle_timeout}),
-        acceptor(ioc) {
+        acceptor(ioc),
+        pool(UpstreamPool::Options{o.upstream_max_idle, o.upstream_idle_timeout}) {
     for (Outcome oc : {Outcome::kOk, Outcome::kBadRequest, Outcome::kNoInstance,
                        Outcome::kPrefillError, Outcome::kDecodeError, Outcome::kUnreachable,
                        Outcome::kClientDisconnected, Outcome::kTimeout}) {
@@ -257,10 +283,11 @@ struct ProxyServer::Impl {
   Counter* leg_connections_new = nullptr;
   Counter* leg_connections_reused = nullptr;
   Counter* leg_retries = nullptr;
-  UpstreamPool pool;
-  // Declared last: destroyed first, with every coroutine frame still pointing at the above.
+  // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
+  // After ioc: its idle sockets belong to ioc and must close before it goes.
+  UpstreamPool pool;
   std::vector<std::thread> threads;
   bool started = false;
   int bound_port = 0;
@@ -270,63 +297,245 @@ namespace {
 
 using Request = http::request<http::string_body>;
 
+// A whole response, its head written by hand and sent with the body in one gather write: what
+// Beast's message + serializer would send (status line, Server, Content-Type, Content-Length,
+// Connection as keep_alive() sets it), without allocating each field and running a serializer.
 awaitable<bool> WriteWhole(tcp::socket& sock, const Request& req, int status,
                            std::string content_type, std::string body) {
-  http::response<http::string_body> res;
-  res.version(req.version());
-  res.result(static_cast<unsigned>(status));
-  res.set(http::field::server, "kvbridge-proxy");
-  res.set(http::field::content_type, content_type.empty() ? "application/json" : content_type);
-  res.keep_alive(req.keep_alive());
-  res.body() = std::move(body);
-  res.prepare_payload();
-  beast::error_code ec;
-  co_await http::async_write(sock, res, net::redirect_error(kAwait, ec));
+  const auto code = static_cast<http::status>(status);
+  // 1xx, 204 and 304 carry no body and no Content-Length (RFC 9110 8.6).
+  const bool bodyless = (status >= 100 && status < 200) || status == 204 || status == 304;
+  if (bodyless) body.clear();
+  std::string head;
+  head.reserve(128 + content_type.size());
+  head += req.version() == 10 ? "HTTP/1.0 " : "HTTP/1.1 ";
+  head += std::to_string(status);
+  head += ' ';
+  head += ToStd(http::obsolete_reason(code));
+  head += "\r\nServer: kvbridge-proxy\r\nContent-Type: ";
+  head += content_type.empty() ? std::string_view("application/json") : content_type;
+  head += "\r\n";
+  if (!bodyless) {
+    head += "Content-Length: ";
+    head += std::to_string(body.size());
+    head += "\r\n";
+  }
+  const bool keep = req.keep_alive();
+  if (req.version() >= 11 && !keep) head += "Connection: close\r\n";
+  if (req.version() == 10 && keep) head += "Connection: keep-alive\r\n";
+  head += "\r\n";
+  const beast::error_code ec = co_await WriteNow(
+      sock, std::array<net::const_buffer, 2>{net::buffer(head), net::buffer(body)});
   co_return !ec;
 }
 
-// What one client request's coroutines share.
-struct FlowCtx {
-  FlowCtx(const net::any_io_executor& ex, FlowOptions o, InstancePicker picker)
-      : flow(o, MintTransferId(), std::move(picker)), wake(ex) {}
-  // Wakes RunFlow even when `actions` is empty: the event may still have ended the flow (a WRITE
-  // prefill leg that ends after the decode leg answered returns no action but makes done() true).
-  void Push(std::vector<Action> actions) {
-    for (auto& a : actions) pending.push_back(std::move(a));
-    wake.cancel();
-  }
-  PdFlow flow;
-  std::deque<Action> pending;
-  net::steady_timer wake;
-  std::map<int, std::shared_ptr<beast::tcp_stream>> legs;
-  std::vector<int> cancelled;  // legs the flow cancelled: never retried
-  bool finished = false;
+// What one client request's coroutines share. Everything of one request runs on one executor (the
+// event-loop thread, or the connection's strand), so nothing here needs a lock.
+struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
+  FlowCtx(ProxyServer::Impl* impl_in, const net::any_io_executor& ex_in, FlowOptions o,
+          InstancePicker picker, tcp::socket* client_in, const Request* req_in, TimePoint t0_in)
+      : impl(impl_in),
+        ex(ex_in),
+        flow(o, MintTransferId(), std::move(picker)),
+        wake(ex_in),
+        deadline_timer(ex_in),
+        client(client_in),
+        req(req_in),
+        t0(t0_in) {}
+
+  // Takes the flow's actions: cancels and releases at once (closing a leg's socket wakes the
+  // coroutine waiting on it, inline or spawned), the rest (legs to send, writes to the client)
+  // queued for Drain in order. Wakes RunFlow when it sleeps, even when nothing was queued: the
+  // event may still have ended the flow (a WRITE prefill leg that ends after the decode answered
+  // returns no action but makes done() true).
+  void Push(std::vector<Action> actions);
   bool Cancelled(int leg_id) const {
     return std::find(cancelled.begin(), cancelled.end(), leg_id) != cancelled.end();
   }
+  // The socket a leg uses now (nullptr: none), so a cancel can close it.
+  void SetLegSocket(int leg_id, tcp::socket* socket) {
+    for (auto& [id, s] : leg_sockets) {
+      if (id == leg_id) {
+        s = socket;
+        return;
+      }
+    }
+    if (socket != nullptr) leg_sockets.emplace_back(leg_id, socket);
+  }
+  void CountOutcome();
+  // Starts watching the client for a disconnect, once per flow. Called when a leg's request is on
+  // its way (or RunFlow is about to sleep), not at the start: the watch costs a system call, and
+  // there it runs while the engine works instead of before the leg is sent.
+  void WatchClientOnce();
+
+  ProxyServer::Impl* impl;
+  net::any_io_executor ex;
+  PdFlow flow;
+  std::deque<Action> pending;  // SendLeg and client writes, in order
+  net::steady_timer wake;      // RunFlow sleeps on it while spawned legs run
+  net::steady_timer deadline_timer;
+  bool sleeping = false;
+  std::vector<std::pair<int, tcp::socket*>> leg_sockets;
+  std::vector<int> cancelled;  // legs the flow cancelled: never retried
+  int legs_running = 0;        // leg coroutines started and not yet ended
+  bool finished = false;
+  bool client_watched = false;
+  // The client side.
+  tcp::socket* client;
+  const Request* req;
+  TimePoint t0;
+  bool client_ok = true;
+  bool counted = false;
+  char client_peek = 0;  // WatchClient's receive lands here (never read)
+  std::optional<http::response<http::empty_body>> stream_head;
+  std::optional<http::response_serializer<http::empty_body>> serializer;
 };
 
-awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg) {
-  auto ex = co_await net::this_coro::executor;
+void FlowCtx::Push(std::vector<Action> actions) {
+  for (auto& a : actions) {
+    if (auto* c = std::get_if<CancelLeg>(&a)) {
+      cancelled.push_back(c->leg_id);
+      for (auto& [id, s] : leg_sockets) {
+        if (id == c->leg_id && s != nullptr) {
+          beast::error_code ignore;
+          s->close(ignore);
+        }
+      }
+    } else if (auto* r = std::get_if<ReleaseHold>(&a)) {
+      net::co_spawn(ex, impl->Release(std::move(*r)), net::detached);
+    } else {
+      pending.push_back(std::move(a));
+    }
+  }
+  if (sleeping) wake.cancel();
+}
+
+// Counted before the answer's last write, so a client that has its answer sees it in /metrics.
+void FlowCtx::CountOutcome() {
+  if (counted || !flow.client_done()) return;
+  counted = true;
+  impl->outcome_counters[flow.outcome()]->Inc();
+  impl->request_seconds.Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
+}
+
+awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg,
+                       bool inline_leg);
+void WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock);
+
+void FlowCtx::WatchClientOnce() {
+  if (client_watched || finished || flow.client_done()) return;
+  client_watched = true;
+  WatchClient(shared_from_this(), client);
+}
+
+// Executes the queued actions in order. A leg runs inline (awaited right here, in the request's
+// own coroutine: no spawned coroutine, no wake-up hop) when it is the only one: no other leg
+// running and none queued behind it — READ mode's prefill then decode, --colocated's one leg.
+// WRITE mode's two concurrent legs are spawned. Called from an inline leg (`in_leg`), it writes
+// to the client what the leg's events produced and leaves a queued leg for RunFlow.
+awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
+  beast::error_code ec;
+  while (!ctx->pending.empty()) {
+    if (in_leg && std::holds_alternative<SendLeg>(ctx->pending.front())) co_return;
+    Action a = std::move(ctx->pending.front());
+    ctx->pending.pop_front();
+    if (auto* s = std::get_if<SendLeg>(&a)) {
+      const bool more = std::any_of(ctx->pending.begin(), ctx->pending.end(), [](const Action& x) {
+        return std::holds_alternative<SendLeg>(x);
+      });
+      const bool run_inline = ctx->legs_running == 0 && !more;
+      ++ctx->legs_running;
+      if (run_inline) {
+        co_await RunLeg(ctx->impl, ctx, std::move(*s), /*inline_leg=*/true);
+      } else {
+        net::co_spawn(ctx->ex, RunLeg(ctx->impl, ctx, std::move(*s), false), net::detached);
+      }
+      continue;
+    }
+    if (!ctx->client_ok) continue;  // the client is gone; its bytes have nowhere to go
+    tcp::socket& sock = *ctx->client;
+    if (auto* w = std::get_if<Respond>(&a)) {
+      ctx->CountOutcome();
+      ctx->client_ok =
+          co_await WriteWhole(sock, *ctx->req, w->status, w->content_type, std::move(w->body));
+    } else if (auto* st = std::get_if<StartStream>(&a)) {
+      auto& head = ctx->stream_head.emplace();
+      head.version(ctx->req->version());
+      head.result(static_cast<unsigned>(st->status));
+      head.set(http::field::server, "kvbridge-proxy");
+      head.set(http::field::content_type, st->content_type);
+      head.set(http::field::cache_control, "no-cache");
+      head.keep_alive(ctx->req->keep_alive());
+      head.chunked(true);
+      ctx->serializer.emplace(head);
+      co_await http::async_write_header(sock, *ctx->serializer, net::redirect_error(kAwait, ec));
+      ctx->client_ok = !ec;
+    } else if (auto* ch = std::get_if<StreamChunk>(&a)) {
+      ctx->client_ok = !co_await WriteNow(sock, http::make_chunk(net::buffer(ch->data)));
+    } else if (std::holds_alternative<EndStream>(a)) {
+      ctx->CountOutcome();
+      ctx->client_ok = !co_await WriteNow(sock, http::make_chunk_last());
+    }
+    if (!ctx->client_ok) ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+  }
+}
+
+// The request head of a leg, written by hand: the fields are few and fixed, and a Beast message
+// would allocate each one and run a serializer per leg.
+std::string LegHead(const SendLeg& leg, const std::string& host_port, const std::string& token,
+                    const std::string& transfer_id, bool keep_alive) {
+  std::string head;
+  head.reserve(200 + leg.path.size() + token.size());
+  head += "POST ";
+  head += leg.path;
+  head += " HTTP/1.1\r\nHost: ";
+  head += host_port;
+  head += "\r\nContent-Type: application/json\r\n";
+  if (leg.stream) head += "Accept: text/event-stream\r\n";
+  if (!token.empty()) {
+    head += kClusterTokenHeader;
+    head += ": ";
+    head += token;
+    head += "\r\n";
+  }
+  head += "X-Request-Id: ";
+  head += transfer_id;
+  head += "\r\n";
+  if (!keep_alive) head += "Connection: close\r\n";
+  head += "Content-Length: ";
+  head += std::to_string(leg.body.size());
+  head += "\r\n\r\n";
+  return head;
+}
+
+awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg,
+                       bool inline_leg) {
   const int role = leg.role == Role::kPrefill ? 0 : 1;
   const TimePoint t0 = SteadyNow();
   struct Finish {  // in-flight accounting, whatever way the leg ends
     ProxyServer::Impl* impl;
-    std::shared_ptr<FlowCtx> ctx;
+    FlowCtx* ctx;
     int leg_id;
-    std::string id;
+    const std::string& id;
     ~Finish() {
-      ctx->legs.erase(leg_id);
+      ctx->SetLegSocket(leg_id, nullptr);
+      --ctx->legs_running;
       std::lock_guard<std::mutex> lock(impl->mu);
       impl->registry.LegFinished(id);
     }
-  } finish{impl, ctx, leg.leg_id, leg.instance.id};
+  } finish{impl, ctx.get(), leg.leg_id, leg.instance.id};
   {
     std::lock_guard<std::mutex> lock(impl->mu);
     impl->registry.LegStarted(leg.instance.id);
   }
   auto fail = [&](LegFailure f, std::string what) {
     ctx->Push(ctx->flow.OnLegError(leg.leg_id, f, UnavailableError(std::move(what)), SteadyNow()));
+  };
+  // An inline leg writes to the client what its events produced before it reads on; false when
+  // the leg was cancelled meanwhile (the client went away, the flow timed out).
+  auto drain = [&]() -> awaitable<bool> {
+    if (inline_leg) co_await Drain(ctx, /*in_leg=*/true);
+    co_return !ctx->Cancelled(leg.leg_id);
   };
   auto hp = SplitUrl(leg.instance.url);
   if (!hp.ok()) {
@@ -335,40 +544,22 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
   }
   const std::string pool_key = hp->host + ":" + hp->port;
   const bool pooling = impl->pool.enabled();
-  http::request<http::string_body> req{http::verb::post, leg.path, 11};
-  req.set(http::field::host, pool_key);
-  req.set(http::field::content_type, "application/json");
-  if (leg.stream) req.set(http::field::accept, "text/event-stream");
-  if (!impl->options.cluster_token.empty()) {
-    req.set(kClusterTokenHeader, impl->options.cluster_token);
-  }
-  req.set("X-Request-Id", ctx->flow.transfer_id());
-  req.keep_alive(pooling);
-  req.body() = std::move(leg.body);
-  req.prepare_payload();
+  const std::string head = LegHead(leg, pool_key, impl->options.cluster_token,
+                                   ctx->flow.transfer_id(), /*keep_alive=*/pooling);
+  const std::array<net::const_buffer, 2> request{net::buffer(head), net::buffer(leg.body)};
   beast::error_code ec;
   // Attempt 0 takes a pooled connection when there is one; attempt 1 exists only to redo a
   // request that a reused connection lost before any response byte.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    auto stream = std::make_shared<beast::tcp_stream>(ex);
-    ctx->legs[leg.leg_id] = stream;
-    bool reused = false;
-    int family = -1;  // known for a pooled connection; asked of the socket (a syscall) otherwise
-    if (attempt == 0 && pooling) {
-      if (auto idle = impl->pool.Take(pool_key, SteadyNow())) {
-        stream->socket().assign(idle->family == AF_INET6 ? tcp::v6() : tcp::v4(), idle->fd, ec);
-        if (ec) {
-          ::close(idle->fd);
-          ec = {};
-        } else {
-          reused = true;
-          family = idle->family;
-        }
-      }
-    }
+    std::optional<tcp::socket> sock;
+    if (attempt == 0 && pooling) sock = impl->pool.Take(pool_key, SteadyNow());
+    const bool reused = sock.has_value();
     if (!reused) {
-      stream->expires_after(std::chrono::microseconds(impl->options.connect_timeout));
-      ec = co_await Connect(*stream, *hp);
+      beast::tcp_stream stream(ctx->ex);
+      ctx->SetLegSocket(leg.leg_id, &stream.socket());
+      stream.expires_after(std::chrono::microseconds(impl->options.connect_timeout));
+      ec = co_await Connect(stream, *hp);
+      ctx->SetLegSocket(leg.leg_id, nullptr);
       if (ctx->Cancelled(leg.leg_id)) co_return;
       if (ec) {
         // A retry follows a request that may have reached the engine: not "unreachable".
@@ -376,15 +567,18 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
              "connect: " + ec.message());
         co_return;
       }
-      stream->socket().set_option(tcp::no_delay(true), ec);
+      stream.socket().set_option(tcp::no_delay(true), ec);
+      stream.socket().non_blocking(true, ec);  // for WriteNow; once per connection
+      stream.expires_never();
+      sock.emplace(stream.release_socket());
       impl->leg_connections_new->Inc();
     } else {
       impl->leg_connections_reused->Inc();
     }
+    ctx->SetLegSocket(leg.leg_id, &*sock);
     // No per-operation timer (it would arm and cancel one on every read and write): the flow's
     // own deadline (FlowOptions::timeout = request_timeout) cancels a leg that takes too long.
-    stream->expires_never();
-    co_await http::async_write(*stream, req, net::redirect_error(kAwait, ec));
+    ec = co_await WriteNow(*sock, request);
     if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
       if (reused) {
@@ -394,10 +588,12 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
       fail(LegFailure::kBroken, "write: " + ec.message());
       co_return;
     }
+    ctx->WatchClientOnce();
     beast::flat_buffer buf;
+    buf.reserve(8192);  // else Beast reads 512 bytes at a time at first
     http::response_parser<http::buffer_body> parser;
     parser.body_limit(1ull << 32);
-    co_await http::async_read_header(*stream, buf, parser, net::redirect_error(kAwait, ec));
+    co_await http::async_read_header(*sock, buf, parser, net::redirect_error(kAwait, ec));
     if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
       if (reused && !parser.got_some() && buf.size() == 0) {
@@ -410,32 +606,45 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     const TimePoint t1 = SteadyNow();
     impl->leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
     ctx->Push(ctx->flow.OnLegStatus(leg.leg_id, static_cast<int>(parser.get().result_int()),
-                                    std::string(parser.get()[http::field::content_type]), t1));
+                                    ToStd(parser.get()[http::field::content_type]), t1));
+    if (!co_await drain()) co_return;
     char chunk[16384];
     while (!parser.is_done()) {
       parser.get().body().data = chunk;
       parser.get().body().size = sizeof(chunk);
-      // read_some, not read: an SSE event must reach the client as soon as it arrives.
-      co_await http::async_read_some(*stream, buf, parser, net::redirect_error(kAwait, ec));
-      if (ec == http::error::need_buffer) ec = {};
+      size_t used = 0;
+      if (buf.size() > 0) {
+        // Body bytes that came with the header (all of a small answer): parsed right here, no
+        // async read and its trip through the event loop.
+        used = parser.put(buf.data(), ec);
+        buf.consume(used);
+        if (ec == http::error::need_buffer || ec == http::error::need_more) ec = {};
+      }
       size_t got = sizeof(chunk) - parser.get().body().size;
-      if (got > 0)
+      if (!ec && used == 0 && got == 0) {
+        // read_some, not read: an SSE event must reach the client as soon as it arrives.
+        co_await http::async_read_some(*sock, buf, parser, net::redirect_error(kAwait, ec));
+        if (ctx->Cancelled(leg.leg_id)) co_return;
+        if (ec == http::error::need_buffer) ec = {};
+        got = sizeof(chunk) - parser.get().body().size;
+      }
+      if (got > 0) {
         ctx->Push(ctx->flow.OnLegData(leg.leg_id, std::string_view(chunk, got), SteadyNow()));
+        if (!co_await drain()) co_return;
+      }
       if (ec) {
         fail(LegFailure::kBroken, "read body: " + ec.message());
         co_return;
       }
     }
     const TimePoint t2 = SteadyNow();
+    ctx->SetLegSocket(leg.leg_id, nullptr);
     // Back to the pool before the flow hears of the end, so the flow's next leg can reuse it.
-    if (pooling && parser.keep_alive() && buf.size() == 0 && stream->socket().is_open() &&
-        !ctx->Cancelled(leg.leg_id)) {
-      if (family < 0) family = stream->socket().local_endpoint(ec).protocol().family();
-      int fd = ec ? -1 : stream->socket().release(ec);
-      if (!ec && fd >= 0) impl->pool.Put(pool_key, PooledConnection{fd, family}, t2);
+    if (pooling && parser.keep_alive() && buf.size() == 0 && sock->is_open()) {
+      impl->pool.Put(pool_key, std::move(*sock), t2);
     } else {
       beast::error_code ignore;
-      stream->socket().shutdown(tcp::socket::shutdown_both, ignore);
+      sock->shutdown(tcp::socket::shutdown_both, ignore);
     }
     impl->leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
     ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
@@ -444,20 +653,20 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
   fail(LegFailure::kBroken, "connection lost twice before a response");
 }
 
-// Watches the client socket while a flow runs: readable with EOF (or an error) = disconnect. A
-// plain completion handler, not a spawned coroutine: one fewer coroutine frame and executor hop
-// per request, and the wait is armed before the flow can end (RunFlow's cancel always ends it).
+// Watches the client socket while a flow runs: EOF (or an error) = disconnect. A plain completion
+// handler, not a spawned coroutine (one fewer coroutine frame and executor hop per request), armed
+// before the flow can end; RunFlow cancels it at the end (no system call). A 1-byte MSG_PEEK
+// receive rather than async_wait(wait_read): Asio's epoll reactor re-registers the descriptor
+// (epoll_ctl MOD) for every async_wait, while a receive queued after the request's read drained
+// the socket costs no system call. Bytes that arrive (a pipelined request) end the watch and stay
+// for the session to read.
 void WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock) {
-  sock->async_wait(tcp::socket::wait_read, [ctx = std::move(ctx), sock](beast::error_code ec) {
-    if (ec || ctx->finished) return;
-    char c;
-    beast::error_code peek_ec;
-    size_t n = sock->receive(net::buffer(&c, 1), tcp::socket::message_peek, peek_ec);
-    if (peek_ec == net::error::would_block) return;
-    if (n == 0 || peek_ec) {
-      ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
-    }
-  });
+  FlowCtx* c = ctx.get();
+  sock->async_receive(net::buffer(&c->client_peek, 1), tcp::socket::message_peek,
+                      [ctx = std::move(ctx)](beast::error_code ec, size_t n) {
+                        if (ec == net::error::operation_aborted || ctx->finished) return;
+                        if (ec || n == 0) ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+                      });
 }
 
 }  // namespace
@@ -485,86 +694,42 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
   fo.colocated = options.colocated;
   fo.max_attempts = options.max_attempts;
   fo.timeout = options.request_timeout;
-  auto ctx =
-      std::make_shared<FlowCtx>(ex, fo, [this](Role role, const std::vector<std::string>& exclude) {
+  auto ctx = std::make_shared<FlowCtx>(
+      this, ex, fo,
+      [this](Role role, const std::vector<std::string>& exclude) {
         std::lock_guard<std::mutex> lock(mu);
         return registry.Pick(role, exclude);
-      });
+      },
+      &sock, &req, t0);
   in_flight.Add(1);
   ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
-  WatchClient(ctx, &sock);
-  bool client_ok = true;
-  bool counted = false;
-  // Counted before the answer's last write, so a client that has its answer sees it in /metrics.
-  auto count_outcome = [&] {
-    if (counted || !ctx->flow.client_done()) return;
-    counted = true;
-    outcome_counters[ctx->flow.outcome()]->Inc();
-    request_seconds.Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
-  };
-  std::optional<http::response<http::empty_body>> stream_head;
-  std::optional<http::response_serializer<http::empty_body>> serializer;
+  if (std::optional<TimePoint> deadline = ctx->flow.deadline()) {
+    ctx->deadline_timer.expires_after(
+        std::chrono::microseconds(std::max<DurationUs>(0, *deadline - t0)));
+    ctx->deadline_timer.async_wait([ctx](beast::error_code ec) {
+      if (!ec && !ctx->finished) ctx->Push(ctx->flow.OnTick(SteadyNow()));
+    });
+  }
   beast::error_code ec;
   for (;;) {
-    while (!ctx->pending.empty()) {
-      Action a = std::move(ctx->pending.front());
-      ctx->pending.pop_front();
-      if (auto* s = std::get_if<SendLeg>(&a)) {
-        net::co_spawn(ex, RunLeg(this, ctx, std::move(*s)), net::detached);
-      } else if (auto* c = std::get_if<CancelLeg>(&a)) {
-        ctx->cancelled.push_back(c->leg_id);
-        auto it = ctx->legs.find(c->leg_id);
-        if (it != ctx->legs.end()) {
-          beast::error_code ignore;
-          it->second->socket().close(ignore);
-        }
-      } else if (auto* r = std::get_if<ReleaseHold>(&a)) {
-        net::co_spawn(ex, Release(std::move(*r)), net::detached);
-      } else if (!client_ok) {
-        continue;  // the client is gone; its bytes have nowhere to go
-      } else if (auto* w = std::get_if<Respond>(&a)) {
-        count_outcome();
-        client_ok = co_await WriteWhole(sock, req, w->status, w->content_type, std::move(w->body));
-      } else if (auto* st = std::get_if<StartStream>(&a)) {
-        stream_head.emplace();
-        stream_head->version(req.version());
-        stream_head->result(static_cast<unsigned>(st->status));
-        stream_head->set(http::field::server, "kvbridge-proxy");
-        stream_head->set(http::field::content_type, st->content_type);
-        stream_head->set(http::field::cache_control, "no-cache");
-        stream_head->keep_alive(req.keep_alive());
-        stream_head->chunked(true);
-        serializer.emplace(*stream_head);
-        co_await http::async_write_header(sock, *serializer, net::redirect_error(kAwait, ec));
-        client_ok = !ec;
-      } else if (auto* ch = std::get_if<StreamChunk>(&a)) {
-        co_await net::async_write(sock, http::make_chunk(net::buffer(ch->data)),
-                                  net::redirect_error(kAwait, ec));
-        client_ok = !ec;
-      } else if (std::holds_alternative<EndStream>(a)) {
-        count_outcome();
-        co_await net::async_write(sock, http::make_chunk_last(), net::redirect_error(kAwait, ec));
-        client_ok = !ec;
-      }
-      if (!client_ok) ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
-    }
+    co_await Drain(ctx, /*in_leg=*/false);
     if (ctx->flow.done()) break;
-    std::optional<TimePoint> deadline = ctx->flow.deadline();
-    if (deadline) {
-      ctx->wake.expires_after(
-          std::chrono::microseconds(std::max<DurationUs>(0, *deadline - SteadyNow())));
-    } else {
-      ctx->wake.expires_at(net::steady_timer::time_point::max());
-    }
+    // Spawned legs are running: sleep until one of them (or the client, or the deadline) pushes.
+    ctx->WatchClientOnce();
+    ctx->sleeping = true;
+    ctx->wake.expires_at(net::steady_timer::time_point::max());
     co_await ctx->wake.async_wait(net::redirect_error(kAwait, ec));
-    if (!ec) ctx->Push(ctx->flow.OnTick(SteadyNow()));
+    ctx->sleeping = false;
   }
   ctx->finished = true;
-  beast::error_code ignore;
-  sock.cancel(ignore);  // ends WatchClient
+  ctx->deadline_timer.cancel();
+  if (ctx->client_watched) {
+    beast::error_code ignore;
+    sock.cancel(ignore);  // ends WatchClient
+  }
   in_flight.Add(-1);
-  count_outcome();
-  co_return client_ok && ctx->flow.outcome() != Outcome::kClientDisconnected;
+  ctx->CountOutcome();
+  co_return ctx->client_ok && ctx->flow.outcome() != Outcome::kClientDisconnected;
 }
 
 awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
@@ -677,7 +842,9 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
 awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
   beast::error_code ec;
   sock.set_option(tcp::no_delay(true), ec);
+  sock.non_blocking(true, ec);  // for WriteNow
   beast::flat_buffer buf;
+  buf.reserve(16384);  // else Beast reads a large request 512 bytes at a time at first
   try {
     for (;;) {
       http::request_parser<http::string_body> parser;

@@ -1,98 +1,165 @@
 #include "proxy/upstream_pool.h"
 
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cerrno>
+#include <boost/asio/socket_base.hpp>
+#include <boost/system/error_code.hpp>
+#include <utility>
 
 namespace kvbridge::proxy {
+
+struct UpstreamPool::State {
+  struct Idle {
+    uint64_t id = 0;  // names this idle spell for its watch
+    Socket socket;
+    TimePoint since = 0;
+    bool watched = false;
+  };
+  std::mutex mu;
+  uint64_t next_id = 1;
+  std::map<std::string, std::vector<Idle>> idle;  // per key, oldest first
+  // Where the watches' MSG_PEEK receives land (the byte is never read). It must not move: an Idle
+  // moves in its vector. A pending watch always belongs to a socket in `idle`, and every way out
+  // of `idle` (Take, the watch, Sweep, the destructor) cancels or ends it first.
+  char peek_sink = 0;
+
+  // Removes and returns the idle spell `id` of `key` (nullopt when it was taken or dropped).
+  std::optional<Socket> Remove(const std::string& key, uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = idle.find(key);
+    if (it == idle.end()) return std::nullopt;
+    auto& list = it->second;
+    for (auto i = list.begin(); i != list.end(); ++i) {
+      if (i->id != id) continue;
+      std::optional<Socket> out(std::move(i->socket));
+      list.erase(i);
+      if (list.empty()) idle.erase(it);
+      return out;
+    }
+    return std::nullopt;
+  }
+};
+
 namespace {
 
-// True while the peer has neither closed the connection nor sent anything unasked for: an idle
-// HTTP/1.1 connection has nothing to read, so EOF, an error or stray bytes all make it unusable.
-bool StillIdle(int fd) {
-  char c;
-  ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+void Close(UpstreamPool::Socket& socket) {
+  boost::system::error_code ignore;
+  socket.close(ignore);
 }
 
 }  // namespace
 
+// Starts watching an idle connection (called with the pool's mutex held, so no Take can hand the
+// socket out before its watch exists). Readable while idle = closed by the engine or bytes unasked
+// for: drop it. A 1-byte MSG_PEEK receive rather than async_wait: Asio 1.74's epoll reactor
+// re-registers the descriptor (epoll_ctl MOD) for every async_wait; the receive costs one
+// speculative recv. The handler owns only a weak reference: the pool may be gone when it runs.
+void UpstreamPool::Watch(const std::shared_ptr<State>& state, const std::string& key,
+                         Socket& socket, uint64_t id, char* sink) {
+  socket.async_receive(boost::asio::buffer(sink, 1), boost::asio::socket_base::message_peek,
+                       [weak = std::weak_ptr<UpstreamPool::State>(state), key, id](
+                           const boost::system::error_code& ec, size_t) {
+                         if (ec == boost::asio::error::operation_aborted) return;  // taken, closed
+                         auto st = weak.lock();
+                         if (!st) return;
+                         if (auto s = st->Remove(key, id)) Close(*s);
+                       });
+}
+
+UpstreamPool::UpstreamPool(Options options)
+    : options_(options), state_(std::make_shared<State>()) {}
+
 UpstreamPool::~UpstreamPool() {
-  for (auto& [key, list] : idle_) {
-    for (Idle& i : list) ::close(i.conn.fd);
+  std::map<std::string, std::vector<State::Idle>> all;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    all.swap(state_->idle);
+  }
+  for (auto& [key, list] : all) {
+    for (State::Idle& i : list) Close(i.socket);
   }
 }
 
-std::optional<PooledConnection> UpstreamPool::Take(const std::string& key, TimePoint now) {
-  std::vector<int> to_close;
-  std::optional<PooledConnection> out;
+std::optional<UpstreamPool::Socket> UpstreamPool::Take(const std::string& key, TimePoint now) {
+  std::vector<Socket> to_close;
+  std::optional<Socket> out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = idle_.find(key);
-    if (it == idle_.end()) return std::nullopt;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    auto it = state_->idle.find(key);
+    if (it == state_->idle.end()) return std::nullopt;
     auto& list = it->second;
     while (!list.empty()) {
-      Idle i = list.back();
-      list.pop_back();
-      if (now - i.since > options_.idle_timeout || !StillIdle(i.conn.fd)) {
-        to_close.push_back(i.conn.fd);
-        continue;
+      State::Idle& i = list.back();
+      if (now - i.since > options_.idle_timeout || !i.socket.is_open()) {
+        to_close.push_back(std::move(i.socket));
+      } else {
+        // Cancelling the watch's receive costs no system call; the next read then waits for the
+        // response without a speculative recv.
+        if (i.watched) {
+          boost::system::error_code ignore;
+          i.socket.cancel(ignore);
+        }
+        out.emplace(std::move(i.socket));
       }
-      out = i.conn;
-      break;
+      list.pop_back();
+      if (out) break;
     }
-    if (list.empty()) idle_.erase(it);
+    if (list.empty()) state_->idle.erase(it);
   }
-  for (int fd : to_close) ::close(fd);
+  for (Socket& s : to_close) Close(s);
   return out;
 }
 
-void UpstreamPool::Put(const std::string& key, PooledConnection conn, TimePoint now) {
-  if (conn.fd < 0) return;
+void UpstreamPool::Put(const std::string& key, Socket socket, TimePoint now) {
+  if (!socket.is_open()) return;
+  uint64_t id = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(state_->mu);
     if (options_.max_idle_per_host > 0) {
-      auto& list = idle_[key];
+      auto& list = state_->idle[key];
       if (static_cast<int>(list.size()) < options_.max_idle_per_host) {
-        list.push_back(Idle{conn, now});
+        id = state_->next_id++;
+        list.push_back(State::Idle{id, std::move(socket), now});
         return;
       }
     }
   }
-  ::close(conn.fd);
+  Close(socket);
 }
 
 int UpstreamPool::Sweep(TimePoint now) {
-  std::vector<int> to_close;
+  std::vector<Socket> to_close;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = idle_.begin(); it != idle_.end();) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    for (auto it = state_->idle.begin(); it != state_->idle.end();) {
       auto& list = it->second;
       size_t keep = 0;
       for (size_t k = 0; k < list.size(); ++k) {
         if (now - list[k].since > options_.idle_timeout) {
-          to_close.push_back(list[k].conn.fd);
-        } else {
-          list[keep++] = list[k];
+          to_close.push_back(std::move(list[k].socket));
+          continue;
         }
+        if (!list[k].watched) {
+          list[k].watched = true;
+          Watch(state_, it->first, list[k].socket, list[k].id, &state_->peek_sink);
+        }
+        if (keep != k) list[keep] = std::move(list[k]);
+        ++keep;
       }
-      list.resize(keep);
-      it = list.empty() ? idle_.erase(it) : std::next(it);
+      list.erase(list.begin() + static_cast<std::ptrdiff_t>(keep), list.end());
+      it = list.empty() ? state_->idle.erase(it) : std::next(it);
     }
   }
-  for (int fd : to_close) ::close(fd);
+  for (Socket& s : to_close) Close(s);
   return static_cast<int>(to_close.size());
 }
 
 size_t UpstreamPool::IdleCount(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(state_->mu);
   if (!key.empty()) {
-    auto it = idle_.find(key);
-    return it == idle_.end() ? 0 : it->second.size();
+    auto it = state_->idle.find(key);
+    return it == state_->idle.end() ? 0 : it->second.size();
   }
   size_t n = 0;
-  for (const auto& [k, list] : idle_) n += list.size();
+  for (const auto& [k, list] : state_->idle) n += list.size();
   return n;
 }
 

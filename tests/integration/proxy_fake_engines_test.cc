@@ -656,8 +656,10 @@ class DroppingEngine {
           R"({"choices":[{"text":"ok"}],"kv_transfer_params":{"remote_block_ids":[1]}})";
       std::string res = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " +
                         std::to_string(body.size()) + "\r\n\r\n" + body;
-      if (::send(fd, res.data(), res.size(), MSG_NOSIGNAL) < 0) return;
+      // Counted before the send: the proxy can answer its client, and the test read the count,
+      // before this thread runs again.
       ++answered_;
+      if (::send(fd, res.data(), res.size(), MSG_NOSIGNAL) < 0) return;
     }
   }
   const int drop_from_;
