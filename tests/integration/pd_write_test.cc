@@ -31,14 +31,17 @@ namespace {
 
 using nlohmann::json;
 
+using testing::AddRequestInBackground;
 using testing::BaseConfig;
 using testing::ByteCodec;
+using testing::ExpectRecomputedOrFailed;
 using testing::ExpectSameAnswer;
 using testing::PdEngine;
 using testing::Prompt;
 using testing::Req;
 using testing::RunOne;
 using testing::TinyModel;
+using testing::WaitFinished;
 using Result1 = testing::PdResult;
 
 // A WRITE-mode engine.
@@ -157,13 +160,8 @@ TEST_P(PdWrite, DecodeAbortMidWriteThenNewRequestsStillEqualColocated) {
     auto prompt = Prompt(128, k);
     EngineRequest dec = Req(id, prompt, 32, 4);
     dec.kv_transfer_params = DecodeParams(*p, "x" + id);
-    auto finished = std::make_shared<std::atomic<bool>>(false);
-    ASSERT_TRUE(d->engine
-                    ->AddRequest(dec,
-                                 [finished](const RequestOutput& o) {
-                                   if (o.finished) finished->store(true);
-                                 })
-                    .ok());
+    auto finished = AddRequestInBackground(*d->engine, dec);
+    ASSERT_NE(finished, nullptr);
     EngineRequest pre = Req("p-" + id, prompt, 1, 1);
     pre.kv_transfer_params = PrefillParams("x" + id);
     std::future<Result1> pf =
@@ -179,10 +177,7 @@ TEST_P(PdWrite, DecodeAbortMidWriteThenNewRequestsStillEqualColocated) {
       ExpectSameAnswer(pd, RunOne(**ref_engine, Req(nid, np, 6, 2)), 2);
     }
     EXPECT_TRUE(pf.get().error.ok());
-    for (int i = 0; i < 500 && !finished->load(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    EXPECT_TRUE(finished->load());
+    EXPECT_TRUE(WaitFinished(*finished));
     EXPECT_TRUE(d->WaitDrained(5000)) << "decode, delay " << delay_us;
     EXPECT_TRUE(p->WaitDrained(5000)) << "prefill, delay " << delay_us;
   }
@@ -217,11 +212,7 @@ TEST_P(PdWrite, PrefillFailedOrReleasedRecomputesOrFails) {
       EngineRequest dec = Req("g", prompt, 4, 2);
       dec.kv_transfer_params = DecodeParams(*p, "xfer-g");
       Result1 dr = RunOne(*d->engine, dec);
-      if (policy == LoadFailurePolicy::kRecompute) {
-        ExpectSameAnswer(dr, RunOne(**ref_engine, Req("g", prompt, 4, 2)), 2);
-      } else {
-        EXPECT_FALSE(dr.error.ok());
-      }
+      ExpectRecomputedOrFailed(policy, dr, **ref_engine, Req("g", prompt, 4, 2));
       EXPECT_EQ(d->Metric("kvbridge_kv_load_failures_total"), 1);
       EXPECT_TRUE(d->WaitDrained(5000));
       EXPECT_TRUE(p->WaitDrained(5000));

@@ -171,4 +171,30 @@ void ExpectSameAnswer(const PdResult& pd, const PdResult& ref, int n) {
   }
 }
 
+void ExpectRecomputedOrFailed(LoadFailurePolicy policy, const PdResult& got, Engine& ref,
+                              const EngineRequest& req) {
+  if (policy == LoadFailurePolicy::kRecompute) {
+    ExpectSameAnswer(got, RunOne(ref, req), req.sampling.n);
+  } else {
+    EXPECT_FALSE(got.error.ok());
+  }
+}
+
+std::shared_ptr<std::atomic<bool>> AddRequestInBackground(Engine& engine,
+                                                          const EngineRequest& req) {
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  Status added = engine.AddRequest(req, [finished](const RequestOutput& o) {
+    if (o.finished) finished->store(true);
+  });
+  EXPECT_TRUE(added.ok()) << added.ToString();
+  return added.ok() ? finished : nullptr;
+}
+
+bool WaitFinished(const std::atomic<bool>& finished, int ms) {
+  for (int i = 0; i < ms / 10 && !finished.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return finished.load();
+}
+
 }  // namespace kvbridge::testing

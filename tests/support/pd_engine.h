@@ -12,6 +12,7 @@
 // Failures are reported through GoogleTest (EXPECT_*), so these are for test bodies only.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -87,5 +88,17 @@ struct PdEngine {
 
 /// Asserts that `pd` has `n` siblings whose tokens and top-5 logprobs equal `ref`'s bitwise.
 void ExpectSameAnswer(const PdResult& pd, const PdResult& ref, int n);
+
+/// A decode whose KV load failed, answered per its `policy`: kRecompute → `got` equals the
+/// answer of `ref` (one colocated engine) to `req`, run now (req.sampling.n siblings); kFail →
+/// `got` is an error.
+void ExpectRecomputedOrFailed(LoadFailurePolicy policy, const PdResult& got, Engine& ref,
+                              const EngineRequest& req);
+
+/// Adds `req` to `engine` without waiting for it; the flag turns true with its last output
+/// (finished or aborted). Null, with a test failure, when the engine refuses the request.
+std::shared_ptr<std::atomic<bool>> AddRequestInBackground(Engine& engine, const EngineRequest& req);
+/// Waits up to `ms` for `finished`; returns it.
+bool WaitFinished(const std::atomic<bool>& finished, int ms = 5000);
 
 }  // namespace kvbridge::testing
