@@ -102,6 +102,43 @@ awaitable<beast::error_code> Connect(beast::tcp_stream& stream, const HostPort& 
   co_return ec;
 }
 
+// Reads from `sock` into `buf` and feeds `parser` until its header (`header_only`) or its whole
+// message is parsed, parsing what is buffered right here: one plain socket read per wait instead
+// of Beast's composed read operations (their type-erased executor hops and trips through the event
+// loop). Errors as Beast's async_read / async_read_header: http::error::end_of_stream at EOF
+// before any byte, else the socket's or the parser's error (partial_message at EOF mid-message).
+template <bool isRequest, class Body>
+awaitable<beast::error_code> ReadMessage(tcp::socket& sock, beast::flat_buffer& buf,
+                                         http::parser<isRequest, Body>& parser, bool header_only) {
+  beast::error_code ec;
+  auto done = [&] { return header_only ? parser.is_header_done() : parser.is_done(); };
+  for (;;) {
+    while (buf.size() > 0 && !done()) {
+      const size_t used = parser.put(buf.data(), ec);
+      buf.consume(used);
+      if (ec == http::error::need_more) {
+        ec = {};
+        break;
+      }
+      if (ec) co_return ec;
+      if (used == 0) break;
+    }
+    if (done()) co_return ec;
+    const size_t room = std::clamp<size_t>(buf.capacity() - buf.size(), 4096, 65536);
+    const size_t n =
+        co_await sock.async_read_some(buf.prepare(room), net::redirect_error(kAwait, ec));
+    buf.commit(n);
+    if (ec == net::error::eof) {
+      if (!parser.got_some() && buf.size() == 0) co_return http::error::end_of_stream;
+      ec = {};  // what was buffered is parsed already: asio reports EOF on a read of 0 bytes
+      parser.put_eof(ec);
+      if (!ec && !done()) ec = http::error::partial_message;
+      co_return ec;
+    }
+    if (ec) co_return ec;
+  }
+}
+
 std::string ErrorJson(int status, std::string_view type, std::string_view message) {
   return json{{"error", {{"message", message}, {"type", type}, {"code", status}}}}.dump();
 }
@@ -593,7 +630,7 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     buf.reserve(8192);  // else Beast reads 512 bytes at a time at first
     http::response_parser<http::buffer_body> parser;
     parser.body_limit(1ull << 32);
-    co_await http::async_read_header(*sock, buf, parser, net::redirect_error(kAwait, ec));
+    ec = co_await ReadMessage(*sock, buf, parser, /*header_only=*/true);
     if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
       if (reused && !parser.got_some() && buf.size() == 0) {
@@ -849,7 +886,7 @@ awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
     for (;;) {
       http::request_parser<http::string_body> parser;
       parser.body_limit(64u << 20);
-      co_await http::async_read(sock, buf, parser, net::redirect_error(kAwait, ec));
+      ec = co_await ReadMessage(sock, buf, parser, /*header_only=*/false);
       if (ec == http::error::end_of_stream || ec == net::error::eof ||
           ec == net::error::connection_reset || ec == net::error::operation_aborted) {
         break;
