@@ -260,7 +260,8 @@ class PdFlow {
 Result<std::string> ShapePrefillBody(std::string_view client_body, bool forward_n,
                                      std::string_view kv_transfer_params_json);
 
-/// 128 random bits as 32 lowercase hex characters, from std::random_device (runtime helper).
+/// 128 random bits as 32 lowercase hex characters, from the kernel's CSPRNG (getrandom, fetched in
+/// batches of 32 ids per thread; std::random_device where getrandom fails). Runtime helper.
 std::string MintTransferId();
 
 }  // namespace kvbridge::proxy
