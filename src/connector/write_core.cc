@@ -4,6 +4,9 @@
 #include <utility>
 
 #include "kvbridge/connector/tp_plan.h"
+#ifdef KVBRIDGE_PLANTED_FAULTS
+#include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
+#endif
 
 namespace kvbridge {
 
@@ -157,7 +160,12 @@ void WritePrefillCore::PostLayer(const std::string& tid, Transfer& t, Target& g,
     ++g.layers_posted;
   }
   if (g.first_post < 0) g.first_post = now;
-  if (nothing_in_flight && g.layers_posted == options_.num_layers) {
+  bool attach = nothing_in_flight && g.layers_posted == options_.num_layers;
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  if (sim::Planted().prefill_rank_never_sends_write_done)
+    attach = attach && options_.rank != options_.tp_size - 1;
+#endif
+  if (attach) {
     // The target's last WRITE with every earlier one landed: its notification, delivered by the
     // agent after this WRITE's data landed, is the WriteDone — no wait for the engine thread.
     Target done = g;
@@ -191,6 +199,25 @@ void WritePrefillCore::Reject(const WriteBlocksMsg& msg, std::string reason) {
                                             .decode_rank = msg.decode_rank,
                                             .outcome = WriteOutcome::kFailed,
                                             .reason = std::move(reason)}});
+}
+
+bool WritePrefillCore::AnswerOvertakenCancel(const WriteBlocksMsg& msg) {
+  auto it = overtaken_cancels_.find({msg.transfer_id, msg.decode_engine_id, msg.decode_rank});
+  if (it == overtaken_cancels_.end()) return false;
+  overtaken_cancels_.erase(it);
+  ++counters_.targets_failed;
+  actions_.push_back(SendMessageAction{.to = PeerEndpoint{.engine_id = msg.decode_engine_id,
+                                                          .host = msg.decode_host,
+                                                          .port = msg.decode_port,
+                                                          .rank = msg.decode_rank},
+                                       .msg = WriteDoneMsg{.transfer_id = msg.transfer_id,
+                                                           .prefill_engine_id = options_.engine_id,
+                                                           .prefill_rank = options_.rank,
+                                                           .decode_engine_id = msg.decode_engine_id,
+                                                           .decode_rank = msg.decode_rank,
+                                                           .outcome = WriteOutcome::kCancelled,
+                                                           .reason = "cancelled by the decode"}});
+  return true;
 }
 
 WriteDoneMsg WritePrefillCore::MakeDone(const Transfer& t, const Target& g, TimePoint now) const {
@@ -227,6 +254,11 @@ void WritePrefillCore::SendDone(const Transfer& t, Target& g, TimePoint now) {
   } else {
     ++counters_.targets_failed;
   }
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  if (sim::Planted().prefill_rank_never_sends_write_done && options_.rank == options_.tp_size - 1 &&
+      g.outcome == WriteOutcome::kOk)
+    return;
+#endif
   actions_.push_back(SendMessageAction{.to = PeerEndpoint{.engine_id = g.msg.decode_engine_id,
                                                           .host = g.msg.decode_host,
                                                           .port = g.msg.decode_port,
@@ -250,6 +282,7 @@ void WritePrefillCore::AddTarget(const std::string& tid, Transfer& t, const Writ
                     std::to_string(options_.rank));
     return;
   }
+  if (AnswerOvertakenCancel(msg)) return;
   if (t.targets.count(msg.decode_rank)) {
     ++counters_.notifications_ignored;  // duplicate
     return;
@@ -316,6 +349,8 @@ void WritePrefillCore::ApplyCancel(const std::string& tid, Transfer& t, const Wr
     g.want_done = false;                 // no route back to a decode that never sent its endpoint
     g.outcome = WriteOutcome::kCancelled;
     g.reason = msg.want_done ? "cancelled by the decode" : "skipped";
+    // The decode keeps its blocks until it hears back; its WriteBlocks (the route) is late.
+    if (msg.want_done) overtaken_cancels_.insert({tid, msg.decode_engine_id, msg.decode_rank});
     return;
   }
   Target& g = it->second;
@@ -483,7 +518,9 @@ void WritePrefillCore::OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now) {
   }
   auto tb = tombstones_.find(msg.transfer_id);
   if (tb != tombstones_.end() && tb->second.expires > now) {
-    if (tb->second.reason == CloseReason::kCompleted) {
+    if (AnswerOvertakenCancel(msg)) {
+      // the pair was settled by the decode's cancel; confirmed now
+    } else if (tb->second.reason == CloseReason::kCompleted) {
       ++counters_.notifications_ignored;  // a duplicate after completion
     } else {
       Reject(msg, std::string(ReasonName(tb->second.reason)));
@@ -577,7 +614,12 @@ void WritePrefillCore::OnTick(TimePoint now) {
     auto [exp, id] = tombstone_order_.front();
     tombstone_order_.pop_front();
     auto tb = tombstones_.find(id);
-    if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
+    if (tb != tombstones_.end() && tb->second.expires == exp) {
+      tombstones_.erase(tb);
+      auto oc = overtaken_cancels_.lower_bound({id, "", INT32_MIN});
+      while (oc != overtaken_cancels_.end() && std::get<0>(*oc) == id)
+        oc = overtaken_cancels_.erase(oc);
+    }
   }
   std::vector<std::string> tids;
   for (auto& [tid, t] : transfers_) tids.push_back(tid);
@@ -952,9 +994,13 @@ bool WriteDecodeCore::OnRequestAborted(const std::string& request_id, TimePoint 
   Request& r = it->second;
   r.aborted = true;
   bool keep = false;
+  bool want_done = true;  // keep the blocks until each rank confirms its writes drained
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  if (sim::Planted().free_decode_blocks_on_abort_during_write) want_done = false;
+#endif
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kWaiting) {
-      SendCancel(r, pair, /*want_done=*/true);
+      SendCancel(r, pair, want_done);
       pair.state = PairState::kCancelling;
     } else if (pair.state == PairState::kIdle) {
       SendCancel(r, pair, /*want_done=*/false);  // never asked: the prefill need not wait
@@ -962,7 +1008,7 @@ bool WriteDecodeCore::OnRequestAborted(const std::string& request_id, TimePoint 
     }
     if (pair.state == PairState::kCancelling) keep = true;
   }
-  if (keep) {
+  if (keep && want_done) {
     ++counters_.aborts_mid_write;
     (void)now;
     return true;
@@ -997,6 +1043,9 @@ void WriteDecodeCore::SkipUnpairedPrefillRanks(const Request& r) {
 void WriteDecodeCore::OnWriteDone(const WriteDoneMsg& msg, TimePoint now) {
   auto k = by_transfer_.find({msg.prefill_engine_id, msg.transfer_id});
   if (k == by_transfer_.end() || msg.decode_engine_id != options_.engine_id) {
+#ifdef KVBRIDGE_PLANTED_FAULTS
+    if (sim::Planted().free_decode_blocks_on_abort_during_write) return;  // forgot it silently
+#endif
     ++counters_.notifications_ignored;
     return;
   }
@@ -1035,7 +1084,14 @@ void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
   if (it == requests_.end()) return;
   Request& r = it->second;
   bool all_ok = r.allocated;
+  bool go_early = false;  // (planted fault only: proceed at the first pair's WriteDone(ok))
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  go_early = sim::Planted().decode_proceeds_at_first_write_done && !r.aborted && r.failure.ok() &&
+             std::any_of(r.pairs.begin(), r.pairs.end(),
+                         [](const Pair& p) { return p.state == PairState::kOk; });
+#endif
   for (const Pair& p : r.pairs) {
+    if (go_early && p.state == PairState::kWaiting) continue;
     if (p.state == PairState::kWaiting || p.state == PairState::kCancelling) return;
     if (p.state != PairState::kOk) all_ok = false;
   }

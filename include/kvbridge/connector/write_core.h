@@ -39,6 +39,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvbridge/common/clock.h"
@@ -208,6 +209,9 @@ class WritePrefillCore {
   void SendDone(const Transfer& t, Target& g, TimePoint now);
   WriteDoneMsg MakeDone(const Transfer& t, const Target& g, TimePoint now) const;
   void Reject(const WriteBlocksMsg& msg, std::string reason);
+  // A decode's WriteCancel(want_done) that overtook its WriteBlocks settled the pair without a
+  // route back; when the block ids arrive, confirm the (empty) drain to them. True: answered.
+  bool AnswerOvertakenCancel(const WriteBlocksMsg& msg);
   // Sends finished targets' WriteDone, frees blocks and erases the entry when everything ended.
   void Advance(const std::string& tid, TimePoint now);
   void Park(ControlMessage msg, const std::string& tid, TimePoint now);
@@ -224,6 +228,9 @@ class WritePrefillCore {
   std::map<std::string, Tombstone> tombstones_;
   std::deque<std::pair<TimePoint, std::string>> tombstone_order_;
   std::multimap<std::string, Parked> parked_;  // transfer_id -> parked, in order
+  // (transfer_id, decode engine, decode rank) settled by a WriteCancel(want_done) that came
+  // before its WriteBlocks; forgotten with the transfer's tombstone.
+  std::set<std::tuple<std::string, std::string, int>> overtaken_cancels_;
   uint64_t next_write_id_ = 1;
   std::vector<ConnectorAction> actions_;
   std::vector<int64_t> transfer_times_;

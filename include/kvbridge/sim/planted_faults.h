@@ -11,7 +11,7 @@
 //   #endif
 //
 // Each switch mirrors one of DESIGN.md's known failure modes; the hook sites are one-line
-// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in src/connector/{prefill,decode}_core.cc.
+// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in src/connector/{prefill,decode,write}_core.cc.
 //
 // Thread-safety: thread_local; each test thread sets its own.
 #pragma once
@@ -45,6 +45,17 @@ struct PlantedFaults {
   /// PrefillCore (TP): a transfer completes at its first (decode rank, prefill rank)
   /// notification instead of waiting for every pair of the TP plan.
   bool release_before_all_ranks_read = false;
+  /// WriteDecodeCore (WRITE): an abort during a write lets the engine free the destination
+  /// blocks at once (the writes are cancelled without asking for the drained confirmation, and
+  /// a late WriteDone for the forgotten request is dropped silently), while a WRITE may still
+  /// land in them.
+  bool free_decode_blocks_on_abort_during_write = false;
+  /// WritePrefillCore (WRITE): the last prefill rank (tp_size - 1; rank 0 without TP) never
+  /// sends its WriteDone(ok) — its writes land, it frees its blocks, the decode never hears.
+  bool prefill_rank_never_sends_write_done = false;
+  /// WriteDecodeCore (WRITE, TP): the decode proceeds at the first pair's WriteDone(ok) instead
+  /// of waiting for every (decode rank, prefill rank) pair of the TP plan.
+  bool decode_proceeds_at_first_write_done = false;
 };
 
 /// This thread's switches (all off by default).
