@@ -3,6 +3,7 @@
 //   kvbridge sim --seed 42 --trace          # replay one run with its event trace
 //   kvbridge sim --seed 1 --seeds 2000      # seeds 1..2000; prints failures and seeds/s
 //   kvbridge sim --seed 1 --seeds 500 --workload faults
+//   kvbridge sim --seed 1 --seeds 500 --mode write   # every seed in WRITE mode (default: half)
 //
 // Exit status: 0 when every run passed, 1 when one broke an invariant (its seed and the
 // invariant are printed; rerun it with --seed S --seeds 1 --trace), 2 on bad flags.
@@ -23,6 +24,7 @@ struct SimFlags {
   bool trace = false;
   bool quiet = false;
   std::string workload = "mixed";
+  std::string mode;  // empty: drawn per seed
   int requests = 0;
 };
 
@@ -35,6 +37,14 @@ int RunSim(const SimFlags& f) {
   }
   kvbridge::sim::SimOptions opts;
   opts.workload = *w;
+  if (!f.mode.empty()) {
+    auto m = kvbridge::sim::ParseTransferMode(f.mode);
+    if (!m.ok()) {
+      std::fprintf(stderr, "kvbridge sim: %s\n", m.status().ToString().c_str());
+      return 2;
+    }
+    opts.mode = *m;
+  }
   opts.trace = f.trace;
   if (f.requests > 0) opts.num_requests = f.requests;
   const auto t0 = std::chrono::steady_clock::now();
@@ -46,8 +56,9 @@ int RunSim(const SimFlags& f) {
     if (f.trace) std::fputs(r.trace.c_str(), stdout);
     if (!r.ok) {
       ++failed;
-      std::printf("%s\n  replay: kvbridge sim --seed %llu --workload %s --trace\n",
-                  r.Summary().c_str(), static_cast<unsigned long long>(s), f.workload.c_str());
+      std::printf("%s\n  replay: kvbridge sim --seed %llu --workload %s%s%s --trace\n",
+                  r.Summary().c_str(), static_cast<unsigned long long>(s), f.workload.c_str(),
+                  f.mode.empty() ? "" : " --mode ", f.mode.c_str());
     } else if (f.seeds == 1 || (!f.quiet && f.trace)) {
       std::printf("%s\n", r.Summary().c_str());
     }
@@ -74,6 +85,8 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--workload", f->workload,
                      "mixed|clean|faults|prefill-n|early-race|lease-read|abort-load");
       sub.add_option("--requests", f->requests, "Client requests per run (default: seeded)");
+      sub.add_option("--mode", f->mode,
+                     "read|write for every seed (default: half the seeds write)");
       return [f] { return RunSim(*f); };
     });
 

@@ -27,6 +27,8 @@
 #include "kvbridge/connector/kv_transfer_config.h"
 #include "kvbridge/connector/messages.h"
 #include "kvbridge/connector/prefill_core.h"
+#include "kvbridge/connector/tp_plan.h"
+#include "kvbridge/connector/write_core.h"
 #include "kvbridge/engine/block_pool.h"
 #include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/engine/scheduler.h"
@@ -62,6 +64,10 @@ std::string_view ViolationKindName(ViolationKind kind) {
       return "bad_answer";
     case ViolationKind::kCrash:
       return "crash";
+    case ViolationKind::kWriteIntoReusedBlock:
+      return "write_into_reused_block";
+    case ViolationKind::kUsedBeforeWriteDone:
+      return "used_before_write_done";
   }
   return "unknown";
 }
@@ -90,14 +96,25 @@ Result<Workload> ParseWorkload(std::string_view name) {
                               "' (mixed|clean|faults|prefill-n|early-race|lease-read|abort-load)");
 }
 
+std::string_view TransferModeName(TransferMode m) {
+  return m == TransferMode::kWrite ? "write" : "read";
+}
+
+Result<TransferMode> ParseTransferMode(std::string_view name) {
+  if (name == "read") return TransferMode::kRead;
+  if (name == "write") return TransferMode::kWrite;
+  return InvalidArgumentError("unknown transfer mode '" + std::string(name) + "' (read|write)");
+}
+
 std::string SimResult::Summary() const {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
-                "seed %llu: %s%s%s faults=%d requests=%d ok=%d aborts=%d reads=%d crashes=%d "
-                "lease_expired=%d events=%lld t=%.3fs",
+                "seed %llu: %s%s%s mode=%s faults=%d requests=%d ok=%d aborts=%d reads=%d "
+                "writes=%d crashes=%d lease_expired=%d events=%lld t=%.3fs",
                 static_cast<unsigned long long>(seed), ok ? "PASS" : "FAIL ",
                 ok ? "" : std::string(ViolationKindName(violation)).c_str(), ok ? "" : ":",
-                faults ? 1 : 0, requests, answered_ok, client_aborts, reads, crashes, lease_expired,
+                std::string(TransferModeName(mode)).c_str(), faults ? 1 : 0, requests, answered_ok,
+                client_aborts, reads, writes, crashes, lease_expired,
                 static_cast<long long>(events), static_cast<double>(at) / kSecond);
   std::string s = buf;
   if (!ok) s += " — " + message;
@@ -150,6 +167,10 @@ struct Knobs {
   int prefill_tp = 1;
   int decode_tp = 1;
   int num_kv_heads = 1;
+  // WRITE mode: the prefill pushes each layer's KV as the (stand-in) forward pass computes it;
+  // WRITEs fail and run slow at the READ rates.
+  bool write_mode = false;
+  int num_layers = 1;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -163,7 +184,11 @@ struct InReadEnded {
   uint64_t read_id = 0;
   Status status;
 };
-using InEvent = std::variant<InMsg, InReadEnded>;
+struct InWriteEnded {
+  uint64_t write_id = 0;
+  Status status;
+};
+using InEvent = std::variant<InMsg, InReadEnded, InWriteEnded>;
 
 // The engine-side adapter: the real cores behind the engine's KvConnector hooks. The mapping of
 // hooks to core calls follows KvBridgeConnector (src/connector/kvbridge_connector.cc); the
@@ -178,6 +203,7 @@ class SimConnector final : public KvConnector {
         port_(port),
         block_size_(k.block_size),
         tp_(engine < k.num_prefill ? k.prefill_tp : k.decode_tp),
+        write_mode_(k.write_mode),
         prefill_({.engine_id = engine_id,
                   .tp_size = tp_,
                   .all_ranks = true,
@@ -189,13 +215,29 @@ class SimConnector final : public KvConnector {
                  .block_size = k.block_size,
                  .reply_timeout = k.reply_timeout,
                  .read_timeout = k.read_timeout,
-                 .heartbeat_interval = k.lease / 4}) {}
+                 .heartbeat_interval = k.lease / 4}),
+        wprefill_({.engine_id = engine_id,
+                   .tp_size = tp_,
+                   .num_kv_heads = k.num_kv_heads,
+                   .block_size = k.block_size,
+                   .num_layers = k.num_layers,
+                   .lease = k.lease}),
+        // As KvBridgeConnector::WriteTimeout: the prefill's lease plus a grace.
+        wdecode_({.engine_id = engine_id,
+                  .tp_size = tp_,
+                  .num_kv_heads = k.num_kv_heads,
+                  .block_size = k.block_size,
+                  .write_timeout = k.lease + std::max<DurationUs>(2 * kSecond, k.lease / 4)}) {}
 
   Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req, int num_local_computed,
                                        TimePoint now) override;
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
                              int num_local_computed, int num_external, TimePoint now) override {
-    decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+    if (write_decodes_.erase(req.request_id)) {
+      wdecode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+    } else {
+      decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+    }
     Perform(now);
   }
   FinishDecision RequestFinished(const ConnectorRequestInfo& req,
@@ -204,23 +246,47 @@ class SimConnector final : public KvConnector {
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override;
   void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override;
   StepReport Poll(TimePoint now) override;
+  void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override;
   std::optional<TimePoint> NextDeadline() const override {
-    auto a = prefill_.NextDeadline();
-    auto b = decode_.NextDeadline();
-    if (a && b) return std::min(*a, *b);
-    return a ? a : b;
+    std::optional<TimePoint> best;
+    for (auto d : {prefill_.NextDeadline(), decode_.NextDeadline(), wprefill_.NextDeadline(),
+                   wdecode_.NextDeadline()}) {
+      if (d && (!best || *d < *best)) best = d;
+    }
+    return best;
   }
-  bool Idle() const override { return prefill_.Idle() && decode_.Idle() && inbox_.empty(); }
+  bool Idle() const override {
+    return prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
+           inbox_.empty();
+  }
 
   void Push(InEvent e) { inbox_.push_back(std::move(e)); }
   const PrefillCore& prefill() const { return prefill_; }
   const DecodeCore& decode() const { return decode_; }
+  const WritePrefillRanks& wprefill() const { return wprefill_; }
+  const WriteDecodeCore& wdecode() const { return wdecode_; }
   size_t num_ledger_held() const { return held_.size(); }
+  size_t num_ledger_held_read() const {
+    size_t n = 0;
+    for (const auto& [id, h] : held_) n += h.write ? 0 : 1;
+    return n;
+  }
   size_t num_ledger_draining() const { return draining_.size(); }
   size_t num_ledger_loading() const { return loading_.size(); }
+  size_t num_write_decodes() const { return write_decodes_.size(); }
   size_t inbox_size() const { return inbox_.size(); }
+  int64_t lease_expired() const {
+    return prefill_.counters().lease_expired + wprefill_.counters().lease_expired;
+  }
+  int64_t notifications_ignored() const {
+    return prefill_.counters().notifications_ignored + decode_.counters().notifications_ignored +
+           wprefill_.counters().notifications_ignored + wdecode_.counters().notifications_ignored;
+  }
 
  private:
+  Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
+                                  int num_local_computed, TimePoint now);
+  void HandleInbox(TimePoint now);
   void Perform(TimePoint now);
 
   Sim* sim_;
@@ -229,14 +295,25 @@ class SimConnector final : public KvConnector {
   int port_;
   int block_size_;
   int tp_;  // this engine's TP ranks (the cores below serve all of them)
+  bool write_mode_;
   PrefillCore prefill_;
   DecodeCore decode_;
+  WritePrefillRanks wprefill_;  // WRITE mode, prefill side (one core per TP rank)
+  WriteDecodeCore wdecode_;     // WRITE mode, decode side
   std::vector<InEvent> inbox_;
   StepReport report_;
-  std::set<std::string> held_;             // finished, blocks held for a transfer
-  std::set<std::string> draining_;         // aborted, blocks kept until a report
-  std::set<std::string> loading_;          // waiting for remote KV
-  std::set<std::string> decode_admitted_;  // decode parents DecodeCore::OnRequestAdded accepted
+  struct Held {
+    std::string transfer_id;
+    bool write = false;
+  };
+  std::map<std::string, Held> held_;             // finished, blocks held for a transfer
+  std::set<std::string> draining_;               // aborted, blocks kept until a report
+  std::set<std::string> loading_;                // waiting for remote KV
+  std::map<std::string, std::string> load_tid_;  // loading request -> transfer_id
+  std::set<std::string> decode_admitted_;        // decode parents the decode cores accepted
+  std::set<std::string> write_decodes_;          // WRITE decode requests awaiting allocation
+  std::set<std::string> released_;               // READ transfers the proxy released here
+  int64_t leases_before_poll_ = 0;               // PrefillCore's lease expiries when Poll began
 };
 
 // ------------------------------------------------------------------------------------------
@@ -262,6 +339,7 @@ struct Engine {
   std::unique_ptr<Scheduler> sched;
   bool in_step = false;
   bool step_scheduled = false;
+  uint64_t step = 0;  // the running step's id (layer events of WRITE mode check it)
   TimePoint timer_at = -1;
   ScheduledBatch batch;
   std::vector<std::function<void()>> deferred;  // scheduler calls held back during a step
@@ -291,6 +369,9 @@ struct Read {
   int dst_inc = 0;
   uint64_t read_id = 0;
   std::string request_id;
+  std::string transfer_id;
+  int decode_rank = 0;
+  int prefill_rank = 0;
   int src = -1;
   int src_inc = 0;
   std::vector<int32_t> src_blocks, dst_blocks;
@@ -300,6 +381,41 @@ struct Read {
   TimePoint end_at = 0;
   uint64_t version = 0;
 };
+
+// WRITE mode: one WRITE in flight (a prefill rank into a decode rank's blocks, one layer or all).
+struct Write {
+  int src = 0;
+  int src_inc = 0;
+  uint64_t write_id = 0;
+  int dst = -1;
+  int dst_inc = 0;
+  std::string transfer_id;
+  int decode_rank = 0;
+  int prefill_rank = 0;
+  int layer = -1;
+  std::vector<int32_t> src_blocks, dst_blocks;
+  std::optional<WriteDoneMsg> notification;
+  bool started = false;  // reached the decode's memory (false: no such peer, nothing lands)
+  bool tainted = false;  // its source blocks lost their hold during the write
+  bool cancelled = false;
+  Status status;
+  TimePoint end_at = 0;
+  uint64_t version = 0;
+};
+
+// WRITE mode: what one (decode engine incarnation, transfer, decode rank, prefill rank) pair
+// offered in its WriteBlocks, and what happened to those blocks since. Block "generations": a
+// destination block seen free (ref 0, hold 0) after the offer may have a new owner, so any
+// write landing in it later is corruption.
+struct WriteTarget {
+  std::vector<int32_t> blocks;              // the decode blocks offered
+  std::set<int32_t> freed;                  // offered blocks seen free since the offer
+  std::map<int, std::set<int32_t>> landed;  // layer (-1: all) -> blocks landed ok
+  bool done_ok = false;                     // the decode core took a WriteDone(ok) for the pair
+  bool drained = false;  // a WriteDone (any outcome) reached the decode: nothing may land now
+  bool tainted = false;  // a write of it read source blocks that were not held throughout
+};
+using TargetKey = std::tuple<int, int, std::string, int, int>;  // dst, inc, tid, drank, prank
 
 class Sim {
  public:
@@ -312,6 +428,22 @@ class Sim {
   void PostRead(int engine, const PostReadAction& a);
   void DrawTpKnobs();
   void CancelRead(int engine, uint64_t read_id);
+  void PostWrite(int engine, const PostWriteAction& a);
+  void CancelWrite(int engine, uint64_t write_id);
+  void CheckWriteLoad(int engine, const std::string& request_id, const std::string& transfer_id);
+  void CheckReadsAtPrefillFree(int engine, const std::string& transfer_id, bool excused);
+  void OnWriteDoneTaken(int engine, const WriteDoneMsg& msg) {
+    auto t = targets_.find(
+        {engine, engines_[engine].incarnation, msg.transfer_id, msg.decode_rank, msg.prefill_rank});
+    if (t != targets_.end() && msg.outcome == WriteOutcome::kOk &&
+        msg.decode_engine_id == engines_[engine].engine_id) {
+      t->second.done_ok = true;
+    }
+  }
+  void OnReadDoneTaken(int engine, const ReadDoneMsg& msg) {
+    pending_pairs_.erase({engine, engines_[engine].incarnation, msg.transfer_id,
+                          msg.decode_engine_id, msg.decode_rank, msg.prefill_rank});
+  }
   void SendFromEngine(int engine, const SendMessageAction& a);
   void CheckLoadTaint(int engine, const std::string& request_id);
   void OnLoadFailed(int engine, const std::string& request_id, const Status& status);
@@ -327,6 +459,7 @@ class Sim {
   bool Chance(double p) { return p > 0 && std::uniform_real_distribution<double>(0, 1)(rng_) < p; }
 
   void DrawKnobs();
+  void DrawModeKnobs();
   void At(TimePoint t, std::function<void()> fn) {
     events_.emplace(std::make_pair(std::max(t, now_), next_seq_++), std::move(fn));
   }
@@ -361,6 +494,9 @@ class Sim {
 
   // Transfers.
   void EndRead(uint64_t key, uint64_t version);
+  void EndWrite(uint64_t key, uint64_t version);
+  void LayerDone(int ei, int inc, uint64_t step, int layer);
+  void ObserveWriteTargets(int ei);
 
   // Invariants.
   void CheckAll();
@@ -380,6 +516,15 @@ class Sim {
   std::vector<FlowState> flows_;
   std::map<uint64_t, Read> reads_;
   std::map<std::tuple<int, int, uint64_t>, uint64_t> read_key_;  // (dst, inc, read_id) -> key
+  std::map<uint64_t, Write> writes_;
+  std::map<std::tuple<int, int, uint64_t>, uint64_t> write_key_;  // (src, inc, write_id) -> key
+  std::map<TargetKey, WriteTarget> targets_;
+  std::set<TargetKey> open_targets_;
+  // READ pairs posted whose read_done has not reached the prefill yet: (prefill engine, its
+  // incarnation, transfer, decode engine id, decode rank, prefill rank).
+  std::set<std::tuple<int, int, std::string, std::string, int, int>>
+      pending_pairs_;  // offered, no WriteDone yet: their blocks are watched
+  uint64_t next_step_ = 1;
   std::set<std::tuple<int, int, std::string>> tainted_loads_;
   std::map<uint64_t, int> reply_routes_;  // reply token -> decode engine
   uint64_t next_read_key_ = 1;
@@ -401,7 +546,9 @@ Result<KvConnector::Match> SimConnector::GetNumNewMatchedTokens(const ConnectorR
   ASSIGN_OR_RETURN(KvTransferParams p,
                    ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_}));
   Match m;
-  if (p.do_remote_decode) {
+  if (p.mode == KvTransferMode::kWrite) {
+    ASSIGN_OR_RETURN(m, WriteRequestAdded(req, p, num_local_computed, now));
+  } else if (p.do_remote_decode) {
     RETURN_IF_ERROR(prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
   } else {
     ASSIGN_OR_RETURN(
@@ -410,11 +557,38 @@ Result<KvConnector::Match> SimConnector::GetNumNewMatchedTokens(const ConnectorR
     decode_admitted_.insert(req.parent_id);
     m.num_external_tokens = dm.num_external_tokens;
     m.load_async = dm.load_async;
-    if (dm.load_async && !loading_.insert(req.request_id).second) {
+  }
+  if (m.load_async) {
+    if (!loading_.insert(req.request_id).second) {
       sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " loads twice");
     }
+    load_tid_[req.request_id] = p.transfer_id;
   }
   Perform(now);
+  return m;
+}
+
+// As KvBridgeConnector::WriteRequestAdded.
+Result<KvConnector::Match> SimConnector::WriteRequestAdded(const ConnectorRequestInfo& req,
+                                                           const KvTransferParams& p,
+                                                           int num_local_computed, TimePoint now) {
+  Match m;
+  if (p.do_remote_decode) {
+    Status st =
+        wprefill_.OnRequestAdded(req.request_id, req.n, p.transfer_id, req.num_prompt_tokens, now);
+    if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
+      wprefill_.OnAbortedBeforeAdmission(p.transfer_id, now);  // answer parked block ids now
+    }
+    RETURN_IF_ERROR(st);
+    return m;
+  }
+  ASSIGN_OR_RETURN(
+      WriteDecodeCore::Match dm,
+      wdecode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
+  decode_admitted_.insert(req.parent_id);
+  if (dm.num_external_tokens > 0) write_decodes_.insert(req.request_id);
+  m.num_external_tokens = dm.num_external_tokens;
+  m.load_async = dm.load_async;
   return m;
 }
 
@@ -429,8 +603,12 @@ KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequest
   const size_t nb = static_cast<size_t>((req.num_prompt_tokens + block_size_ - 1) / block_size_);
   std::vector<int32_t> prompt_blocks(block_ids.begin(),
                                      block_ids.begin() + std::min(nb, block_ids.size()));
-  d.hold_blocks = prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
-  if (d.hold_blocks && !held_.insert(req.request_id).second) {
+  const bool write = p->mode == KvTransferMode::kWrite;
+  d.hold_blocks =
+      write ? wprefill_.OnRequestFinished(req.request_id, prompt_blocks, now)
+            : prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
+  if (d.hold_blocks &&
+      !held_.emplace(req.request_id, Held{.transfer_id = p->transfer_id, .write = write}).second) {
     sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " held twice");
   }
   KvTransferParams out;
@@ -442,6 +620,7 @@ KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequest
   out.remote_block_ids = prompt_blocks;
   out.remote_num_tokens = req.num_prompt_tokens;
   out.tp_size = tp_;
+  out.mode = p->mode;
   d.kv_transfer_params = KvTransferParamsToJson(out);
   Perform(now);
   return d;
@@ -450,7 +629,11 @@ KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequest
 bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now) {
   bool keep = prefill_.OnRequestAborted(req.request_id, now);
   keep = decode_.OnRequestAborted(req.request_id, now) || keep;
+  keep = wprefill_.OnRequestAborted(req.request_id, now) || keep;
+  keep = wdecode_.OnRequestAborted(req.request_id, now) || keep;
+  write_decodes_.erase(req.request_id);
   loading_.erase(req.request_id);
+  load_tid_.erase(req.request_id);
   if (keep && !draining_.insert(req.request_id).second) {
     sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " drained twice");
   }
@@ -459,9 +642,20 @@ bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now
     // As KvBridgeConnector: a leg aborted before admission stops its queued heartbeats / tells
     // the prefill (decode leg), or drops a release parked for it (prefill leg).
     auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
-    if (p.ok() && p->do_remote_decode) prefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+    const bool write = p.ok() && p->mode == KvTransferMode::kWrite;
+    if (p.ok() && p->do_remote_decode) {
+      if (write) {
+        wprefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+      } else {
+        prefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+      }
+    }
     if (p.ok() && p->do_remote_prefill && !decode_admitted_.count(req.parent_id)) {
-      decode_.OnAbortedBeforeAdmission(*p);
+      if (write) {
+        wdecode_.OnAbortedBeforeAdmission(*p);
+      } else {
+        decode_.OnAbortedBeforeAdmission(*p);
+      }
     }
   }
   decode_admitted_.erase(req.parent_id);
@@ -472,31 +666,71 @@ bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now
 void SimConnector::RequestQueued(const ConnectorRequestInfo& req, TimePoint now) {
   if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
   auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
-  if (p.ok() && p->do_remote_prefill) decode_.OnRequestQueued(req.request_id, *p, now);
+  if (p.ok() && p->do_remote_prefill && p->mode == KvTransferMode::kRead) {
+    decode_.OnRequestQueued(req.request_id, *p, now);
+  }
 }
 
-KvConnector::StepReport SimConnector::Poll(TimePoint now) {
+void SimConnector::HandleInbox(TimePoint now) {
   std::vector<InEvent> in;
   in.swap(inbox_);
   for (InEvent& e : in) {
     if (auto* r = std::get_if<InReadEnded>(&e)) {
       decode_.OnReadCompleted(r->read_id, r->status, now);
+    } else if (auto* w = std::get_if<InWriteEnded>(&e)) {
+      wprefill_.OnWriteCompleted(w->write_id, w->status, now);
     } else {
       InMsg& m = std::get<InMsg>(e);
       if (auto* rd = std::get_if<ReadDoneMsg>(&m.msg)) {
+        sim_->OnReadDoneTaken(engine_, *rd);  // this pair's READ is no longer pending
         prefill_.OnReadDone(*rd, m.reply_token, now);
       } else if (auto* hr = std::get_if<HoldReplyMsg>(&m.msg)) {
         decode_.OnHoldReply(*hr, now);
       } else if (auto* hb = std::get_if<HeartbeatMsg>(&m.msg)) {
         prefill_.OnHeartbeat(*hb, now);
+      } else if (auto* wb = std::get_if<WriteBlocksMsg>(&m.msg)) {
+        wprefill_.OnWriteBlocks(*wb, now);
+      } else if (auto* wc = std::get_if<WriteCancelMsg>(&m.msg)) {
+        wprefill_.OnWriteCancel(*wc, now);
+      } else if (auto* wd = std::get_if<WriteDoneMsg>(&m.msg)) {
+        sim_->OnWriteDoneTaken(engine_, *wd);
+        wdecode_.OnWriteDone(*wd, now);
       } else if (auto* rl = std::get_if<ReleaseMsg>(&m.msg)) {
-        prefill_.OnRelease(*rl, now).IgnoreError();  // another incarnation: the proxy's 404
+        // As KvBridgeConnector::OnWriteMessage: a release names a WRITE transfer when the WRITE
+        // cores know it, or (registered nowhere yet) when this engine serves WRITE mode.
+        if (wprefill_.Knows(rl->transfer_id) ||
+            (write_mode_ && prefill_.Siblings(rl->transfer_id).empty())) {
+          wprefill_.OnRelease(*rl, now).IgnoreError();
+        } else {
+          Status st = prefill_.OnRelease(*rl, now);  // not ok: another incarnation (404)
+          if (st.ok()) released_.insert(rl->transfer_id);
+        }
       }
     }
     Perform(now);
   }
+}
+
+void SimConnector::OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks,
+                                    TimePoint now) {
+  // As KvBridgeConnector: what arrived during the forward pass is taken now (handlers only queue
+  // reports), then every request whose final chunk this is posts this layer's WRITEs.
+  if (wprefill_.NumTransfers() == 0) return;
+  HandleInbox(now);
+  for (const LayerKvChunk& c : chunks) {
+    if (c.completes_tokens)
+      wprefill_.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, now);
+  }
+  Perform(now);
+}
+
+KvConnector::StepReport SimConnector::Poll(TimePoint now) {
+  leases_before_poll_ = prefill_.counters().lease_expired;
+  HandleInbox(now);
   prefill_.OnTick(now);
   decode_.OnTick(now);
+  wprefill_.OnTick(now);
+  wdecode_.OnTick(now);
   Perform(now);
   StepReport out = std::move(report_);
   report_ = StepReport{};
@@ -516,6 +750,7 @@ KvConnector::StepReport SimConnector::Poll(TimePoint now) {
       continue;
     }
     sim_->CheckLoadTaint(engine_, id);
+    load_tid_.erase(id);
   }
   for (const LoadFailure& f : out.failed_recving) {
     if (draining_.erase(f.request_id)) continue;
@@ -524,6 +759,7 @@ KvConnector::StepReport SimConnector::Poll(TimePoint now) {
                                                      f.request_id + ", which is not loading");
       continue;
     }
+    load_tid_.erase(f.request_id);
     sim_->OnLoadFailed(engine_, f.request_id, f.status);
   }
   return out;
@@ -532,21 +768,36 @@ KvConnector::StepReport SimConnector::Poll(TimePoint now) {
 void SimConnector::Perform(TimePoint now) {
   for (int round = 0; round < 16; ++round) {
     std::vector<ConnectorAction> acts = prefill_.TakeActions();
-    std::vector<ConnectorAction> more = decode_.TakeActions();
-    acts.insert(acts.end(), std::make_move_iterator(more.begin()),
-                std::make_move_iterator(more.end()));
+    auto append = [&acts](std::vector<ConnectorAction> more) {
+      acts.insert(acts.end(), std::make_move_iterator(more.begin()),
+                  std::make_move_iterator(more.end()));
+    };
+    append(decode_.TakeActions());
+    append(wprefill_.TakeActions());
+    append(wdecode_.TakeActions());
     if (acts.empty()) return;
     for (ConnectorAction& a : acts) {
       if (auto* pr = std::get_if<PostReadAction>(&a)) {
         sim_->PostRead(engine_, *pr);
       } else if (auto* cr = std::get_if<CancelReadAction>(&a)) {
         sim_->CancelRead(engine_, cr->read_id);
+      } else if (auto* pw = std::get_if<PostWriteAction>(&a)) {
+        sim_->PostWrite(engine_, *pw);
+      } else if (auto* cw = std::get_if<CancelWriteAction>(&a)) {
+        sim_->CancelWrite(engine_, cw->write_id);
       } else if (auto* sm = std::get_if<SendMessageAction>(&a)) {
+        if (auto* wb = std::get_if<WriteBlocksMsg>(&sm->msg)) {
+          wb->decode_host = "sim";  // as KvBridgeConnector: the decode's control endpoint
+          wb->decode_port = port_;
+        }
         sim_->SendFromEngine(engine_, *sm);
       } else if (auto* ld = std::get_if<ReportLoadDoneAction>(&a)) {
         if (sim_->tracing())
           sim_->Trace("  %s: load done %s", engine_id_.c_str(), ld->request_id.c_str());
         report_.finished_recving.push_back(ld->request_id);
+        // WRITE: checked when the core decides to go, before the rest of the inbox is taken.
+        if (auto t = load_tid_.find(ld->request_id); t != load_tid_.end())
+          sim_->CheckWriteLoad(engine_, ld->request_id, t->second);
       } else if (auto* lf = std::get_if<ReportLoadFailedAction>(&a)) {
         if (sim_->tracing()) {
           sim_->Trace("  %s: load failed %s (%s)", engine_id_.c_str(), lf->request_id.c_str(),
@@ -556,6 +807,16 @@ void SimConnector::Perform(TimePoint now) {
       } else if (auto* bf = std::get_if<ReportBlocksFreeAction>(&a)) {
         if (sim_->tracing())
           sim_->Trace("  %s: blocks free %s", engine_id_.c_str(), bf->request_id.c_str());
+        if (auto h = held_.find(bf->request_id); h != held_.end() && !h->second.write) {
+          // A READ hold freed while a READ pair of its transfer is still pending (in flight, or
+          // its read_done not taken yet) is an early free, unless the proxy released it or its
+          // lease fired (the decode is then told "hold gone"). Checked when the core decides,
+          // before the rest of the inbox is taken.
+          const std::string& tid = h->second.transfer_id;
+          const bool excused =
+              released_.count(tid) > 0 || prefill_.counters().lease_expired > leases_before_poll_;
+          sim_->CheckReadsAtPrefillFree(engine_, tid, excused);
+        }
         report_.finished_sending.push_back(bf->request_id);
       }
     }
@@ -651,6 +912,20 @@ void Sim::DrawKnobs() {
   }
   if (opts_.hang_bound > 0) k_.hang_bound = opts_.hang_bound;
   DrawTpKnobs();
+  DrawModeKnobs();
+}
+
+void Sim::DrawModeKnobs() {
+  // From a stream of its own, as DrawTpKnobs: the other knobs of a seed stay what they were.
+  std::mt19937_64 mode_rng(seed_ ^ 0x7772'6974'656d'6f64ULL);
+  const bool draw_write = mode_rng() % 2 == 1;
+  k_.num_layers = 1 + static_cast<int>(mode_rng() % 4);
+  if (opts_.mode) {
+    k_.write_mode = *opts_.mode == TransferMode::kWrite;
+  } else {
+    k_.write_mode = draw_write && opts_.workload != Workload::kPrefillN;
+  }
+  if (k_.write_mode) k_.prefill_forward_n = false;  // a WRITE prefill leg has n = 1
 }
 
 void Sim::DrawTpKnobs() {
@@ -726,8 +1001,10 @@ void Sim::EngineStep(int ei, int inc) {
   deferred.swap(e.deferred);
   for (auto& fn : deferred) fn();
   CheckReadTargets(ei);  // before Schedule can hand a freed block out again
+  ObserveWriteTargets(ei);
   e.sched->PollConnector(now_);
   CheckReadTargets(ei);
+  ObserveWriteTargets(ei);
   DrainOutputs(e);
   e.batch = e.sched->Schedule(now_);
   DrainOutputs(e);
@@ -747,7 +1024,30 @@ void Sim::EngineStep(int ei, int inc) {
     Trace("%s step:%s (%.3fms)", e.engine_id.c_str(), ids.c_str(),
           static_cast<double>(dur) / kMillisecond);
   }
+  if (k_.write_mode && e.prefill) {
+    // The stand-in forward pass computes the layers in order over the step; each layer's end
+    // is reported as the engine does (KvConnector::OnLayerKvWritten), so WRITEs overlap it.
+    const uint64_t step = e.step = next_step_++;
+    for (int l = 0; l < k_.num_layers; ++l) {
+      At(now_ + dur * (l + 1) / k_.num_layers,
+         [this, ei, inc, step, l] { LayerDone(ei, inc, step, l); });
+    }
+  }
   At(now_ + dur, [this, ei, inc] { StepDone(ei, inc); });
+}
+
+void Sim::LayerDone(int ei, int inc, uint64_t step, int layer) {
+  Engine& e = engines_[ei];
+  if (!e.up || e.incarnation != inc || !e.in_step || e.step != step) return;
+  std::vector<KvConnector::LayerKvChunk> chunks;
+  for (const ScheduledChunk& c : e.batch.chunks) {
+    chunks.push_back(
+        {.request_id = c.request_id,
+         .block_ids = std::span<const int32_t>(c.block_table, static_cast<size_t>(c.num_blocks)),
+         .end_pos = c.start_pos + c.num_tokens,
+         .completes_tokens = c.compute_logits});
+  }
+  e.conn->OnLayerKvWritten(layer, chunks, now_);
 }
 
 void Sim::StepDone(int ei, int inc) {
@@ -822,10 +1122,10 @@ void Sim::CrashEngine(int ei) {
   if (!e.up) return;
   ++result_.crashes;
   Trace("CRASH %s", e.engine_id.c_str());
-  dead_lease_expired_ += e.conn->prefill().counters().lease_expired;
-  dead_ignored_ += e.conn->prefill().counters().notifications_ignored +
-                   e.conn->decode().counters().notifications_ignored;
-  dead_load_failures_ += e.conn->decode().counters().load_failures;
+  dead_lease_expired_ += e.conn->lease_expired() + e.conn->wdecode().counters().write_timeouts;
+  dead_ignored_ += e.conn->notifications_ignored();
+  dead_load_failures_ +=
+      e.conn->decode().counters().load_failures + e.conn->wdecode().counters().load_failures;
   // Open legs break.
   for (const auto& [id, ref] : e.leg_of) {
     const LegRef r = ref;
@@ -846,6 +1146,22 @@ void Sim::CrashEngine(int ei) {
       r.end_at = std::min(r.end_at, now_ + Uniform(100, 3000));
       const uint64_t key = it->first, v = ++r.version;
       At(r.end_at, [this, key, v] { EndRead(key, v); });
+    }
+    ++it;
+  }
+  // WRITEs: from this engine they stop (its completions go nowhere); into it they fail promptly.
+  for (auto it = writes_.begin(); it != writes_.end();) {
+    Write& w = it->second;
+    if (w.src == ei) {
+      write_key_.erase({w.src, w.src_inc, w.write_id});
+      it = writes_.erase(it);
+      continue;
+    }
+    if (w.dst == ei && w.started) {
+      w.status = UnavailableError("peer " + e.engine_id + " lost");
+      w.end_at = std::min(w.end_at, now_ + Uniform(100, 3000));
+      const uint64_t key = it->first, v = ++w.version;
+      At(w.end_at, [this, key, v] { EndWrite(key, v); });
     }
     ++it;
   }
@@ -912,6 +1228,7 @@ void Sim::StartFlow(int fid) {
   minted_.push_back(tid);
   proxy::FlowOptions fo;
   fo.prefill_forward_n = k_.prefill_forward_n;
+  fo.mode = k_.write_mode ? proxy::KvMode::kWrite : proxy::KvMode::kRead;
   proxy::InstancePicker picker =
       [this](proxy::Role role,
              const std::vector<std::string>& exclude) -> std::optional<proxy::Endpoint> {
@@ -923,11 +1240,13 @@ void Sim::StartFlow(int fid) {
     }
     if (cands.empty()) return std::nullopt;
     const Engine& e = engines_[cands[Uniform(0, static_cast<int64_t>(cands.size()) - 1)]];
-    return proxy::Endpoint{.id = e.name,
-                           .url = "sim://" + e.name,
-                           .engine_id = e.engine_id,
-                           .transfer_host = "sim",
-                           .transfer_port = e.port};
+    proxy::Endpoint ep{.id = e.name,
+                       .url = "sim://" + e.name,
+                       .engine_id = e.engine_id,
+                       .transfer_host = "sim",
+                       .transfer_port = e.port};
+    ep.tp_size = e.prefill ? k_.prefill_tp : k_.decode_tp;  // as its registration says
+    return ep;
   };
   f.flow = std::make_unique<proxy::PdFlow>(fo, tid, std::move(picker));
   Trace("client %d: request n=%d prompt=%zu tokens max_tokens=%d transfer %s", fid, f.n,
@@ -1129,6 +1448,14 @@ void Sim::SendFromEngine(int engine, const SendMessageAction& a) {
             e.engine_id + " sends to unknown port " + std::to_string(a.to.port));
     return;
   }
+  if (auto* wb = std::get_if<WriteBlocksMsg>(&a.msg)) {
+    // The decode offers these blocks to a prefill rank: from now on a write may land in them.
+    const TargetKey key{engine, e.incarnation, wb->transfer_id, wb->decode_rank, wb->prefill_rank};
+    if (!targets_.count(key)) {
+      targets_[key].blocks = wb->block_ids;
+      open_targets_.insert(key);
+    }
+  }
   // A ReadDone that wants a reply carries its sender as the reply path.
   uint64_t route = 0;
   if (auto* rd = std::get_if<ReadDoneMsg>(&a.msg); rd != nullptr && rd->want_reply) {
@@ -1168,6 +1495,16 @@ void Sim::Deliver(int to_engine, const std::string& wire, int reply_to) {
   if (!m.ok()) {
     Violate(ViolationKind::kCrash, "undecodable control message: " + m.status().ToString());
     return;
+  }
+  if (auto* wd = std::get_if<WriteDoneMsg>(&*m);
+      wd != nullptr && wd->decode_engine_id == e.engine_id) {
+    // The prefill rank says its writes for the pair ended: nothing of them may land any more.
+    auto t = targets_.find(
+        {to_engine, e.incarnation, wd->transfer_id, wd->decode_rank, wd->prefill_rank});
+    if (t != targets_.end()) {
+      t->second.drained = true;  // (done_ok is set when the decode core takes it)
+      open_targets_.erase(t->first);
+    }
   }
   uint64_t token = 0;
   if (reply_to >= 0) {
@@ -1224,6 +1561,9 @@ void Sim::PostRead(int engine, const PostReadAction& a) {
   r.dst_inc = d.incarnation;
   r.read_id = a.read_id;
   r.request_id = a.request_id;
+  r.transfer_id = a.transfer_id;
+  r.decode_rank = a.decode_rank;
+  r.prefill_rank = a.prefill.rank;
   r.src = a.prefill.port - kPortBase;
   r.src_blocks = a.remote_block_ids;
   r.dst_blocks = a.local_block_ids;
@@ -1250,6 +1590,8 @@ void Sim::PostRead(int engine, const PostReadAction& a) {
     } else if (k_.faults && Chance(k_.read_slow)) {
       dur = Uniform(k_.read_slow_lo, k_.read_slow_hi);
     }
+    pending_pairs_.insert(
+        {r.src, r.src_inc, a.transfer_id, d.engine_id, a.decode_rank, a.prefill.rank});
   }
   for (int32_t b : r.dst_blocks) {
     if (b < 0 || b >= d.pool->num_blocks()) {
@@ -1302,6 +1644,212 @@ void Sim::EndRead(uint64_t key, uint64_t version) {
   Wake(r.dst);
 }
 
+void Sim::PostWrite(int engine, const PostWriteAction& a) {
+  ++result_.writes;
+  const Engine& p = engines_[engine];
+  const uint64_t key = next_read_key_++;
+  Write w;
+  w.src = engine;
+  w.src_inc = p.incarnation;
+  w.write_id = a.write_id;
+  w.transfer_id = a.transfer_id;
+  w.decode_rank = a.decode.rank;
+  w.prefill_rank = a.prefill_rank;
+  w.layer = a.layer;
+  w.src_blocks = a.local_block_ids;
+  w.dst_blocks = a.remote_block_ids;
+  w.notification = a.notification;
+  w.dst = a.decode.port - kPortBase;
+  for (int32_t b : w.src_blocks) {
+    if (b < 0 || b >= p.pool->num_blocks()) {
+      Violate(ViolationKind::kCrash, "WRITE from a block out of range");
+      return;
+    }
+    if (p.pool->RefCount(b) == 0 && p.pool->HoldCount(b) == 0) w.tainted = true;
+  }
+  DurationUs dur = 100 + 10 * static_cast<DurationUs>(w.dst_blocks.size()) + Uniform(0, 1500);
+  if (w.dst < 0 || w.dst >= static_cast<int>(engines_.size()) || !engines_[w.dst].up ||
+      engines_[w.dst].engine_id != a.decode.engine_id) {
+    w.status = UnavailableError("no such peer " + a.decode.engine_id);
+    dur = Uniform(100, 3000);
+  } else {
+    const Engine& d = engines_[w.dst];
+    w.started = true;
+    w.dst_inc = d.incarnation;
+    for (int32_t b : w.dst_blocks) {
+      if (b < 0 || b >= d.pool->num_blocks()) {
+        Violate(ViolationKind::kCrash, "WRITE into a block out of range");
+        return;
+      }
+    }
+    if (k_.faults && Chance(k_.read_fail)) {
+      w.status = UnavailableError("simulated transfer failure");
+      dur = Uniform(0, dur);
+    } else if (k_.faults && Chance(k_.read_slow)) {
+      dur = Uniform(k_.read_slow_lo, k_.read_slow_hi);
+    }
+  }
+  w.end_at = now_ + dur;
+  Trace("xfer: %s posts WRITE %llx of %s layer %d: %zu blocks to %s rank %d (%.3fms%s%s)",
+        p.engine_id.c_str(), static_cast<unsigned long long>(a.write_id), a.transfer_id.c_str(),
+        a.layer, w.dst_blocks.size(), a.decode.engine_id.c_str(), a.decode.rank,
+        static_cast<double>(dur) / kMillisecond, w.status.ok() ? "" : ", will fail",
+        a.notification ? ", carries write_done" : "");
+  write_key_[{w.src, w.src_inc, w.write_id}] = key;
+  writes_.emplace(key, std::move(w));
+  At(now_ + dur, [this, key] { EndWrite(key, 0); });
+}
+
+void Sim::CancelWrite(int engine, uint64_t write_id) {
+  auto k = write_key_.find({engine, engines_[engine].incarnation, write_id});
+  if (k == write_key_.end()) return;
+  Write& w = writes_.at(k->second);
+  if (w.cancelled) return;
+  w.cancelled = true;
+  // Partial progress: the chunk on the wire still lands; then the WRITE stops.
+  const TimePoint stop = now_ + Uniform(0, 2000);
+  if (stop < w.end_at) {
+    w.end_at = stop;
+    w.status = CancelledError("WRITE cancelled");
+  }
+  Trace("xfer: cancel WRITE %llx of %s (ends in %.3fms)", static_cast<unsigned long long>(write_id),
+        engines_[engine].engine_id.c_str(), static_cast<double>(w.end_at - now_) / kMillisecond);
+  const uint64_t key = k->second, v = ++w.version;
+  At(w.end_at, [this, key, v] { EndWrite(key, v); });
+}
+
+void Sim::EndWrite(uint64_t key, uint64_t version) {
+  auto it = writes_.find(key);
+  if (it == writes_.end() || it->second.version != version) return;
+  Write w = std::move(it->second);
+  writes_.erase(it);
+  write_key_.erase({w.src, w.src_inc, w.write_id});
+  const bool landed = w.started && engines_[w.dst].up && engines_[w.dst].incarnation == w.dst_inc;
+  Trace("xfer: WRITE %llx of %s ends: %s%s", static_cast<unsigned long long>(w.write_id),
+        engines_[w.src].engine_id.c_str(), w.status.ToString().c_str(),
+        w.tainted ? " (source blocks were not held throughout)" : "");
+  if (landed) {
+    // Bytes reached the decode's blocks (a failed or cancelled WRITE may have landed a part):
+    // each block must still be the one the decode offered for this pair.
+    const Engine& d = engines_[w.dst];
+    auto t = targets_.find({w.dst, w.dst_inc, w.transfer_id, w.decode_rank, w.prefill_rank});
+    const std::string what = engines_[w.src].engine_id + " rank " + std::to_string(w.prefill_rank) +
+                             "'s WRITE of " + w.transfer_id + " into " + d.engine_id + " rank " +
+                             std::to_string(w.decode_rank);
+    if (t == targets_.end()) {
+      Violate(ViolationKind::kWriteIntoReusedBlock, what + ": blocks the decode never offered");
+      return;
+    }
+    WriteTarget& tg = t->second;
+    for (int32_t b : w.dst_blocks) {
+      if (std::find(tg.blocks.begin(), tg.blocks.end(), b) == tg.blocks.end()) {
+        Violate(ViolationKind::kWriteIntoReusedBlock,
+                what + ": block " + std::to_string(b) + " was not offered");
+        return;
+      }
+      if (tg.drained) {
+        Violate(ViolationKind::kWriteIntoReusedBlock,
+                what + ": landed in block " + std::to_string(b) +
+                    " after the decode was told the writes drained");
+        return;
+      }
+      if (tg.freed.count(b) || (d.pool->RefCount(b) == 0 && d.pool->HoldCount(b) == 0)) {
+        Violate(ViolationKind::kWriteIntoReusedBlock,
+                what + ": landed in block " + std::to_string(b) +
+                    ", freed (its owner may have changed) since the decode offered it");
+        return;
+      }
+    }
+    if (w.status.ok()) tg.landed[w.layer].insert(w.dst_blocks.begin(), w.dst_blocks.end());
+    if (w.tainted) tg.tainted = true;
+  }
+  Engine& p = engines_[w.src];
+  if (p.up && p.incarnation == w.src_inc) {
+    p.conn->Push(InWriteEnded{w.write_id, w.status});
+    Wake(w.src);
+  }
+  if (landed && w.status.ok() && w.notification) {
+    // The agent's notification: delivered after the WRITE's data landed.
+    SendControl(w.dst, *w.notification, 0, engines_[w.src].engine_id);
+  }
+}
+
+void Sim::CheckWriteLoad(int engine, const std::string& request_id,
+                         const std::string& transfer_id) {
+  if (!k_.write_mode) return;
+  const Engine& e = engines_[engine];
+  for (const auto& [dr, pr] : TpPlanPairs(k_.prefill_tp, k_.decode_tp, k_.num_kv_heads)) {
+    auto t = targets_.find({engine, e.incarnation, transfer_id, dr, pr});
+    const std::string pair =
+        "decode rank " + std::to_string(dr) + " / prefill rank " + std::to_string(pr);
+    if (t == targets_.end()) {
+      Violate(ViolationKind::kUsedBeforeWriteDone, e.engine_id + " uses the KV of " + request_id +
+                                                       " without offering blocks to " + pair);
+      return;
+    }
+    const WriteTarget& tg = t->second;
+    if (!tg.done_ok) {
+      Violate(ViolationKind::kUsedBeforeWriteDone, e.engine_id + " uses the KV of " + request_id +
+                                                       " before " + pair + " said write_done(ok)");
+      return;
+    }
+    const auto all = tg.landed.find(-1);
+    for (int l = 0; l < k_.num_layers; ++l) {
+      const auto layer = tg.landed.find(l);
+      for (int32_t b : tg.blocks) {
+        const bool in_all = all != tg.landed.end() && all->second.count(b);
+        const bool in_layer = layer != tg.landed.end() && layer->second.count(b);
+        if (!in_all && !in_layer) {
+          Violate(ViolationKind::kUsedBeforeWriteDone,
+                  e.engine_id + " uses the KV of " + request_id + ": layer " + std::to_string(l) +
+                      " of block " + std::to_string(b) + " never landed from " + pair);
+          return;
+        }
+      }
+    }
+    if (tg.tainted) {
+      Violate(ViolationKind::kStaleKvUsed,
+              e.engine_id + " uses the KV of " + request_id + ", written from prefill blocks " +
+                  "that were freed (or gone) during the WRITE (" + pair + ")");
+      return;
+    }
+  }
+}
+
+void Sim::ObserveWriteTargets(int ei) {
+  for (const TargetKey& key : open_targets_) {
+    const auto& [dst, inc, tid, dr, pr] = key;
+    if ((ei >= 0 && dst != ei) || !engines_[dst].up || engines_[dst].incarnation != inc) continue;
+    const BlockPool& pool = *engines_[dst].pool;
+    WriteTarget& tg = targets_.at(key);
+    for (int32_t b : tg.blocks) {
+      if (pool.RefCount(b) == 0 && pool.HoldCount(b) == 0) tg.freed.insert(b);
+    }
+  }
+}
+
+void Sim::CheckReadsAtPrefillFree(int engine, const std::string& transfer_id, bool excused) {
+  if (excused) return;
+  const Engine& p = engines_[engine];
+  auto it = pending_pairs_.lower_bound({engine, p.incarnation, transfer_id, "", -1, -1});
+  if (it == pending_pairs_.end() || std::get<0>(*it) != engine ||
+      std::get<1>(*it) != p.incarnation || std::get<2>(*it) != transfer_id) {
+    return;
+  }
+  const auto& [src, inc, tid, decode, decode_rank, prefill_rank] = *it;
+  bool in_flight = false;
+  for (const auto& [key, r] : reads_) {
+    in_flight = in_flight || (r.src == src && r.src_inc == inc && r.transfer_id == tid &&
+                              engines_[r.dst].engine_id == decode && r.decode_rank == decode_rank &&
+                              r.prefill_rank == prefill_rank);
+  }
+  Violate(ViolationKind::kEarlyFree,
+          p.engine_id + " freed the blocks of transfer " + transfer_id + " while " + decode +
+              " rank " + std::to_string(decode_rank) + "'s READ from prefill rank " +
+              std::to_string(prefill_rank) + " was still pending (" +
+              (in_flight ? "in flight" : "done, its read_done not received yet") + ")");
+}
+
 void Sim::CheckLoadTaint(int engine, const std::string& request_id) {
   const Engine& e = engines_[engine];
   if (tainted_loads_.count({engine, e.incarnation, request_id})) {
@@ -1326,19 +1874,17 @@ void Sim::OnLoadFailed(int engine, const std::string& request_id, const Status& 
 // Invariants
 
 int64_t Sim::SumLeaseExpired() const {
+  // A WRITE decode's write timeout (the prefill's lease + a grace) is its lease.
   int64_t n = dead_lease_expired_;
   for (const Engine& e : engines_) {
-    if (e.up) n += e.conn->prefill().counters().lease_expired;
+    if (e.up) n += e.conn->lease_expired() + e.conn->wdecode().counters().write_timeouts;
   }
   return n;
 }
 int64_t Sim::SumIgnored() const {
   int64_t n = dead_ignored_;
   for (const Engine& e : engines_) {
-    if (e.up) {
-      n += e.conn->prefill().counters().notifications_ignored +
-           e.conn->decode().counters().notifications_ignored;
-    }
+    if (e.up) n += e.conn->notifications_ignored();
   }
   return n;
 }
@@ -1382,10 +1928,11 @@ void Sim::CheckAll() {
       return;
     }
     const auto& c = e.conn->prefill().counters();
-    if (c.holds - c.holds_freed != static_cast<int64_t>(held)) {
+    const size_t held_read = e.conn->num_ledger_held_read();
+    if (c.holds - c.holds_freed != static_cast<int64_t>(held_read)) {
       Violate(ViolationKind::kSiblingAccounting,
               e.engine_id + ": prefill core counts " + std::to_string(c.holds - c.holds_freed) +
-                  " live holds, the engine " + std::to_string(held));
+                  " live READ holds, the engine " + std::to_string(held_read));
       return;
     }
   }
@@ -1418,6 +1965,21 @@ void Sim::CheckAll() {
       }
     }
   }
+  // WRITE: a write whose source blocks lose their hold is tainted (its bytes must not be used);
+  // decode blocks offered to a pair are watched until its WriteDone.
+  for (auto& [key, w] : writes_) {
+    const Engine& p = engines_[w.src];
+    if (w.tainted || !p.up || p.incarnation != w.src_inc) continue;
+    for (int32_t b : w.src_blocks) {
+      if (p.pool->RefCount(b) == 0 && p.pool->HoldCount(b) == 0) {
+        w.tainted = true;
+        Trace("xfer: source block %d of WRITE %llx freed during the write", b,
+              static_cast<unsigned long long>(w.write_id));
+        break;
+      }
+    }
+  }
+  ObserveWriteTargets(-1);
   if (!k_.faults) {
     if (int64_t n = SumLeaseExpired(); n > 0) {
       Violate(ViolationKind::kLeaseExpired,
@@ -1448,8 +2010,9 @@ void Sim::CheckQuiescence() {
       return;
     }
   }
-  if (!reads_.empty()) {
-    Violate(ViolationKind::kLeak, "quiescent with " + std::to_string(reads_.size()) + " READs");
+  if (!reads_.empty() || !writes_.empty()) {
+    Violate(ViolationKind::kLeak, "quiescent with " + std::to_string(reads_.size()) +
+                                      " READs and " + std::to_string(writes_.size()) + " WRITEs");
     return;
   }
   for (const Engine& e : engines_) {
@@ -1466,6 +2029,14 @@ void Sim::CheckQuiescence() {
     if (e.conn->prefill().NumParked() != 0)
       what += " parked=" + std::to_string(e.conn->prefill().NumParked());
     if (!e.conn->decode().Idle()) what += " decode_entries";
+    if (e.conn->wprefill().NumTransfers() != 0)
+      what += " write_transfers=" + std::to_string(e.conn->wprefill().NumTransfers());
+    if (e.conn->wprefill().NumParked() != 0)
+      what += " write_parked=" + std::to_string(e.conn->wprefill().NumParked());
+    if (!e.conn->wprefill().Idle()) what += " write_holders";
+    if (!e.conn->wdecode().Idle()) what += " write_decode_entries";
+    if (e.conn->num_write_decodes() != 0)
+      what += " write_unallocated=" + std::to_string(e.conn->num_write_decodes());
     if (e.conn->inbox_size() != 0) what += " inbox=" + std::to_string(e.conn->inbox_size());
     if (e.conn->num_ledger_loading() != 0)
       what += " loading=" + std::to_string(e.conn->num_ledger_loading());
@@ -1483,6 +2054,7 @@ SimResult Sim::Run() {
   result_.seed = seed_;
   DrawKnobs();
   result_.faults = k_.faults;
+  result_.mode = k_.write_mode ? TransferMode::kWrite : TransferMode::kRead;
   Trace(
       "seed %llu workload %s: %d prefill + %d decode, block_size %d, faults %s, "
       "prefill_forward_n %d, %d requests",
@@ -1491,6 +2063,7 @@ SimResult Sim::Run() {
       k_.prefill_forward_n ? 1 : 0, k_.num_requests);
   Trace("tp: prefill %d ranks, decode %d ranks, %d KV heads", k_.prefill_tp, k_.decode_tp,
         k_.num_kv_heads);
+  Trace("mode: %s, %d layers", k_.write_mode ? "write" : "read", k_.num_layers);
   for (int i = 0; i < k_.num_prefill + k_.num_decode; ++i) {
     Engine e;
     e.index = i;

@@ -29,11 +29,13 @@ struct Case {
   Workload workload;
   std::set<ViolationKind> expected;
   uint64_t max_seeds;
+  TransferMode mode = TransferMode::kRead;
 };
 
 void ExpectFound(const Case& c) {
   SimOptions opts;
   opts.workload = c.workload;
+  opts.mode = c.mode;
   Planted() = PlantedFaults{};
   c.plant(Planted());
   uint64_t found = 0;
@@ -102,6 +104,30 @@ TEST(PlantedFaults, FreeingDecodeBlocksOnAbortDuringALoadIsAnEarlyFree) {
                Workload::kAbortLoad,
                {ViolationKind::kEarlyFree, ViolationKind::kExactlyOnce},
                400});
+}
+
+// WRITE: the decode frees its reserved blocks at an abort without waiting for the prefill's
+// drained confirmation; a WRITE still in flight lands in a block that was freed since the decode
+// offered it — its owner may have changed.
+TEST(PlantedFaults, FreeingDecodeBlocksOnAbortDuringAWriteIsAWriteIntoAReusedBlock) {
+  ExpectFound({"free decode blocks on abort during write",
+               [](PlantedFaults& p) { p.free_decode_blocks_on_abort_during_write = true; },
+               Workload::kAbortLoad,
+               {ViolationKind::kWriteIntoReusedBlock},
+               400,
+               TransferMode::kWrite});
+}
+
+// WRITE: a prefill rank's writes land but it never sends WriteDone(ok). The decode waits for it
+// until its write timeout (the prefill's lease + a grace) and then fails the load: in a run
+// without injected faults that safety net firing is the violation.
+TEST(PlantedFaults, APrefillRankThatNeverSendsWriteDoneIsCaught) {
+  ExpectFound({"prefill rank never sends write_done",
+               [](PlantedFaults& p) { p.prefill_rank_never_sends_write_done = true; },
+               Workload::kClean,
+               {ViolationKind::kLoadFailed},
+               50,
+               TransferMode::kWrite});
 }
 
 }  // namespace

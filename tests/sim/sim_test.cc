@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "kvbridge/common/logging.h"
@@ -18,31 +19,43 @@ const bool kQuiet = SetLogLevel("error");
 
 // Runs seeds [first, first + count) and fails with the first broken seed's summary and the
 // command that replays it. Bounded in count and time (a stop on time still needs `min_count`).
-void RunSeeds(Workload w, uint64_t first, uint64_t count, double max_seconds, uint64_t min_count) {
+// `mode` unset: half the seeds run WRITE (SimOptions::mode).
+void RunSeeds(Workload w, uint64_t first, uint64_t count, double max_seconds, uint64_t min_count,
+              std::optional<TransferMode> mode = std::nullopt) {
   SimOptions opts;
   opts.workload = w;
+  opts.mode = mode;
   const auto t0 = std::chrono::steady_clock::now();
-  uint64_t ran = 0, with_faults = 0, reads = 0, ok_answers = 0;
+  uint64_t ran = 0, with_faults = 0, reads = 0, writes = 0, write_runs = 0, ok_answers = 0;
   double secs = 0;
   for (uint64_t s = first; s < first + count; ++s) {
     SimResult r = RunSimulation(s, opts);
     ++ran;
     with_faults += r.faults ? 1 : 0;
     reads += static_cast<uint64_t>(r.reads);
+    writes += static_cast<uint64_t>(r.writes);
+    write_runs += r.mode == TransferMode::kWrite ? 1 : 0;
     ok_answers += static_cast<uint64_t>(r.answered_ok);
     ASSERT_TRUE(r.ok) << r.Summary() << "\n  replay: kvbridge sim --seed " << s << " --workload "
-                      << WorkloadName(w) << " --trace";
+                      << WorkloadName(w) << (mode ? " --mode " : "")
+                      << (mode ? TransferModeName(*mode) : "") << " --trace";
     secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (secs > max_seconds) break;
   }
   std::printf(
-      "[sim] workload %s: %llu seeds (%llu with faults), %llu READs, %llu answers ok, "
-      "%.2fs, %.1f seeds/s\n",
+      "[sim] workload %s: %llu seeds (%llu with faults, %llu WRITE), %llu READs, %llu WRITEs, "
+      "%llu answers ok, %.2fs, %.1f seeds/s\n",
       std::string(WorkloadName(w)).c_str(), static_cast<unsigned long long>(ran),
-      static_cast<unsigned long long>(with_faults), static_cast<unsigned long long>(reads),
+      static_cast<unsigned long long>(with_faults), static_cast<unsigned long long>(write_runs),
+      static_cast<unsigned long long>(reads), static_cast<unsigned long long>(writes),
       static_cast<unsigned long long>(ok_answers), secs, secs > 0 ? ran / secs : 0.0);
   EXPECT_GE(ran, min_count) << "too few seeds within the time bound";
-  EXPECT_GT(reads, 0u) << "the workload never exercised a READ";
+  if (mode != TransferMode::kWrite) {
+    EXPECT_GT(reads, 0u) << "the workload never exercised a READ";
+  }
+  if (mode != TransferMode::kRead && w != Workload::kPrefillN) {
+    EXPECT_GT(writes, 0u) << "the workload never exercised a WRITE";
+  }
   EXPECT_GT(ok_answers, 0u);
 }
 
@@ -54,26 +67,54 @@ TEST(Sim, MixedSeeds) { RunSeeds(Workload::kMixed, 200001, 400, 60, 100); }
 TEST(Sim, PrefillSiblingSets) { RunSeeds(Workload::kPrefillN, 300001, 300, 40, 100); }
 TEST(Sim, ReleaseRacesTheLeg) { RunSeeds(Workload::kEarlyRace, 400001, 300, 40, 100); }
 TEST(Sim, AbortsDuringLoads) { RunSeeds(Workload::kAbortLoad, 500001, 300, 40, 100); }
-TEST(Sim, LeasesFireDuringReads) { RunSeeds(Workload::kLeaseRead, 600001, 200, 40, 50); }
+TEST(Sim, LeasesFireDuringReads) {
+  RunSeeds(Workload::kLeaseRead, 600001, 200, 40, 50, TransferMode::kRead);
+}
+
+// WRITE mode (the prefill pushes each layer as the stand-in forward pass computes it): aborts
+// of the decode and prefill legs mid-write, slow and failing WRITEs, lost WriteDone, crashes.
+TEST(Sim, WriteCleanSeeds) {
+  RunSeeds(Workload::kClean, 800001, 200, 30, 100, TransferMode::kWrite);
+}
+TEST(Sim, WriteFaultSeeds) {
+  RunSeeds(Workload::kFaults, 810001, 200, 30, 100, TransferMode::kWrite);
+}
+TEST(Sim, WriteAbortsDuringWrites) {
+  RunSeeds(Workload::kAbortLoad, 820001, 250, 30, 100, TransferMode::kWrite);
+}
+TEST(Sim, WriteReleaseRacesTheLegs) {
+  RunSeeds(Workload::kEarlyRace, 830001, 150, 30, 50, TransferMode::kWrite);
+}
+TEST(Sim, WriteLeasesFireDuringWrites) {
+  RunSeeds(Workload::kLeaseRead, 840001, 100, 30, 50, TransferMode::kWrite);
+}
 
 // Seeds that found real bugs (docs/sim.md "Findings"); each failed before its fix.
 TEST(Sim, RegressionSeeds) {
   struct Seed {
     uint64_t seed;
     Workload workload;
+    TransferMode mode = TransferMode::kRead;
   };
   // 200004: the proxy's release after a completed READ was counted as an ignored notification.
   // 16: a decode's ReadDone(aborted) after the proxy's release, likewise.
   // 36: a parked release whose prefill request was aborted before admission, dropped at TTL.
   // 163: a decode's load "failed" when the proxy released because its client left (now only
   //      a failure of a request whose client stayed counts).
-  for (Seed s : {Seed{200004, Workload::kMixed}, Seed{16, Workload::kClean},
-                 Seed{36, Workload::kClean}, Seed{163, Workload::kClean}}) {
+  // WRITE 504 (clean), 787 (early-race), 271 (abort-load): a decode's write_cancel(want_done)
+  //      overtook its write_blocks; the prefill settled the pair with no route back and counted
+  //      the late block ids as ignored, and the decode kept its blocks until its write timeout.
+  for (Seed s :
+       {Seed{200004, Workload::kMixed}, Seed{16, Workload::kClean}, Seed{36, Workload::kClean},
+        Seed{163, Workload::kClean}, Seed{504, Workload::kClean, TransferMode::kWrite},
+        Seed{787, Workload::kEarlyRace, TransferMode::kWrite},
+        Seed{271, Workload::kAbortLoad, TransferMode::kWrite}}) {
     SimOptions opts;
     opts.workload = s.workload;
+    opts.mode = s.mode;
     SimResult r = RunSimulation(s.seed, opts);
     EXPECT_TRUE(r.ok) << r.Summary();
-    EXPECT_GT(r.reads, 0);
+    EXPECT_GT(s.mode == TransferMode::kRead ? r.reads : r.writes, 0) << r.Summary();
   }
 }
 
@@ -91,7 +132,7 @@ TEST(Sim, ARunIsAPureFunctionOfItsSeed) {
       EXPECT_FALSE(a.trace.empty());
       // The trace is readable: engines, legs, transfers and the proxy's answers.
       EXPECT_NE(a.trace.find("engine p0-i1 up"), std::string::npos);
-      EXPECT_NE(a.trace.find(": send prefill leg 1 to p"), std::string::npos);
+      EXPECT_NE(a.trace.find(": send prefill leg "), std::string::npos);
     }
   }
 }
@@ -111,6 +152,39 @@ TEST(Sim, WorkloadNamesRoundTrip) {
   }
   EXPECT_FALSE(ParseWorkload("bogus").ok());
   EXPECT_EQ(ViolationKindName(ViolationKind::kEarlyFree), "early_free");
+  EXPECT_EQ(ViolationKindName(ViolationKind::kWriteIntoReusedBlock), "write_into_reused_block");
+  EXPECT_EQ(ViolationKindName(ViolationKind::kUsedBeforeWriteDone), "used_before_write_done");
+  for (TransferMode m : {TransferMode::kRead, TransferMode::kWrite}) {
+    auto p = ParseTransferMode(TransferModeName(m));
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(*p, m);
+  }
+  EXPECT_FALSE(ParseTransferMode("push").ok());
+}
+
+// Unset, the mode is drawn per seed from a stream of its own: about half the seeds run WRITE,
+// and forcing it changes nothing else of the seed's draw (same requests).
+TEST(Sim, HalfTheSeedsRunWrite) {
+  SimOptions opts;
+  opts.workload = Workload::kClean;
+  int write_runs = 0;
+  for (uint64_t s = 1; s <= 40; ++s) {
+    SimResult r = RunSimulation(s, opts);
+    ASSERT_TRUE(r.ok) << r.Summary();
+    if (r.mode == TransferMode::kWrite) {
+      ++write_runs;
+      EXPECT_GT(r.writes, 0) << r.Summary();
+      EXPECT_EQ(r.reads, 0) << r.Summary();
+    } else {
+      EXPECT_EQ(r.writes, 0) << r.Summary();
+    }
+  }
+  EXPECT_GT(write_runs, 10);
+  EXPECT_LT(write_runs, 30);
+  SimOptions w = opts, r = opts;
+  w.mode = TransferMode::kWrite;
+  r.mode = TransferMode::kRead;
+  EXPECT_EQ(RunSimulation(5, w).requests, RunSimulation(5, r).requests);
 }
 
 }  // namespace

@@ -21,18 +21,20 @@ const bool kQuiet = SetLogLevel("off");
 // (prefill TP, decode TP, KV heads)
 using Topo = std::tuple<int, int, int>;
 
-void RunTopology(Workload w, Topo t, uint64_t first, uint64_t count, double max_seconds) {
+void RunTopology(Workload w, Topo t, uint64_t first, uint64_t count, double max_seconds,
+                 TransferMode mode = TransferMode::kRead) {
   SimOptions opts;
   opts.workload = w;
+  opts.mode = mode;
   opts.prefill_tp = std::get<0>(t);
   opts.decode_tp = std::get<1>(t);
   opts.num_kv_heads = std::get<2>(t);
   const auto t0 = std::chrono::steady_clock::now();
-  uint64_t ran = 0, reads = 0, ok = 0;
+  uint64_t ran = 0, moved = 0, ok = 0;
   for (uint64_t s = first; s < first + count; ++s) {
     SimResult r = RunSimulation(s, opts);
     ++ran;
-    reads += static_cast<uint64_t>(r.reads);
+    moved += static_cast<uint64_t>(mode == TransferMode::kRead ? r.reads : r.writes);
     ok += static_cast<uint64_t>(r.answered_ok);
     ASSERT_TRUE(r.ok) << r.Summary() << "\n  topology p" << std::get<0>(t) << " d" << std::get<1>(t)
                       << " heads " << std::get<2>(t);
@@ -40,7 +42,7 @@ void RunTopology(Workload w, Topo t, uint64_t first, uint64_t count, double max_
       break;
   }
   EXPECT_GE(ran, 10u);
-  EXPECT_GT(reads, 0u);
+  EXPECT_GT(moved, 0u);
   EXPECT_GT(ok, 0u);
 }
 
@@ -57,6 +59,20 @@ TEST(SimTp, FaultSeedsKeepEveryInvariantAtEveryTopology) {
 
 TEST(SimTp, AbortsDuringLoadsAtEveryTopology) {
   for (const Topo& t : kTopologies) RunTopology(Workload::kAbortLoad, t, 720001, 30, 6);
+}
+
+// WRITE: each prefill rank writes the decode ranks the TP plan pairs it with (replicated KV
+// heads included: an unpaired prefill rank is told to skip).
+TEST(SimTp, WriteCleanSeedsAtEveryTopology) {
+  for (const Topo& t : kTopologies)
+    RunTopology(Workload::kClean, t, 740001, 30, 6, TransferMode::kWrite);
+}
+
+TEST(SimTp, WriteFaultSeedsAndAbortsAtEveryTopology) {
+  for (const Topo& t : kTopologies) {
+    RunTopology(Workload::kFaults, t, 750001, 20, 5, TransferMode::kWrite);
+    RunTopology(Workload::kAbortLoad, t, 760001, 20, 5, TransferMode::kWrite);
+  }
 }
 
 TEST(SimTp, RunsReplayExactly) {

@@ -2,10 +2,12 @@
 //
 // One run puts M prefill and N decode engines, a proxy and a client workload in one process on a
 // virtual clock, and drives the REAL code: each engine is the real Scheduler + BlockPool
-// (src/engine) with the real connector cores PrefillCore + DecodeCore (src/connector) behind a
-// KvConnector adapter; each client request is driven by the real proxy PdFlow (src/proxy). Only
-// the edges are simulated: the model step (seeded duration and logits, no forward pass), the
-// KV transfer layer (READs of seeded duration, failure and partial progress), the control network
+// (src/engine) with the real connector cores PrefillCore + DecodeCore (READ mode) and
+// WritePrefillRanks + WriteDecodeCore (WRITE mode, src/connector) behind a KvConnector adapter;
+// each client request is driven by the real proxy PdFlow (src/proxy). Only the edges are
+// simulated: the model step (seeded duration and logits, no forward pass; its layers end in
+// order over the step), the KV transfer layer (READs and per-layer WRITEs of seeded duration,
+// failure and partial progress), the control network
 // (seeded delay, reordering, duplication, loss) and the HTTP legs, engine crashes and restarts
 // (new incarnation) and client disconnects. Every choice comes from one std::mt19937_64 seeded
 // with the run's seed: a run is a pure function of (seed, options) and replays exactly.
@@ -50,10 +52,16 @@ enum class ViolationKind : uint8_t {
   kLoadFailed,           ///< a remote load failed in a run without injected faults
   kBadAnswer,            ///< a client got an error in a run without injected faults
   kCrash,                ///< an exception escaped the code under test
+  /// WRITE: a write landed in a decode block that was freed (its owner may have changed) since
+  /// the decode offered it in WriteBlocks, or after the decode was told the writes drained
+  kWriteIntoReusedBlock,
+  /// WRITE: a decode used its KV before every writing rank's write_done(ok) and every layer of
+  /// every offered block landed
+  kUsedBeforeWriteDone,
 };
 /// "leak", "hang", "early_free", "stale_kv_used", "exactly_once", "sibling_accounting",
 /// "pool_accounting", "lease_expired", "notification_ignored", "load_failed", "bad_answer",
-/// "crash", "none".
+/// "crash", "write_into_reused_block", "used_before_write_done", "none".
 std::string_view ViolationKindName(ViolationKind kind);
 
 /// What a run simulates. Fields left unset are drawn from the seed.
@@ -67,6 +75,13 @@ enum class Workload : uint8_t {
   kAbortLoad,  ///< clean, client aborts while decodes load
 };
 std::string_view WorkloadName(Workload w);
+
+/// How KV moves in a run (DESIGN.md): the decode READs (pull) or the prefill WRITEs (push).
+enum class TransferMode : uint8_t { kRead = 0, kWrite };
+/// "read" / "write".
+std::string_view TransferModeName(TransferMode m);
+/// Parses "read" / "write"; InvalidArgument otherwise.
+Result<TransferMode> ParseTransferMode(std::string_view name);
 /// Parses "mixed", "clean", "faults", "prefill-n", "early-race", "lease-read", "abort-load".
 Result<Workload> ParseWorkload(std::string_view name);
 
@@ -82,6 +97,10 @@ struct SimOptions {
   std::optional<int> prefill_tp;
   std::optional<int> decode_tp;
   std::optional<int> num_kv_heads;
+  /// READ or WRITE for every engine and flow of the run; unset: half the seeds (a random stream
+  /// of their own) run WRITE, except the prefill-n workload (always READ: a WRITE prefill leg
+  /// has n = 1).
+  std::optional<TransferMode> mode;
 };
 
 struct SimResult {
@@ -96,7 +115,9 @@ struct SimResult {
   int requests = 0;     ///< client requests
   int answered_ok = 0;  ///< answered 200
   int client_aborts = 0;
-  int reads = 0;  ///< READs posted
+  TransferMode mode = TransferMode::kRead;
+  int reads = 0;   ///< READs posted
+  int writes = 0;  ///< WRITEs posted (WRITE mode)
   int crashes = 0;
   int lease_expired = 0;
   std::string trace;            ///< when SimOptions::trace
