@@ -325,6 +325,38 @@ TEST(WriteCores, DecodeAbortWithoutAnyDrainFreesAfterTheWriteTimeout) {
   p.ExpectIdle();
 }
 
+// The decode's write_cancel overtakes its own write_blocks (found by the simulator, seeds 504,
+// 787, 271): the prefill settles the pair on the cancel, then answers the late block ids with
+// write_done(cancelled), so the aborted decode frees at once instead of at its write timeout.
+TEST(WriteCores, CancelThatOvertakesItsBlockIdsIsConfirmedWhenTheyArrive) {
+  Pipe p;
+  p.deliver = false;
+  ASSERT_TRUE(p.prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  AddDecode(p.decode, "d-1", WriteParams("x1"), 1);
+  p.Pump(1);
+  ASSERT_EQ(p.to_prefill.size(), 1u);                // write_blocks, still on the wire
+  EXPECT_TRUE(p.decode.OnRequestAborted("d-1", 2));  // asked already: keep blocks until confirmed
+  p.Pump(2);
+  ASSERT_EQ(p.to_prefill.size(), 2u);
+  ASSERT_TRUE(std::holds_alternative<WriteCancelMsg>(p.to_prefill[1]));
+  EXPECT_TRUE(std::get<WriteCancelMsg>(p.to_prefill[1]).want_done);
+  std::swap(p.to_prefill[0], p.to_prefill[1]);  // the cancel arrives first
+  p.deliver = true;
+  p.DeliverAll(3);
+  p.Pump(3);
+  EXPECT_EQ(p.decode_freed, (std::vector<std::string>{"d-1"}));  // at 3, not at the timeout
+  EXPECT_TRUE(p.writes.empty());  // nothing was written into the aborted decode's blocks
+  EXPECT_EQ(p.prefill.counters().notifications_ignored, 0);
+  EXPECT_EQ(p.decode.counters().notifications_ignored, 0);
+  EXPECT_EQ(p.decode.counters().write_timeouts, 0);
+  // The prefill leg still computes and finishes; it holds nothing for this transfer.
+  p.ComputeLayers(4);
+  EXPECT_FALSE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 4));
+  p.Pump(4);
+  EXPECT_TRUE(p.writes.empty());
+  p.ExpectIdle();
+}
+
 TEST(WriteCores, PrefillAbortMidWriteTellsTheDecodeWhichRecomputes) {
   Pipe p;
   p.AddBoth(1);
