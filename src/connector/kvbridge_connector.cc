@@ -16,6 +16,7 @@
 #include <variant>
 
 #include "kvbridge/common/logging.h"
+#include "kvbridge/connector/connector_cores.h"
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/prefill_core.h"
 #include "kvbridge/connector/tp_plan.h"
@@ -97,6 +98,29 @@ xfer::KvRegistration KvHostRegistration(const PagedKvView& view, int shm_fd,
   return reg;
 }
 
+// Registers local rank `rank`'s KV memory with its agent, shareable with a same-host peer (shm
+// backend) when it can be (KvShareable); otherwise only tcp/ucx can move it. FailedPrecondition
+// when `transport` is shm and the memory is not shareable; the agent's error otherwise.
+Status RegisterKvMemory(xfer::TransferAgent& agent, KvTransport transport, int rank,
+                        const PagedKvView& view, int shm_fd,
+                        const std::vector<uint64_t>& layer_offsets) {
+  const bool shareable = KvShareable(view, shm_fd, layer_offsets);
+  if (transport == KvTransport::kShm && !shareable) {
+    if (rank != 0) {
+      return FailedPreconditionError("kv connector: transport \"shm\" needs rank " +
+                                     std::to_string(rank) + "'s KV pool in shareable memory");
+    }
+    return FailedPreconditionError(
+        "kv connector: transport \"shm\" needs the engine's KV pool in shareable (memfd) "
+        "memory, and this pool is not (memfd_create failed?); use transport \"tcp\" or "
+        "\"auto\"");
+  }
+  return agent.RegisterMemory(KvHostRegistration(view, shm_fd, layer_offsets, shareable))
+      .WithPrefix(rank == 0
+                      ? std::string("kv connector: registering the KV pool")
+                      : "kv connector: registering rank " + std::to_string(rank) + "'s KV shard");
+}
+
 // Events that other threads hand to the engine thread.
 struct EvReadEnded {
   uint64_t read_id;
@@ -150,6 +174,24 @@ class KvBridgeRuntime::Impl {
       w = wake;
     }
     if (w) w();
+  }
+  // A control message that local rank `rank`'s agent received (any agent thread): decoded and
+  // queued for the engine thread, with a reply path (and the rank to reply through) when the
+  // sender waits for a reply. One that does not decode is logged and dropped.
+  void OnNotification(transfer::Notification n, int rank) {
+    auto m = DecodeMessage(n.payload);
+    if (!m.ok()) {
+      KVB_LOG_WARN("kv connector: bad control message from {}: {}", n.peer, m.status().ToString());
+      return;
+    }
+    uint64_t token = 0;
+    if (n.wants_reply) {
+      std::lock_guard<std::mutex> l(mu);
+      token = next_reply_token++;
+      reply_paths[token] = n;
+      if (rank != 0) reply_ranks[token] = rank;
+    }
+    Push(EvMessage{std::move(*m), token});
   }
   std::deque<Event> TakeInbox() {
     std::lock_guard<std::mutex> l(mu);
@@ -395,13 +437,13 @@ class KvBridgeConnector final : public KvConnector {
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
-      RETURN_IF_ERROR(prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
+      RETURN_IF_ERROR(cores_.prefill.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
       timeline_.Mark(true, p.transfer_id, "admitted");
     } else {
       if (!opt().config.IsConsumer())
         return InvalidArgumentError("this engine is not a kv_consumer");
-      Result<DecodeCore::Match> added =
-          decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now);
+      Result<DecodeCore::Match> added = cores_.decode.OnRequestAdded(
+          req.request_id, p, req.num_prompt_tokens, num_local_computed, now);
       if (!added.ok()) {
         SyncState();  // its queued-heartbeat entry is gone: the stats snapshot must say so
         return added.status();
@@ -427,11 +469,13 @@ class KvBridgeConnector final : public KvConnector {
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
                              int num_local_computed, int num_external, TimePoint now) override {
     if (write_decodes_.erase(req.request_id)) {
-      wdecode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+      cores_.wdecode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
+                                       now);
       PerformAll(now);
       return;
     }
-    decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+    cores_.decode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
+                                    now);
     PerformAll(now);
   }
 
@@ -448,10 +492,10 @@ class KvBridgeConnector final : public KvConnector {
     std::vector<int32_t> prompt_blocks(block_ids.begin(),
                                        block_ids.begin() + std::min(nb, block_ids.size()));
     if (p->mode == KvTransferMode::kWrite) {
-      d.hold_blocks = wprefill_.OnRequestFinished(req.request_id, prompt_blocks, now);
+      d.hold_blocks = cores_.wprefill.OnRequestFinished(req.request_id, prompt_blocks, now);
     } else {
       d.hold_blocks =
-          prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
+          cores_.prefill.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
       if (d.hold_blocks) {
         timeline_.MapRequest(true, req.request_id, p->transfer_id);
         timeline_.Mark(true, p->transfer_id, "held");
@@ -477,10 +521,7 @@ class KvBridgeConnector final : public KvConnector {
 
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override {
     timeline_.Drop(req.request_id);
-    bool keep = prefill_.OnRequestAborted(req.request_id, now);
-    keep = decode_.OnRequestAborted(req.request_id, now) || keep;
-    keep = wprefill_.OnRequestAborted(req.request_id, now) || keep;
-    keep = wdecode_.OnRequestAborted(req.request_id, now) || keep;
+    const bool keep = cores_.OnRequestAborted(req.request_id, now);
     write_decodes_.erase(req.request_id);
     if (req.request_id == req.parent_id && !asked_.count(req.parent_id) &&
         req.kv_transfer_params != nullptr && !req.kv_transfer_params->is_null()) {
@@ -488,13 +529,13 @@ class KvBridgeConnector final : public KvConnector {
       // for its lease.
       auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
       if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kWrite) {
-        wprefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+        cores_.wprefill.OnAbortedBeforeAdmission(p->transfer_id, now);
       }
       if (p.ok() && p->do_remote_prefill) {
         if (p->mode == KvTransferMode::kWrite) {
-          wdecode_.OnAbortedBeforeAdmission(*p);
+          cores_.wdecode.OnAbortedBeforeAdmission(*p);
         } else {
-          decode_.OnAbortedBeforeAdmission(*p);
+          cores_.decode.OnAbortedBeforeAdmission(*p);
         }
       }
     }
@@ -504,7 +545,7 @@ class KvBridgeConnector final : public KvConnector {
       // dropped now, not after a lease (a no-op when the transfer was registered).
       auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
       if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kRead) {
-        prefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+        cores_.prefill.OnAbortedBeforeAdmission(p->transfer_id, now);
       }
     }
     asked_.erase(req.parent_id);
@@ -517,7 +558,7 @@ class KvBridgeConnector final : public KvConnector {
     if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
     auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
     if (p.ok() && p->do_remote_prefill && p->mode == KvTransferMode::kRead) {
-      decode_.OnRequestQueued(req.request_id, *p, now);
+      cores_.decode.OnRequestQueued(req.request_id, *p, now);
     }
   }
 
@@ -533,27 +574,17 @@ class KvBridgeConnector final : public KvConnector {
         OnPeer(std::get<EvPeer>(e), now);
       }
     }
-    prefill_.OnTick(now);
-    decode_.OnTick(now);
-    wprefill_.OnTick(now);
-    wdecode_.OnTick(now);
+    cores_.OnTick(now);
     PerformAll(now);
     StepReport out = std::move(report_);
     report_ = StepReport{};
     return out;
   }
 
-  std::optional<TimePoint> NextDeadline() const override {
-    std::optional<TimePoint> best;
-    for (auto d : {prefill_.NextDeadline(), decode_.NextDeadline(), wprefill_.NextDeadline(),
-                   wdecode_.NextDeadline()}) {
-      if (d && (!best || *d < *best)) best = d;
-    }
-    return best;
-  }
+  std::optional<TimePoint> NextDeadline() const override { return cores_.NextDeadline(); }
 
   void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override {
-    if (wprefill_.NumTransfers() == 0) return;  // no WRITE-mode prefill request here
+    if (cores_.wprefill.NumTransfers() == 0) return;  // no WRITE-mode prefill request here
     // The layer's real time (`now` is the step's start): the overlap is measured from it.
     const TimePoint at = SteadyNow();
     // What arrived while this forward pass ran (a decode's block ids, its metadata, earlier
@@ -572,15 +603,14 @@ class KvBridgeConnector final : public KvConnector {
     }
     for (const LayerKvChunk& c : chunks) {
       if (c.completes_tokens)
-        wprefill_.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, at);
+        cores_.wprefill.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, at);
     }
     PerformAll(at);
   }
 
   bool Idle() const override {
     std::lock_guard<std::mutex> l(impl_->mu);
-    return prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
-           impl_->inbox.empty() && handles_.empty() && write_handles_.empty();
+    return cores_.Idle() && impl_->inbox.empty() && handles_.empty() && write_handles_.empty();
   }
 
  private:
@@ -593,39 +623,12 @@ class KvBridgeConnector final : public KvConnector {
   KvBridgeConnector(std::shared_ptr<KvBridgeRuntime::Impl> impl, const EngineHooks& hooks)
       : impl_(std::move(impl)),
         hooks_(hooks),
-        prefill_({.engine_id = impl_->engine_id,
-                  .rank = impl_->options.tp_rank,
-                  .tp_size = EngineTp(hooks),
-                  .all_ranks = true,
-                  .num_kv_heads = GlobalKvHeads(hooks),
-                  .lease = impl_->options.config.lease,
-                  .max_parked_messages = impl_->options.config.max_parked_messages}),
-        decode_({.engine_id = impl_->engine_id,
-                 .tp_size = EngineTp(hooks),
-                 .num_kv_heads = GlobalKvHeads(hooks),
-                 .block_size = hooks.kv_view.layout.block_size,
-                 .reply_timeout = impl_->options.config.reply_timeout,
-                 .read_timeout = impl_->options.config.read_timeout,
-                 .heartbeat_interval = impl_->options.config.EffectiveHeartbeat(),
-                 .load_failure_policy = impl_->options.config.load_failure_policy}),
-        wprefill_({.engine_id = impl_->engine_id,
-                   .tp_size = EngineTp(hooks),
-                   .num_kv_heads = GlobalKvHeads(hooks),
-                   .block_size = hooks.kv_view.layout.block_size,
-                   .num_layers = hooks.kv_view.layout.num_layers,
-                   .lease = impl_->options.config.lease,
-                   .max_parked_messages = impl_->options.config.max_parked_messages}),
-        wdecode_({.engine_id = impl_->engine_id,
-                  .tp_size = EngineTp(hooks),
-                  .num_kv_heads = GlobalKvHeads(hooks),
-                  .block_size = hooks.kv_view.layout.block_size,
-                  .write_timeout = WriteTimeout(impl_->options.config),
-                  .load_failure_policy = impl_->options.config.load_failure_policy}) {}
-
-  // The decode's bound on a WRITE: the prefill's lease plus a grace for message delays.
-  static DurationUs WriteTimeout(const KvTransferConfig& c) {
-    return c.lease + std::max<DurationUs>(2 * kSecond, c.lease / 4);
-  }
+        cores_(impl_->options.config, {.engine_id = impl_->engine_id,
+                                       .rank = impl_->options.tp_rank,
+                                       .tp_size = EngineTp(hooks),
+                                       .num_kv_heads = GlobalKvHeads(hooks),
+                                       .block_size = hooks.kv_view.layout.block_size,
+                                       .num_layers = hooks.kv_view.layout.num_layers}) {}
 
   const KvBridgeOptions& opt() const { return impl_->options; }
   int block_size() const { return hooks_.kv_view.layout.block_size; }
@@ -673,36 +676,11 @@ class KvBridgeConnector final : public KvConnector {
       return true;
     };
     ASSIGN_OR_RETURN(agent_, xfer::TransferAgent::Create(ac));
-    // The pool is shareable with a same-host peer (shm backend) when the engine gave its memfd
-    // and one offset per layer; otherwise only tcp/ucx can move it.
-    const bool shareable = KvShareable(hooks_.kv_view, hooks_.kv_shm_fd, hooks_.kv_layer_offsets);
-    if (opt().config.transport == KvTransport::kShm && !shareable) {
-      return FailedPreconditionError(
-          "kv connector: transport \"shm\" needs the engine's KV pool in shareable (memfd) "
-          "memory, and this pool is not (memfd_create failed?); use transport \"tcp\" or "
-          "\"auto\"");
-    }
-    const xfer::KvRegistration reg =
-        KvHostRegistration(hooks_.kv_view, hooks_.kv_shm_fd, hooks_.kv_layer_offsets, shareable);
-    RETURN_IF_ERROR(
-        agent_->RegisterMemory(reg).WithPrefix("kv connector: registering the KV pool"));
+    RETURN_IF_ERROR(RegisterKvMemory(*agent_, opt().config.transport, /*rank=*/0, hooks_.kv_view,
+                                     hooks_.kv_shm_fd, hooks_.kv_layer_offsets));
     ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent_->Metadata());
     agent_->SetNotificationHandler([weak](xfer::Notification n) {
-      auto impl = weak.lock();
-      if (!impl) return;
-      auto m = DecodeMessage(n.payload);
-      if (!m.ok()) {
-        KVB_LOG_WARN("kv connector: bad control message from {}: {}", n.peer,
-                     m.status().ToString());
-        return;
-      }
-      uint64_t token = 0;
-      if (n.wants_reply) {
-        std::lock_guard<std::mutex> l(impl->mu);
-        token = impl->next_reply_token++;
-        impl->reply_paths[token] = n;
-      }
-      impl->Push(EvMessage{std::move(*m), token});
+      if (auto impl = weak.lock()) impl->OnNotification(std::move(n), /*rank=*/0);
     });
     worker_ = std::make_unique<Worker>();
     watcher_ = std::make_unique<ReadWatcher>(impl_);
@@ -827,9 +805,9 @@ class KvBridgeConnector final : public KvConnector {
       peers_.erase(it);  // the next request retries the fetch
       for (ConnectorAction& a : queued) {
         if (auto* r = std::get_if<PostReadAction>(&a)) {
-          decode_.OnReadCompleted(r->read_id, e.agent_name.status(), now);
+          cores_.decode.OnReadCompleted(r->read_id, e.agent_name.status(), now);
         } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
-          wprefill_.OnWriteCompleted(w->write_id, e.agent_name.status(), now);
+          cores_.wprefill.OnWriteCompleted(w->write_id, e.agent_name.status(), now);
         }
         // Messages to an unreachable prefill are dropped: its lease frees the hold.
       }
@@ -860,7 +838,7 @@ class KvBridgeConnector final : public KvConnector {
     }
     handles_.erase(it);
     impl_->reads_inflight.store(static_cast<int64_t>(handles_.size()));
-    decode_.OnReadCompleted(e.read_id, e.status, now);
+    cores_.decode.OnReadCompleted(e.read_id, e.status, now);
   }
 
   void OnMessage(EvMessage& e, TimePoint now) {
@@ -870,15 +848,15 @@ class KvBridgeConnector final : public KvConnector {
     }
     if (auto* rd = std::get_if<ReadDoneMsg>(&e.msg)) {
       timeline_.Mark(true, rd->transfer_id, "read_done");
-      prefill_.OnReadDone(*rd, e.reply_token, now);
+      cores_.prefill.OnReadDone(*rd, e.reply_token, now);
     } else if (auto* hb = std::get_if<HeartbeatMsg>(&e.msg)) {
-      prefill_.OnHeartbeat(*hb, now);
+      cores_.prefill.OnHeartbeat(*hb, now);
     } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg)) {
-      Status st = prefill_.OnRelease(*rel, now);
+      Status st = cores_.prefill.OnRelease(*rel, now);
       if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
     } else if (auto* hr = std::get_if<HoldReplyMsg>(&e.msg)) {
       timeline_.Mark(false, hr->transfer_id, "ack");
-      decode_.OnHoldReply(*hr, now);
+      cores_.decode.OnHoldReply(*hr, now);
     }
     if (e.reply_token != 0) {
       // A reply path the core did not use (e.g. a message that needs none): forget it.
@@ -888,14 +866,7 @@ class KvBridgeConnector final : public KvConnector {
 
   void PerformAll(TimePoint now) {
     for (int guard = 0; guard < 1000; ++guard) {
-      std::vector<ConnectorAction> acts = prefill_.TakeActions();
-      auto append = [&acts](std::vector<ConnectorAction> more) {
-        acts.insert(acts.end(), std::make_move_iterator(more.begin()),
-                    std::make_move_iterator(more.end()));
-      };
-      append(decode_.TakeActions());
-      append(wprefill_.TakeActions());
-      append(wdecode_.TakeActions());
+      std::vector<ConnectorAction> acts = cores_.TakeActions();
       if (acts.empty()) break;
       // The tcp write check must know a WRITE decode's blocks before its WriteBlocks leaves.
       if (std::any_of(acts.begin(), acts.end(), [](const ConnectorAction& a) {
@@ -934,7 +905,8 @@ class KvBridgeConnector final : public KvConnector {
         });
         if (qi != q.end()) {
           q.erase(qi);
-          decode_.OnReadCompleted(c->read_id, CancelledError("cancelled before posting"), now);
+          cores_.decode.OnReadCompleted(c->read_id, CancelledError("cancelled before posting"),
+                                        now);
           return;
         }
       }
@@ -989,7 +961,7 @@ class KvBridgeConnector final : public KvConnector {
     }
     xfer::TransferAgent* agent = AgentFor(r.decode_rank);
     if (agent == nullptr) {
-      decode_.OnReadCompleted(
+      cores_.decode.OnReadCompleted(
           r.read_id, InternalError("no transfer agent for rank " + std::to_string(r.decode_rank)),
           now);
       return;
@@ -997,7 +969,7 @@ class KvBridgeConnector final : public KvConnector {
     SetHeadSlice(r, spec);
     auto prepared = agent->Prepare(spec);
     if (!prepared.ok()) {
-      decode_.OnReadCompleted(r.read_id, prepared.status(), now);
+      cores_.decode.OnReadCompleted(r.read_id, prepared.status(), now);
       return;
     }
     xfer::PostOptions po;
@@ -1005,7 +977,7 @@ class KvBridgeConnector final : public KvConnector {
     const uint64_t bytes = (*prepared)->bytes();
     auto h = agent->Post(*prepared, po);
     if (!h.ok()) {
-      decode_.OnReadCompleted(r.read_id, h.status(), now);
+      cores_.decode.OnReadCompleted(r.read_id, h.status(), now);
       return;
     }
     handles_[r.read_id] = Posted{*h, bytes, r.local_block_ids.empty() ? -1 : r.local_block_ids[0]};
@@ -1149,34 +1121,12 @@ class KvBridgeConnector final : public KvConnector {
       ac.tp_rank = r;
       ac.head_begin = rh.kv_head_begin;
       ASSIGN_OR_RETURN(auto agent, xfer::TransferAgent::Create(ac));
-      const bool shareable = KvShareable(rh.kv_view, rh.kv_shm_fd, rh.kv_layer_offsets);
-      if (opt().config.transport == KvTransport::kShm && !shareable) {
-        return FailedPreconditionError("kv connector: transport \"shm\" needs rank " +
-                                       std::to_string(r) + "'s KV pool in shareable memory");
-      }
-      const xfer::KvRegistration reg =
-          KvHostRegistration(rh.kv_view, rh.kv_shm_fd, rh.kv_layer_offsets, shareable);
-      RETURN_IF_ERROR(agent->RegisterMemory(reg).WithPrefix("kv connector: registering rank " +
-                                                            std::to_string(r) + "'s KV shard"));
+      RETURN_IF_ERROR(RegisterKvMemory(*agent, opt().config.transport, r, rh.kv_view, rh.kv_shm_fd,
+                                       rh.kv_layer_offsets));
       ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent->Metadata());
       blobs.push_back(xfer::EncodeMetadata(md));
       agent->SetNotificationHandler([weak, r](xfer::Notification n) {
-        auto impl = weak.lock();
-        if (!impl) return;
-        auto m = DecodeMessage(n.payload);
-        if (!m.ok()) {
-          KVB_LOG_WARN("kv connector: bad control message from {}: {}", n.peer,
-                       m.status().ToString());
-          return;
-        }
-        uint64_t token = 0;
-        if (n.wants_reply) {
-          std::lock_guard<std::mutex> l(impl->mu);
-          token = impl->next_reply_token++;
-          impl->reply_paths[token] = n;
-          impl->reply_ranks[token] = r;
-        }
-        impl->Push(EvMessage{std::move(*m), token});
+        if (auto impl = weak.lock()) impl->OnNotification(std::move(n), r);
       });
       rank_agents_.push_back(std::move(agent));
     }
@@ -1205,19 +1155,19 @@ class KvBridgeConnector final : public KvConnector {
     if (p.do_remote_decode) {
       if (!opt().config.IsProducer())
         return InvalidArgumentError("this engine is not a kv_producer");
-      Status st = wprefill_.OnRequestAdded(req.request_id, req.n, p.transfer_id,
-                                           req.num_prompt_tokens, now);
+      Status st = cores_.wprefill.OnRequestAdded(req.request_id, req.n, p.transfer_id,
+                                                 req.num_prompt_tokens, now);
       if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
         // This leg will never write: answer the decode's block ids now, not at the lease.
-        wprefill_.OnAbortedBeforeAdmission(p.transfer_id, now);
+        cores_.wprefill.OnAbortedBeforeAdmission(p.transfer_id, now);
       }
       RETURN_IF_ERROR(st);
       return m;
     }
     if (!opt().config.IsConsumer()) return InvalidArgumentError("this engine is not a kv_consumer");
-    ASSIGN_OR_RETURN(
-        WriteDecodeCore::Match dm,
-        wdecode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
+    ASSIGN_OR_RETURN(WriteDecodeCore::Match dm,
+                     cores_.wdecode.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
+                                                   num_local_computed, now));
     asked_.insert(req.parent_id);
     if (dm.num_external_tokens > 0) write_decodes_.insert(req.request_id);
     m.num_external_tokens = dm.num_external_tokens;
@@ -1235,17 +1185,17 @@ class KvBridgeConnector final : public KvConnector {
           wb->decode_port > 0) {
         EnsurePeer(wb->decode_engine_id, wb->decode_host, wb->decode_port, wb->decode_rank);
       }
-      wprefill_.OnWriteBlocks(*wb, now);
+      cores_.wprefill.OnWriteBlocks(*wb, now);
     } else if (auto* wc = std::get_if<WriteCancelMsg>(&e.msg)) {
-      wprefill_.OnWriteCancel(*wc, now);
+      cores_.wprefill.OnWriteCancel(*wc, now);
     } else if (auto* wd = std::get_if<WriteDoneMsg>(&e.msg)) {
-      wdecode_.OnWriteDone(*wd, now);
+      cores_.wdecode.OnWriteDone(*wd, now);
     } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg);
-               rel && (wprefill_.Knows(rel->transfer_id) ||
+               rel && (cores_.wprefill.Knows(rel->transfer_id) ||
                        // Not registered yet anywhere: the mode this engine serves decides.
                        (opt().config.mode == KvTransferMode::kWrite &&
-                        prefill_.Siblings(rel->transfer_id).empty()))) {
-      Status st = wprefill_.OnRelease(*rel, now);
+                        cores_.prefill.Siblings(rel->transfer_id).empty()))) {
+      Status st = cores_.wprefill.OnRelease(*rel, now);
       if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
     } else {
       return false;
@@ -1278,7 +1228,8 @@ class KvBridgeConnector final : public KvConnector {
       });
       if (qi != q.end()) {
         q.erase(qi);
-        wprefill_.OnWriteCompleted(c.write_id, CancelledError("cancelled before posting"), now);
+        cores_.wprefill.OnWriteCompleted(c.write_id, CancelledError("cancelled before posting"),
+                                         now);
         return;
       }
     }
@@ -1294,16 +1245,17 @@ class KvBridgeConnector final : public KvConnector {
     }
     xfer::TransferAgent* agent = AgentFor(w.prefill_rank);
     if (agent == nullptr) {
-      wprefill_.OnWriteCompleted(w.write_id, InternalError("no transfer agent for this rank"), now);
+      cores_.wprefill.OnWriteCompleted(w.write_id, InternalError("no transfer agent for this rank"),
+                                       now);
       return;
     }
     if (Status st = SetWriteHeadSlice(w, spec); !st.ok()) {
-      wprefill_.OnWriteCompleted(w.write_id, st, now);
+      cores_.wprefill.OnWriteCompleted(w.write_id, st, now);
       return;
     }
     auto prepared = agent->Prepare(spec);
     if (!prepared.ok()) {
-      wprefill_.OnWriteCompleted(w.write_id, prepared.status(), now);
+      cores_.wprefill.OnWriteCompleted(w.write_id, prepared.status(), now);
       return;
     }
     xfer::PostOptions po;
@@ -1312,7 +1264,7 @@ class KvBridgeConnector final : public KvConnector {
     const uint64_t bytes = (*prepared)->bytes();
     auto h = agent->Post(*prepared, po);
     if (!h.ok()) {
-      wprefill_.OnWriteCompleted(w.write_id, h.status(), now);
+      cores_.wprefill.OnWriteCompleted(w.write_id, h.status(), now);
       return;
     }
     write_handles_[w.write_id] = Posted{*h, bytes, -1};
@@ -1362,21 +1314,21 @@ class KvBridgeConnector final : public KvConnector {
       ended = p->second + static_cast<TimePoint>(e.seconds * 1e6);
       write_posted_at_.erase(p);
     }
-    wprefill_.OnWriteCompleted(e.write_id, e.status, ended);
+    cores_.wprefill.OnWriteCompleted(e.write_id, e.status, ended);
   }
 
   // Mirrors core state into the thread-safe snapshot (hold check, stats, metrics).
   void SyncState() {
-    auto held = prefill_.HeldBlocksByTransfer();
+    auto held = cores_.prefill.HeldBlocksByTransfer();
     // tcp serves a peer's WRITE only into blocks a WRITE-mode decode reserved for that transfer.
-    for (auto& [tid, blocks] : wdecode_.WritableBlocksByTransfer()) {
+    for (auto& [tid, blocks] : cores_.wdecode.WritableBlocksByTransfer()) {
       auto& v = held[tid];
       v.insert(v.end(), blocks.begin(), blocks.end());
     }
-    const auto& pc = prefill_.counters();
-    const auto& dc = decode_.counters();
-    const auto& wpc = wprefill_.counters();
-    const auto& wdc = wdecode_.counters();
+    const auto& pc = cores_.prefill.counters();
+    const auto& dc = cores_.decode.counters();
+    const auto& wpc = cores_.wprefill.counters();
+    const auto& wdc = cores_.wdecode.counters();
     const int64_t ignored = pc.notifications_ignored + dc.notifications_ignored +
                             wpc.notifications_ignored + wdc.notifications_ignored;
     const int64_t lease = pc.lease_expired + wpc.lease_expired;
@@ -1387,7 +1339,7 @@ class KvBridgeConnector final : public KvConnector {
     synced_lease_ = lease;
     synced_ignored_ = ignored;
     synced_fail_ = fails;
-    for (const WriteDecodeCore::LoadTiming& t : wdecode_.TakeLoadTimings()) {
+    for (const WriteDecodeCore::LoadTiming& t : cores_.wdecode.TakeLoadTimings()) {
       // One host shares CLOCK_MONOTONIC (SteadyNow): then the exact interval from the prefill's
       // last layer to this go; otherwise (an implausible difference) the cores' estimate.
       int64_t us = t.go_at - t.last_layer_at_us;
@@ -1395,7 +1347,7 @@ class KvBridgeConnector final : public KvConnector {
       write_overlap_us_sum_ += us;
       if (m_write_overlap_) m_write_overlap_->Observe(static_cast<double>(us) * 1e-6);
     }
-    for (int64_t us : wprefill_.TakeTransferTimes()) {
+    for (int64_t us : cores_.wprefill.TakeTransferTimes()) {
       if (m_seconds_) m_seconds_->Observe(static_cast<double>(us) * 1e-6);
     }
     std::lock_guard<std::mutex> l(impl_->mu);
@@ -1405,10 +1357,10 @@ class KvBridgeConnector final : public KvConnector {
     for (uint64_t t : unused_tokens_) impl_->reply_paths.erase(t);
     unused_tokens_.clear();
     KvBridgeStats& s = impl_->stats;
-    s.transfers = prefill_.NumTransfers() + wprefill_.NumTransfers();
-    s.held_blocks = prefill_.NumHeldBlocks() + wprefill_.NumHeldBlocks();
-    s.parked = prefill_.NumParked() + wprefill_.NumParked();
-    s.waiting_for_remote = decode_.NumWaiting() + wdecode_.NumWaiting();
+    s.transfers = cores_.prefill.NumTransfers() + cores_.wprefill.NumTransfers();
+    s.held_blocks = cores_.prefill.NumHeldBlocks() + cores_.wprefill.NumHeldBlocks();
+    s.parked = cores_.prefill.NumParked() + cores_.wprefill.NumParked();
+    s.waiting_for_remote = cores_.decode.NumWaiting() + cores_.wdecode.NumWaiting();
     s.reads_inflight = static_cast<int64_t>(handles_.size());
     s.lease_expired = lease;
     s.notifications_ignored = ignored;
@@ -1422,8 +1374,7 @@ class KvBridgeConnector final : public KvConnector {
     s.write_targets_done = wpc.targets_ok;
     s.write_transfer_us_sum = wpc.transfer_us_sum;
     s.write_compute_us_sum = wpc.compute_us_sum;
-    s.idle = prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
-             handles_.empty() && write_handles_.empty();
+    s.idle = cores_.Idle() && handles_.empty() && write_handles_.empty();
   }
 
   struct Posted {
@@ -1434,10 +1385,7 @@ class KvBridgeConnector final : public KvConnector {
 
   std::shared_ptr<KvBridgeRuntime::Impl> impl_;
   EngineHooks hooks_;
-  PrefillCore prefill_;
-  DecodeCore decode_;
-  WritePrefillRanks wprefill_;  // WRITE mode, prefill side (one core per TP rank)
-  WriteDecodeCore wdecode_;     // WRITE mode, decode side
+  ConnectorCores cores_;
   std::unique_ptr<xfer::TransferAgent> agent_;
   std::vector<std::unique_ptr<xfer::TransferAgent>> rank_agents_;  // ranks 1..tp-1 (TP)
   std::unique_ptr<Worker> worker_;

@@ -23,6 +23,7 @@
 #include <variant>
 #include <vector>
 
+#include "kvbridge/connector/connector_cores.h"
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/kv_transfer_config.h"
 #include "kvbridge/connector/messages.h"
@@ -190,6 +191,16 @@ struct InWriteEnded {
 };
 using InEvent = std::variant<InMsg, InReadEnded, InWriteEnded>;
 
+// The connector settings the knobs stand for (the rest at KvTransferConfig's defaults; the
+// heartbeat is lease / 4).
+KvTransferConfig SimTransferConfig(const Knobs& k) {
+  KvTransferConfig c;
+  c.lease = k.lease;
+  c.reply_timeout = k.reply_timeout;
+  c.read_timeout = k.read_timeout;
+  return c;
+}
+
 // The engine-side adapter: the real cores behind the engine's KvConnector hooks. The mapping of
 // hooks to core calls follows KvBridgeConnector (src/connector/kvbridge_connector.cc); the
 // transport is the simulator. It also keeps a ledger of what the engine holds, drains and loads,
@@ -204,39 +215,22 @@ class SimConnector final : public KvConnector {
         block_size_(k.block_size),
         tp_(engine < k.num_prefill ? k.prefill_tp : k.decode_tp),
         write_mode_(k.write_mode),
-        prefill_({.engine_id = engine_id,
-                  .tp_size = tp_,
-                  .all_ranks = true,
-                  .num_kv_heads = k.num_kv_heads,
-                  .lease = k.lease}),
-        decode_({.engine_id = engine_id,
-                 .tp_size = tp_,
-                 .num_kv_heads = k.num_kv_heads,
-                 .block_size = k.block_size,
-                 .reply_timeout = k.reply_timeout,
-                 .read_timeout = k.read_timeout,
-                 .heartbeat_interval = k.lease / 4}),
-        wprefill_({.engine_id = engine_id,
-                   .tp_size = tp_,
-                   .num_kv_heads = k.num_kv_heads,
-                   .block_size = k.block_size,
-                   .num_layers = k.num_layers,
-                   .lease = k.lease}),
-        // As KvBridgeConnector::WriteTimeout: the prefill's lease plus a grace.
-        wdecode_({.engine_id = engine_id,
-                  .tp_size = tp_,
-                  .num_kv_heads = k.num_kv_heads,
-                  .block_size = k.block_size,
-                  .write_timeout = k.lease + std::max<DurationUs>(2 * kSecond, k.lease / 4)}) {}
+        cores_(SimTransferConfig(k), {.engine_id = engine_id,
+                                      .tp_size = tp_,
+                                      .num_kv_heads = k.num_kv_heads,
+                                      .block_size = k.block_size,
+                                      .num_layers = k.num_layers}) {}
 
   Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req, int num_local_computed,
                                        TimePoint now) override;
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
                              int num_local_computed, int num_external, TimePoint now) override {
     if (write_decodes_.erase(req.request_id)) {
-      wdecode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+      cores_.wdecode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
+                                       now);
     } else {
-      decode_.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external, now);
+      cores_.decode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
+                                      now);
     }
     Perform(now);
   }
@@ -247,24 +241,14 @@ class SimConnector final : public KvConnector {
   void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override;
   StepReport Poll(TimePoint now) override;
   void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override;
-  std::optional<TimePoint> NextDeadline() const override {
-    std::optional<TimePoint> best;
-    for (auto d : {prefill_.NextDeadline(), decode_.NextDeadline(), wprefill_.NextDeadline(),
-                   wdecode_.NextDeadline()}) {
-      if (d && (!best || *d < *best)) best = d;
-    }
-    return best;
-  }
-  bool Idle() const override {
-    return prefill_.Idle() && decode_.Idle() && wprefill_.Idle() && wdecode_.Idle() &&
-           inbox_.empty();
-  }
+  std::optional<TimePoint> NextDeadline() const override { return cores_.NextDeadline(); }
+  bool Idle() const override { return cores_.Idle() && inbox_.empty(); }
 
   void Push(InEvent e) { inbox_.push_back(std::move(e)); }
-  const PrefillCore& prefill() const { return prefill_; }
-  const DecodeCore& decode() const { return decode_; }
-  const WritePrefillRanks& wprefill() const { return wprefill_; }
-  const WriteDecodeCore& wdecode() const { return wdecode_; }
+  const PrefillCore& prefill() const { return cores_.prefill; }
+  const DecodeCore& decode() const { return cores_.decode; }
+  const WritePrefillRanks& wprefill() const { return cores_.wprefill; }
+  const WriteDecodeCore& wdecode() const { return cores_.wdecode; }
   size_t num_ledger_held() const { return held_.size(); }
   size_t num_ledger_held_read() const {
     size_t n = 0;
@@ -276,11 +260,13 @@ class SimConnector final : public KvConnector {
   size_t num_write_decodes() const { return write_decodes_.size(); }
   size_t inbox_size() const { return inbox_.size(); }
   int64_t lease_expired() const {
-    return prefill_.counters().lease_expired + wprefill_.counters().lease_expired;
+    return cores_.prefill.counters().lease_expired + cores_.wprefill.counters().lease_expired;
   }
   int64_t notifications_ignored() const {
-    return prefill_.counters().notifications_ignored + decode_.counters().notifications_ignored +
-           wprefill_.counters().notifications_ignored + wdecode_.counters().notifications_ignored;
+    return cores_.prefill.counters().notifications_ignored +
+           cores_.decode.counters().notifications_ignored +
+           cores_.wprefill.counters().notifications_ignored +
+           cores_.wdecode.counters().notifications_ignored;
   }
 
  private:
@@ -296,10 +282,7 @@ class SimConnector final : public KvConnector {
   int block_size_;
   int tp_;  // this engine's TP ranks (the cores below serve all of them)
   bool write_mode_;
-  PrefillCore prefill_;
-  DecodeCore decode_;
-  WritePrefillRanks wprefill_;  // WRITE mode, prefill side (one core per TP rank)
-  WriteDecodeCore wdecode_;     // WRITE mode, decode side
+  ConnectorCores cores_;  // the same cores, wired as KvBridgeConnector wires them
   std::vector<InEvent> inbox_;
   StepReport report_;
   struct Held {
@@ -549,11 +532,11 @@ Result<KvConnector::Match> SimConnector::GetNumNewMatchedTokens(const ConnectorR
   if (p.mode == KvTransferMode::kWrite) {
     ASSIGN_OR_RETURN(m, WriteRequestAdded(req, p, num_local_computed, now));
   } else if (p.do_remote_decode) {
-    RETURN_IF_ERROR(prefill_.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
+    RETURN_IF_ERROR(cores_.prefill.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
   } else {
-    ASSIGN_OR_RETURN(
-        DecodeCore::Match dm,
-        decode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
+    ASSIGN_OR_RETURN(DecodeCore::Match dm,
+                     cores_.decode.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
+                                                  num_local_computed, now));
     decode_admitted_.insert(req.parent_id);
     m.num_external_tokens = dm.num_external_tokens;
     m.load_async = dm.load_async;
@@ -574,17 +557,17 @@ Result<KvConnector::Match> SimConnector::WriteRequestAdded(const ConnectorReques
                                                            int num_local_computed, TimePoint now) {
   Match m;
   if (p.do_remote_decode) {
-    Status st =
-        wprefill_.OnRequestAdded(req.request_id, req.n, p.transfer_id, req.num_prompt_tokens, now);
+    Status st = cores_.wprefill.OnRequestAdded(req.request_id, req.n, p.transfer_id,
+                                               req.num_prompt_tokens, now);
     if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
-      wprefill_.OnAbortedBeforeAdmission(p.transfer_id, now);  // answer parked block ids now
+      cores_.wprefill.OnAbortedBeforeAdmission(p.transfer_id, now);  // answer parked block ids now
     }
     RETURN_IF_ERROR(st);
     return m;
   }
-  ASSIGN_OR_RETURN(
-      WriteDecodeCore::Match dm,
-      wdecode_.OnRequestAdded(req.request_id, p, req.num_prompt_tokens, num_local_computed, now));
+  ASSIGN_OR_RETURN(WriteDecodeCore::Match dm,
+                   cores_.wdecode.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
+                                                 num_local_computed, now));
   decode_admitted_.insert(req.parent_id);
   if (dm.num_external_tokens > 0) write_decodes_.insert(req.request_id);
   m.num_external_tokens = dm.num_external_tokens;
@@ -605,8 +588,8 @@ KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequest
                                      block_ids.begin() + std::min(nb, block_ids.size()));
   const bool write = p->mode == KvTransferMode::kWrite;
   d.hold_blocks =
-      write ? wprefill_.OnRequestFinished(req.request_id, prompt_blocks, now)
-            : prefill_.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
+      write ? cores_.wprefill.OnRequestFinished(req.request_id, prompt_blocks, now)
+            : cores_.prefill.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
   if (d.hold_blocks &&
       !held_.emplace(req.request_id, Held{.transfer_id = p->transfer_id, .write = write}).second) {
     sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " held twice");
@@ -627,10 +610,7 @@ KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequest
 }
 
 bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now) {
-  bool keep = prefill_.OnRequestAborted(req.request_id, now);
-  keep = decode_.OnRequestAborted(req.request_id, now) || keep;
-  keep = wprefill_.OnRequestAborted(req.request_id, now) || keep;
-  keep = wdecode_.OnRequestAborted(req.request_id, now) || keep;
+  const bool keep = cores_.OnRequestAborted(req.request_id, now);
   write_decodes_.erase(req.request_id);
   loading_.erase(req.request_id);
   load_tid_.erase(req.request_id);
@@ -645,16 +625,16 @@ bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now
     const bool write = p.ok() && p->mode == KvTransferMode::kWrite;
     if (p.ok() && p->do_remote_decode) {
       if (write) {
-        wprefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+        cores_.wprefill.OnAbortedBeforeAdmission(p->transfer_id, now);
       } else {
-        prefill_.OnAbortedBeforeAdmission(p->transfer_id, now);
+        cores_.prefill.OnAbortedBeforeAdmission(p->transfer_id, now);
       }
     }
     if (p.ok() && p->do_remote_prefill && !decode_admitted_.count(req.parent_id)) {
       if (write) {
-        wdecode_.OnAbortedBeforeAdmission(*p);
+        cores_.wdecode.OnAbortedBeforeAdmission(*p);
       } else {
-        decode_.OnAbortedBeforeAdmission(*p);
+        cores_.decode.OnAbortedBeforeAdmission(*p);
       }
     }
   }
@@ -667,7 +647,7 @@ void SimConnector::RequestQueued(const ConnectorRequestInfo& req, TimePoint now)
   if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
   auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
   if (p.ok() && p->do_remote_prefill && p->mode == KvTransferMode::kRead) {
-    decode_.OnRequestQueued(req.request_id, *p, now);
+    cores_.decode.OnRequestQueued(req.request_id, *p, now);
   }
 }
 
@@ -676,33 +656,33 @@ void SimConnector::HandleInbox(TimePoint now) {
   in.swap(inbox_);
   for (InEvent& e : in) {
     if (auto* r = std::get_if<InReadEnded>(&e)) {
-      decode_.OnReadCompleted(r->read_id, r->status, now);
+      cores_.decode.OnReadCompleted(r->read_id, r->status, now);
     } else if (auto* w = std::get_if<InWriteEnded>(&e)) {
-      wprefill_.OnWriteCompleted(w->write_id, w->status, now);
+      cores_.wprefill.OnWriteCompleted(w->write_id, w->status, now);
     } else {
       InMsg& m = std::get<InMsg>(e);
       if (auto* rd = std::get_if<ReadDoneMsg>(&m.msg)) {
         sim_->OnReadDoneTaken(engine_, *rd);  // this pair's READ is no longer pending
-        prefill_.OnReadDone(*rd, m.reply_token, now);
+        cores_.prefill.OnReadDone(*rd, m.reply_token, now);
       } else if (auto* hr = std::get_if<HoldReplyMsg>(&m.msg)) {
-        decode_.OnHoldReply(*hr, now);
+        cores_.decode.OnHoldReply(*hr, now);
       } else if (auto* hb = std::get_if<HeartbeatMsg>(&m.msg)) {
-        prefill_.OnHeartbeat(*hb, now);
+        cores_.prefill.OnHeartbeat(*hb, now);
       } else if (auto* wb = std::get_if<WriteBlocksMsg>(&m.msg)) {
-        wprefill_.OnWriteBlocks(*wb, now);
+        cores_.wprefill.OnWriteBlocks(*wb, now);
       } else if (auto* wc = std::get_if<WriteCancelMsg>(&m.msg)) {
-        wprefill_.OnWriteCancel(*wc, now);
+        cores_.wprefill.OnWriteCancel(*wc, now);
       } else if (auto* wd = std::get_if<WriteDoneMsg>(&m.msg)) {
         sim_->OnWriteDoneTaken(engine_, *wd);
-        wdecode_.OnWriteDone(*wd, now);
+        cores_.wdecode.OnWriteDone(*wd, now);
       } else if (auto* rl = std::get_if<ReleaseMsg>(&m.msg)) {
         // As KvBridgeConnector::OnWriteMessage: a release names a WRITE transfer when the WRITE
         // cores know it, or (registered nowhere yet) when this engine serves WRITE mode.
-        if (wprefill_.Knows(rl->transfer_id) ||
-            (write_mode_ && prefill_.Siblings(rl->transfer_id).empty())) {
-          wprefill_.OnRelease(*rl, now).IgnoreError();
+        if (cores_.wprefill.Knows(rl->transfer_id) ||
+            (write_mode_ && cores_.prefill.Siblings(rl->transfer_id).empty())) {
+          cores_.wprefill.OnRelease(*rl, now).IgnoreError();
         } else {
-          Status st = prefill_.OnRelease(*rl, now);  // not ok: another incarnation (404)
+          Status st = cores_.prefill.OnRelease(*rl, now);  // not ok: another incarnation (404)
           if (st.ok()) released_.insert(rl->transfer_id);
         }
       }
@@ -715,22 +695,19 @@ void SimConnector::OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chu
                                     TimePoint now) {
   // As KvBridgeConnector: what arrived during the forward pass is taken now (handlers only queue
   // reports), then every request whose final chunk this is posts this layer's WRITEs.
-  if (wprefill_.NumTransfers() == 0) return;
+  if (cores_.wprefill.NumTransfers() == 0) return;
   HandleInbox(now);
   for (const LayerKvChunk& c : chunks) {
     if (c.completes_tokens)
-      wprefill_.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, now);
+      cores_.wprefill.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, now);
   }
   Perform(now);
 }
 
 KvConnector::StepReport SimConnector::Poll(TimePoint now) {
-  leases_before_poll_ = prefill_.counters().lease_expired;
+  leases_before_poll_ = cores_.prefill.counters().lease_expired;
   HandleInbox(now);
-  prefill_.OnTick(now);
-  decode_.OnTick(now);
-  wprefill_.OnTick(now);
-  wdecode_.OnTick(now);
+  cores_.OnTick(now);
   Perform(now);
   StepReport out = std::move(report_);
   report_ = StepReport{};
@@ -767,14 +744,7 @@ KvConnector::StepReport SimConnector::Poll(TimePoint now) {
 
 void SimConnector::Perform(TimePoint now) {
   for (int round = 0; round < 16; ++round) {
-    std::vector<ConnectorAction> acts = prefill_.TakeActions();
-    auto append = [&acts](std::vector<ConnectorAction> more) {
-      acts.insert(acts.end(), std::make_move_iterator(more.begin()),
-                  std::make_move_iterator(more.end()));
-    };
-    append(decode_.TakeActions());
-    append(wprefill_.TakeActions());
-    append(wdecode_.TakeActions());
+    std::vector<ConnectorAction> acts = cores_.TakeActions();
     if (acts.empty()) return;
     for (ConnectorAction& a : acts) {
       if (auto* pr = std::get_if<PostReadAction>(&a)) {
@@ -813,8 +783,8 @@ void SimConnector::Perform(TimePoint now) {
           // lease fired (the decode is then told "hold gone"). Checked when the core decides,
           // before the rest of the inbox is taken.
           const std::string& tid = h->second.transfer_id;
-          const bool excused =
-              released_.count(tid) > 0 || prefill_.counters().lease_expired > leases_before_poll_;
+          const bool excused = released_.count(tid) > 0 ||
+                               cores_.prefill.counters().lease_expired > leases_before_poll_;
           sim_->CheckReadsAtPrefillFree(engine_, tid, excused);
         }
         report_.finished_sending.push_back(bf->request_id);

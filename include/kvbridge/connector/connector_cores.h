@@ -1,0 +1,65 @@
+// kvbridge/connector/connector_cores.h — the four sans-IO protocol cores of one engine (READ
+// prefill, READ decode, WRITE prefill ranks, WRITE decode), built from one KvTransferConfig and
+// driven together. The runtime (KvBridgeConnector) and the simulator (SimConnector) both own one,
+// so the two wire the cores identically: same options, same action order, same deadlines.
+//
+//   ConnectorCores cores(config, {.engine_id = "p0-1a2b", .tp_size = 2, .num_kv_heads = 8,
+//                                 .block_size = 16, .num_layers = 32});
+//   RETURN_IF_ERROR(cores.prefill.OnRequestAdded("cmpl-1", 1, "tid-1", now));
+//   cores.OnTick(now);
+//   for (ConnectorAction& a : cores.TakeActions()) Perform(a);
+//
+// Thread-safety: not thread-safe; one owner thread (the engine thread, or the simulator).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvbridge/common/clock.h"
+#include "kvbridge/connector/actions.h"
+#include "kvbridge/connector/decode_core.h"
+#include "kvbridge/connector/kv_transfer_config.h"
+#include "kvbridge/connector/prefill_core.h"
+#include "kvbridge/connector/write_core.h"
+
+namespace kvbridge {
+
+/// One engine's connector cores. The members are used directly for the per-core events.
+struct ConnectorCores {
+  /// What the cores need to know of the engine (the rest comes from the KvTransferConfig).
+  struct Shape {
+    std::string engine_id;  ///< this engine incarnation
+    int rank = 0;           ///< the READ prefill core's rank (it serves all ranks anyway)
+    int tp_size = 1;        ///< this engine's TP ranks, >= 1
+    int num_kv_heads = 0;   ///< the model's global KV heads (0: they split evenly)
+    int block_size = 16;    ///< tokens per KV block
+    int num_layers = 1;     ///< the model's layers (a WRITE target is done after all of them)
+  };
+
+  /// Cores for `shape` with config's lease, timeouts, heartbeat (EffectiveHeartbeat), parked
+  /// message bound and load-failure policy.
+  ConnectorCores(const KvTransferConfig& config, const Shape& shape);
+
+  /// The WRITE decode's bound on a WRITE: the prefill's lease plus a grace for message delays
+  /// (max(2 s, lease / 4)).
+  static DurationUs WriteTimeout(const KvTransferConfig& config);
+
+  /// Every core's pending actions, in the order prefill, decode, wprefill, wdecode.
+  std::vector<ConnectorAction> TakeActions();
+  /// Timers of every core (leases, reply / read / write timeouts, heartbeats).
+  void OnTick(TimePoint now);
+  /// Tells every core (none is skipped); true when any keeps the request's blocks for now.
+  bool OnRequestAborted(const std::string& request_id, TimePoint now);
+  /// The earliest deadline of any core, or nullopt when none has one.
+  std::optional<TimePoint> NextDeadline() const;
+  /// True when no core has work in flight.
+  bool Idle() const;
+
+  PrefillCore prefill;
+  DecodeCore decode;
+  WritePrefillRanks wprefill;  // WRITE mode, prefill side (one core per TP rank)
+  WriteDecodeCore wdecode;     // WRITE mode, decode side
+};
+
+}  // namespace kvbridge
