@@ -1,7 +1,6 @@
 // The HTTP layer in front of the real engine and the tiny random-weight model, in process.
 #include <gtest/gtest.h>
 #include <httplib.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -10,27 +9,17 @@
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/engine/engine.h"
 #include "kvbridge/model/model.h"
-#include "kvbridge/model/random_model.h"
 #include "kvbridge/server/api_server.h"
 #include "kvbridge/server/tokenizer_codec.h"
+#include "support/tiny_model.h"
 
 namespace kvbridge::server {
 namespace {
 
 using nlohmann::json;
 
-std::shared_ptr<const Model> TinyModel() {
-  static std::shared_ptr<const Model> model = [] {
-    std::string dir = ::testing::TempDir() + "/kvb_server_tiny_" + std::to_string(getpid());
-    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 3);
-    EXPECT_TRUE(spec.ok());
-    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
-    auto m = Model::Load(dir, {.num_threads = 1});
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    return std::shared_ptr<const Model>(std::move(m).value());
-  }();
-  return model;
-}
+// The tiny random model (seed 3), loaded once per process.
+std::shared_ptr<const Model> TinyModel() { return kvbridge::testing::TinyRandomModel(3); }
 
 class ServerEngineTest : public ::testing::Test {
  protected:

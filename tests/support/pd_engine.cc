@@ -1,7 +1,6 @@
 #include "support/pd_engine.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -10,22 +9,11 @@
 #include <thread>
 
 #include "kvbridge/common/metrics.h"
-#include "kvbridge/model/random_model.h"
+#include "support/tiny_model.h"
 
 namespace kvbridge::testing {
 
-std::shared_ptr<const Model> TinyModel() {
-  static std::shared_ptr<const Model> model = [] {
-    std::string dir = ::testing::TempDir() + "/kvb_pd_tiny_" + std::to_string(getpid());
-    auto spec = RandomModelPreset("tiny", ModelArch::kLlama, 7);
-    EXPECT_TRUE(spec.ok());
-    EXPECT_TRUE(WriteRandomModel(*spec, dir).ok());
-    auto m = Model::Load(dir, {.num_threads = 1});
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    return std::shared_ptr<const Model>(std::move(m).value());
-  }();
-  return model;
-}
+std::shared_ptr<const Model> TinyModel() { return TinyRandomModel(7); }
 
 std::vector<int32_t> ByteCodec::Encode(std::string_view t) const {
   return std::vector<int32_t>(t.begin(), t.end());
