@@ -4,6 +4,7 @@
 #include <set>
 #include <utility>
 
+#include "connector/remote_load.h"
 #include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
@@ -88,15 +89,9 @@ Result<DecodeCore::Match> DecodeCore::OnRequestAdded(const std::string& request_
         " ids do not cover " + std::to_string(num_prompt_tokens) + " tokens at block_size " +
         std::to_string(bs));
   }
-  if (num_local_computed_tokens < 0 || num_local_computed_tokens % bs != 0) {
-    return InvalidArgumentError("local prefix hit must be a non-negative multiple of block_size");
-  }
-  if (requests_.count(request_id))
-    return AlreadyExistsError("request " + request_id + " is loading");
   const auto key = std::make_pair(params.remote_engine_id, params.transfer_id);
-  if (by_transfer_.count(key)) {
-    return AlreadyExistsError("transfer " + params.transfer_id + " is already being loaded");
-  }
+  RETURN_IF_ERROR(
+      CheckNewRemoteLoad(requests_, by_transfer_, request_id, key, num_local_computed_tokens, bs));
   Request r;
   r.params = params;
   r.pairs = PlanPairs(params.tp_size);
@@ -105,7 +100,7 @@ Result<DecodeCore::Match> DecodeCore::OnRequestAdded(const std::string& request_
                                 ": no TP plan to decode TP " + std::to_string(options_.tp_size));
   }
   // The last prompt token is always computed here (its logits give the first decode token).
-  const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  const int external = ExternalPromptTokens(num_prompt_tokens, num_local_computed_tokens);
   if (external == 0) {
     ++counters_.skipped;
     for (const Pair& pair : r.pairs)
@@ -129,21 +124,18 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
   }
   Request& r = it->second;
   r.allocated = true;
-  const int bs = options_.block_size;
-  const int b0 = num_local_computed_tokens / bs;
-  const int b1 = (num_local_computed_tokens + num_external_tokens + bs - 1) / bs;
-  if (num_external_tokens <= 0 || num_local_computed_tokens < 0 ||
-      static_cast<int64_t>(block_ids.size()) < b1 ||
-      static_cast<int64_t>(r.params.remote_block_ids.size()) < b1) {
-    Fail(request_id, r,
-         InternalError("block table of " + std::to_string(block_ids.size()) +
-                       " blocks does not cover the remote load"));
+  const BlockSpan span =
+      ExternalBlockSpan(options_.block_size, num_local_computed_tokens, num_external_tokens);
+  if (!AllocationCoversLoad(span, num_local_computed_tokens, num_external_tokens,
+                            block_ids.size()) ||
+      static_cast<int64_t>(r.params.remote_block_ids.size()) < span.end) {
+    Fail(request_id, r, UncoveredLoadError(block_ids.size()));
     Advance(request_id);
     return;
   }
-  std::vector<int32_t> local(block_ids.begin() + b0, block_ids.begin() + b1);
-  std::vector<int32_t> remote(r.params.remote_block_ids.begin() + b0,
-                              r.params.remote_block_ids.begin() + b1);
+  std::vector<int32_t> local(block_ids.begin() + span.first, block_ids.begin() + span.end);
+  std::vector<int32_t> remote(r.params.remote_block_ids.begin() + span.first,
+                              r.params.remote_block_ids.begin() + span.end);
   for (Pair& pair : r.pairs) {
     pair.read_id = next_read_id_++;
     pair.state = PairState::kReading;

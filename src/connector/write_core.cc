@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "connector/remote_load.h"
 #include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
@@ -910,16 +911,9 @@ Result<WriteDecodeCore::Match> WriteDecodeCore::OnRequestAdded(const std::string
   }
   const int bs = options_.block_size;
   if (num_prompt_tokens < 1) return InvalidArgumentError("empty prompt");
-  if (num_local_computed_tokens < 0 || num_local_computed_tokens % bs != 0) {
-    return InvalidArgumentError("local prefix hit must be a non-negative multiple of block_size");
-  }
-  if (requests_.count(request_id)) {
-    return AlreadyExistsError("request " + request_id + " is loading");
-  }
   const auto key = std::make_pair(params.remote_engine_id, params.transfer_id);
-  if (by_transfer_.count(key)) {
-    return AlreadyExistsError("transfer " + params.transfer_id + " is already being loaded");
-  }
+  RETURN_IF_ERROR(
+      CheckNewRemoteLoad(requests_, by_transfer_, request_id, key, num_local_computed_tokens, bs));
   Request r;
   r.params = params;
   r.num_prompt_tokens = num_prompt_tokens;
@@ -927,7 +921,7 @@ Result<WriteDecodeCore::Match> WriteDecodeCore::OnRequestAdded(const std::string
     r.pairs.push_back(Pair{.decode_rank = d, .prefill_rank = p});
   }
   SkipUnpairedPrefillRanks(r);
-  const int external = std::max(0, num_prompt_tokens - 1 - num_local_computed_tokens);
+  const int external = ExternalPromptTokens(num_prompt_tokens, num_local_computed_tokens);
   if (external == 0) {
     ++counters_.skipped;
     for (const Pair& pair : r.pairs) SendCancel(r, pair, /*want_done=*/false);
@@ -950,18 +944,16 @@ void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
   Request& r = it->second;
   r.allocated = true;
   r.deadline = now + options_.write_timeout;
-  const int bs = options_.block_size;
-  const int b0 = num_local_computed_tokens / bs;
-  const int b1 = (num_local_computed_tokens + num_external_tokens + bs - 1) / bs;
-  if (num_external_tokens <= 0 || num_local_computed_tokens < 0 ||
-      static_cast<int64_t>(block_ids.size()) < b1) {
+  const BlockSpan span =
+      ExternalBlockSpan(options_.block_size, num_local_computed_tokens, num_external_tokens);
+  if (!AllocationCoversLoad(span, num_local_computed_tokens, num_external_tokens,
+                            block_ids.size())) {
     for (const Pair& pair : r.pairs) SendCancel(r, pair, /*want_done=*/false);
-    Fail(r, InternalError("block table of " + std::to_string(block_ids.size()) +
-                          " blocks does not cover the remote load"));
+    Fail(r, UncoveredLoadError(block_ids.size()));
     Advance(request_id, now);
     return;
   }
-  r.blocks.assign(block_ids.begin() + b0, block_ids.begin() + b1);
+  r.blocks.assign(block_ids.begin() + span.first, block_ids.begin() + span.end);
   for (Pair& pair : r.pairs) {
     pair.state = PairState::kWaiting;
     actions_.push_back(
@@ -973,7 +965,7 @@ void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
                                                 .decode_rank = pair.decode_rank,
                                                 .decode_tp_size = options_.tp_size,
                                                 .num_prompt_tokens = r.num_prompt_tokens,
-                                                .first_block = b0,
+                                                .first_block = span.first,
                                                 .block_ids = r.blocks}});
   }
 }
