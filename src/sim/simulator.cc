@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -476,6 +477,13 @@ class Sim {
   void InjectJunk();
 
   // Transfers.
+  // A transfer's failure knobs: fails (Unavailable, at a random point of `dur`) or runs slow.
+  void DrawTransferFault(Status& status, DurationUs& dur);
+  // Cancels the in-flight READ or WRITE `t` (false: it already was). The chunk on the wire still
+  // lands: it ends within 2 ms, with Cancelled(`why`) unless it would have ended sooner anyway;
+  // its end moves there (`end(version)`: the event scheduled before is stale now).
+  template <typename Transfer, typename End>
+  bool CancelInFlight(Transfer& t, const char* why, End end);
   void EndRead(uint64_t key, uint64_t version);
   void EndWrite(uint64_t key, uint64_t version);
   void LayerDone(int ei, int inc, uint64_t step, int layer);
@@ -1554,12 +1562,7 @@ void Sim::PostRead(int engine, const PostReadAction& a) {
         r.tainted = true;  // not held: whatever is read is not the prompt's KV
       }
     }
-    if (k_.faults && Chance(k_.read_fail)) {
-      r.status = UnavailableError("simulated transfer failure");
-      dur = Uniform(0, dur);
-    } else if (k_.faults && Chance(k_.read_slow)) {
-      dur = Uniform(k_.read_slow_lo, k_.read_slow_hi);
-    }
+    DrawTransferFault(r.status, dur);
     pending_pairs_.insert(
         {r.src, r.src_inc, a.transfer_id, d.engine_id, a.decode_rank, a.prefill.rank});
   }
@@ -1580,29 +1583,54 @@ void Sim::PostRead(int engine, const PostReadAction& a) {
   At(now_ + dur, [this, key, v] { EndRead(key, v); });
 }
 
+void Sim::DrawTransferFault(Status& status, DurationUs& dur) {
+  if (k_.faults && Chance(k_.read_fail)) {
+    status = UnavailableError("simulated transfer failure");
+    dur = Uniform(0, dur);
+  } else if (k_.faults && Chance(k_.read_slow)) {
+    dur = Uniform(k_.read_slow_lo, k_.read_slow_hi);
+  }
+}
+
+template <typename Transfer, typename End>
+bool Sim::CancelInFlight(Transfer& t, const char* why, End end) {
+  if (t.cancelled) return false;
+  t.cancelled = true;
+  const TimePoint stop = now_ + Uniform(0, 2000);
+  if (stop < t.end_at) {
+    t.end_at = stop;
+    t.status = CancelledError(why);
+  }
+  At(t.end_at, [end, v = ++t.version] { end(v); });
+  return true;
+}
+
+// The in-flight READ or WRITE `key` taken out of `in_flight` when `version` is its current end
+// event; nullopt for a stale event (it was cancelled since, or has ended).
+template <typename Transfer>
+std::optional<Transfer> TakeIfCurrent(std::map<uint64_t, Transfer>& in_flight, uint64_t key,
+                                      uint64_t version) {
+  auto it = in_flight.find(key);
+  if (it == in_flight.end() || it->second.version != version) return std::nullopt;
+  Transfer t = std::move(it->second);
+  in_flight.erase(it);
+  return t;
+}
+
 void Sim::CancelRead(int engine, uint64_t read_id) {
   auto k = read_key_.find({engine, engines_[engine].incarnation, read_id});
   if (k == read_key_.end()) return;
   Read& r = reads_.at(k->second);
-  if (r.cancelled) return;
-  r.cancelled = true;
-  // Partial progress: the chunk on the wire still lands; then the READ stops.
-  const TimePoint stop = now_ + Uniform(0, 2000);
-  if (stop < r.end_at) {
-    r.end_at = stop;
-    r.status = CancelledError("READ cancelled");
-  }
+  const uint64_t key = k->second;
+  if (!CancelInFlight(r, "READ cancelled", [this, key](uint64_t v) { EndRead(key, v); })) return;
   Trace("xfer: cancel READ %llu of %s (ends in %.3fms)", static_cast<unsigned long long>(read_id),
         engines_[engine].engine_id.c_str(), static_cast<double>(r.end_at - now_) / kMillisecond);
-  const uint64_t key = k->second, v = ++r.version;
-  At(r.end_at, [this, key, v] { EndRead(key, v); });
 }
 
 void Sim::EndRead(uint64_t key, uint64_t version) {
-  auto it = reads_.find(key);
-  if (it == reads_.end() || it->second.version != version) return;
-  Read r = std::move(it->second);
-  reads_.erase(it);
+  std::optional<Read> taken = TakeIfCurrent(reads_, key, version);
+  if (!taken) return;
+  Read& r = *taken;
   read_key_.erase({r.dst, r.dst_inc, r.read_id});
   Engine& d = engines_[r.dst];
   if (!d.up || d.incarnation != r.dst_inc) return;
@@ -1652,12 +1680,7 @@ void Sim::PostWrite(int engine, const PostWriteAction& a) {
         return;
       }
     }
-    if (k_.faults && Chance(k_.read_fail)) {
-      w.status = UnavailableError("simulated transfer failure");
-      dur = Uniform(0, dur);
-    } else if (k_.faults && Chance(k_.read_slow)) {
-      dur = Uniform(k_.read_slow_lo, k_.read_slow_hi);
-    }
+    DrawTransferFault(w.status, dur);
   }
   w.end_at = now_ + dur;
   Trace("xfer: %s posts WRITE %llx of %s layer %d: %zu blocks to %s rank %d (%.3fms%s%s)",
@@ -1674,25 +1697,18 @@ void Sim::CancelWrite(int engine, uint64_t write_id) {
   auto k = write_key_.find({engine, engines_[engine].incarnation, write_id});
   if (k == write_key_.end()) return;
   Write& w = writes_.at(k->second);
-  if (w.cancelled) return;
-  w.cancelled = true;
-  // Partial progress: the chunk on the wire still lands; then the WRITE stops.
-  const TimePoint stop = now_ + Uniform(0, 2000);
-  if (stop < w.end_at) {
-    w.end_at = stop;
-    w.status = CancelledError("WRITE cancelled");
+  const uint64_t key = k->second;
+  if (!CancelInFlight(w, "WRITE cancelled", [this, key](uint64_t v) { EndWrite(key, v); })) {
+    return;
   }
   Trace("xfer: cancel WRITE %llx of %s (ends in %.3fms)", static_cast<unsigned long long>(write_id),
         engines_[engine].engine_id.c_str(), static_cast<double>(w.end_at - now_) / kMillisecond);
-  const uint64_t key = k->second, v = ++w.version;
-  At(w.end_at, [this, key, v] { EndWrite(key, v); });
 }
 
 void Sim::EndWrite(uint64_t key, uint64_t version) {
-  auto it = writes_.find(key);
-  if (it == writes_.end() || it->second.version != version) return;
-  Write w = std::move(it->second);
-  writes_.erase(it);
+  std::optional<Write> taken = TakeIfCurrent(writes_, key, version);
+  if (!taken) return;
+  Write& w = *taken;
   write_key_.erase({w.src, w.src_inc, w.write_id});
   const bool landed = w.started && engines_[w.dst].up && engines_[w.dst].incarnation == w.dst_inc;
   Trace("xfer: WRITE %llx of %s ends: %s%s", static_cast<unsigned long long>(w.write_id),
