@@ -158,6 +158,10 @@ int main(int argc, char** argv) {
   upstream.set_keep_alive_max_count(1 << 30);  // keep-alive clients (ours, nginx-ka) keep theirs
   int up_port = upstream.bind_to_any_port("127.0.0.1");
   std::thread up_thread([&] { upstream.listen_after_bind(); });
+  // stop() before the listen loop runs would be lost (cpp-httplib) and the join would hang.
+  for (int i = 0; i < 5000 && !upstream.is_running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 
   std::string dir =
       (std::filesystem::temp_directory_path() / ("kvb-overhead-" + std::to_string(::getpid())))

@@ -551,6 +551,13 @@ Status ApiServer::Start() {
   if (!d->svr.RaiseListenBacklog(1024)) KVB_LOG_WARN("could not raise the listen backlog");
   d->started = true;
   d->listen_thread = std::thread([d] { d->svr.listen_after_bind(); });
+  // cpp-httplib's stop() does nothing until the listen loop has marked itself running, and the
+  // loop then blocks in accept() for good: a Stop() right after Start() (tests, a failed start
+  // of a later part) would hang joining this thread. Return only once the loop runs.
+  for (int i = 0; i < 5000 && !d->svr.is_running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!d->svr.is_running()) KVB_LOG_WARN("the HTTP listen loop did not start within 5 s");
   KVB_LOG_INFO("kvbridge serve: listening on http://{}:{} (model '{}')", d->config.host,
                d->bound_port, d->config.served_model_name);
   return OkStatus();
