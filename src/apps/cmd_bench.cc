@@ -1,6 +1,7 @@
 // `kvbridge bench`: drive /v1/completions over concurrency levels and check the KV drains.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -29,6 +30,11 @@ int RunBenchCommand(BenchCli& cli, bool check_drain) {
   cli.o.check_drain = check_drain;
   // `--check-drain` given without URLs leaves one empty entry: that means "ask /instances".
   std::erase(cli.o.drain_urls, std::string());
+  if (cli.o.prompts_file.empty()) {
+    std::fprintf(stderr,
+                 "bench: no --prompts file: using %d synthetic prompts (seed %llu) built here\n",
+                 std::max(1, cli.o.synthetic_prompts), static_cast<unsigned long long>(cli.o.seed));
+  }
   const bool tty = ::isatty(2);
   auto progress = [tty](const std::string& line) {
     std::fprintf(stderr, tty ? "\r%-78s" : "%s\n", line.c_str());

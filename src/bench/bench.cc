@@ -368,7 +368,8 @@ Result<BenchReport> RunBench(const BenchOptions& o,
           if (!o.stream && res) body = std::move(res->body);
           s.latency_s = Seconds(Clock::now() - r0);
           if (!res) {
-            s.error = "transport: " + httplib::to_string(res.error());
+            s.error = "cannot reach " + hp.host + ":" + std::to_string(hp.port) +
+                      " (httplib: " + httplib::to_string(res.error()) + ")";
           } else if (res->status != 200) {
             s.error = "HTTP " + std::to_string(res->status) + ": " + body.substr(0, 300);
           } else if (body.empty()) {

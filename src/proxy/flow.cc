@@ -91,6 +91,23 @@ std::string WithMember(const std::string& object, std::string_view key,
   return out;
 }
 
+// The fields the prefill leg overwrites or drops (n, max_tokens, max_completion_tokens,
+// min_tokens) cannot be refused by the prefill engine, and the decode would refuse them only after
+// the prompt was prefilled and held. Checked here with the engine's rules (openai_protocol.cc):
+// an integer, n and the max_tokens >= 1, min_tokens >= 0; null means absent. Returns the message.
+std::optional<std::string> CheckFieldsThePrefillLegOverrides(const json& j) {
+  const std::pair<const char*, int64_t> fields[] = {
+      {"n", 1}, {"max_tokens", 1}, {"max_completion_tokens", 1}, {"min_tokens", 0}};
+  for (const auto& [name, min] : fields) {
+    auto it = j.find(name);
+    if (it == j.end() || it->is_null()) continue;
+    if (!it->is_number_integer() || it->get<int64_t>() < min) {
+      return "'" + std::string(name) + "' must be an integer >= " + std::to_string(min);
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Result<std::string> ShapePrefillBody(std::string_view client_body, bool forward_n,
@@ -280,7 +297,13 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
   json j = json::parse(request.body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     FailWithError(Outcome::kBadRequest, 400, "invalid_request_error",
-                  "request body must be a JSON object", out);
+                  j.is_discarded() ? "the request body is not valid JSON"
+                                   : "the request body must be a JSON object",
+                  out);
+    return out;
+  }
+  if (auto bad = CheckFieldsThePrefillLegOverrides(j)) {
+    FailWithError(Outcome::kBadRequest, 400, "invalid_request_error", *bad, out);
     return out;
   }
   if (j.contains("stream") && !j["stream"].is_boolean() && !j["stream"].is_null()) {

@@ -375,12 +375,45 @@ TEST(PdFlowRead, NullStreamMeansNotStreaming) {
 }
 
 TEST(PdFlowRead, BadBodiesAre400) {
-  for (const char* body : {"not json", "[1,2]", R"({"stream":"yes"})"}) {
+  for (const char* body :
+       {"not json", "[1,2]", R"({"stream":"yes"})", R"({"prompt":"a","n":0})",
+        R"({"prompt":"a","n":2.5})", R"({"prompt":"a","max_tokens":-1})",
+        R"({"prompt":"a","max_tokens":0})", R"({"prompt":"a","max_tokens":"9"})",
+        R"({"messages":[],"max_completion_tokens":0})", R"({"prompt":"a","min_tokens":-2})"}) {
     Harness h;
     auto a = h.flow.OnClientRequest({"/v1/completions", body}, 0);
     ASSERT_EQ(a.size(), 1u) << body;
     EXPECT_EQ(As<Respond>(a[0]).status, 400) << body;
     EXPECT_EQ(h.flow.outcome(), Outcome::kBadRequest);
+  }
+}
+
+// n, max_tokens and min_tokens never reach a prefill engine as the client sent them, so the proxy
+// refuses bad ones before any leg: no prompt is prefilled or held for a request the decode refuses.
+TEST(PdFlowRead, FieldsThePrefillLegOverridesAreCheckedBeforeAnyLeg) {
+  struct Case {
+    const char* body;
+    const char* message;
+  };
+  for (const Case& c :
+       {Case{R"({"prompt":"a","n":0})", "'n' must be an integer >= 1"},
+        Case{R"({"prompt":"a","max_tokens":-1})", "'max_tokens' must be an integer >= 1"},
+        Case{R"({"prompt":"a","min_tokens":1.5})", "'min_tokens' must be an integer >= 0"},
+        Case{R"({"prompt":"a",)", "the request body is not valid JSON"}}) {
+    Harness h;
+    auto a = h.flow.OnClientRequest({"/v1/completions", c.body}, 0);
+    ASSERT_EQ(a.size(), 1u) << c.body;
+    const auto& r = As<Respond>(a[0]);
+    EXPECT_EQ(r.status, 400);
+    EXPECT_EQ(json::parse(r.body)["error"]["message"], c.message) << c.body;
+    EXPECT_EQ(h.flow.outcome(), Outcome::kBadRequest);
+  }
+  for (const char* ok : {R"({"prompt":"a","n":null,"max_tokens":null})",
+                         R"({"prompt":"a","n":3,"max_tokens":1,"min_tokens":0})"}) {
+    Harness h;
+    auto a = h.flow.OnClientRequest({"/v1/completions", ok}, 0);
+    ASSERT_EQ(a.size(), 1u) << ok;
+    EXPECT_EQ(As<SendLeg>(a[0]).role, Role::kPrefill) << ok;
   }
 }
 
