@@ -103,7 +103,12 @@ int RunGenerate(const GenerateOptions& o) {
     }
     ids = *parsed;
   } else {
-    ids = tok.Encode(o.prompt, /*add_bos=*/true);
+    auto encoded = tok.Encode(o.prompt, /*add_special_tokens=*/true);
+    if (!encoded.ok()) {
+      std::fprintf(stderr, "error: %s\n", encoded.status().ToString().c_str());
+      return 2;
+    }
+    ids = *std::move(encoded);
   }
   if (ids.empty()) {
     std::fprintf(stderr, "error: empty prompt\n");

@@ -39,7 +39,7 @@ void CheckFixture(const std::string& name) {
   double worst = 0;
   for (const auto& p : fx["prompts"]) {
     const auto ids = p["token_ids"].get<std::vector<int32_t>>();
-    EXPECT_EQ(ids, model->tokenizer().Encode(p["text"].get<std::string>(), true));
+    EXPECT_EQ(ids, *model->tokenizer().Encode(p["text"].get<std::string>(), true));
     LocalKvCache kv(model->KvLayout(16, 16, KvDtype::kFp32), ks, vs);
     std::vector<int32_t> table(16);
     for (int i = 0; i < 16; ++i) table[i] = 15 - i;

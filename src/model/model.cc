@@ -52,7 +52,7 @@ Result<std::shared_ptr<Model>> Model::Load(const std::string& dir, ModelLoadOpti
   auto impl = std::make_unique<Impl>();
   ASSIGN_OR_RETURN(impl->config, ModelConfig::FromFile(dir + "/config.json"));
   const ModelConfig& c = impl->config;
-  ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::ForConfig(c));
+  ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(dir, c));
   ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
 
   XXH3_state_t* st = XXH3_createState();

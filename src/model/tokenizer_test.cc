@@ -12,13 +12,13 @@ TEST(Tokenizer, RoundTripsEveryByte) {
   std::string all;
   for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
   all += "héllo wörld ✓ 日本";
-  auto ids = tok.Encode(all, /*add_bos=*/true);
+  auto ids = *tok.Encode(all, /*add_special_tokens=*/true);
   ASSERT_EQ(ids.size(), all.size() + 1);
   EXPECT_EQ(ids[0], 256);
   EXPECT_EQ(ids[1], 0);
   EXPECT_EQ(ids[256], 255);
   EXPECT_EQ(tok.Decode(ids), all);
-  EXPECT_EQ(tok.Encode("ab", false), (std::vector<int32_t>{97, 98}));
+  EXPECT_EQ(*tok.Encode("ab", false), (std::vector<int32_t>{97, 98}));
 }
 
 TEST(Tokenizer, DecodeDropsSpecialAndInvalidIds) {
@@ -26,6 +26,18 @@ TEST(Tokenizer, DecodeDropsSpecialAndInvalidIds) {
   EXPECT_EQ(tok.Decode(std::vector<int32_t>{256, 104, 257, 105, 258, -1, 263, 999}), "hi");
   EXPECT_TRUE(tok.IsSpecial(257));
   EXPECT_FALSE(tok.IsSpecial(255));
+}
+
+TEST(Tokenizer, StreamingHoldsBackIncompleteUtf8) {
+  Tokenizer tok(264, 256, 257, 258);
+  const std::string text = "a\xE2\x9C\x93" "b\xF0\x9F\x98";  // "a✓b" then 3 of 4 bytes of 😀
+  IncrementalDecoder stream(tok, /*skip_special_tokens=*/true);
+  std::vector<std::string> deltas;
+  for (char c : text) deltas.push_back(stream.Push(static_cast<uint8_t>(c)));
+  deltas.push_back(stream.Push(257));  // EOS renders as nothing
+  EXPECT_EQ(deltas, (std::vector<std::string>{"a", "", "", "\xE2\x9C\x93", "b", "", "", "", ""}));
+  EXPECT_EQ(stream.Finish(), "\xF0\x9F\x98");
+  EXPECT_EQ(stream.Finish(), "");
 }
 
 TEST(Tokenizer, ParsesTokenIdPrompts) {

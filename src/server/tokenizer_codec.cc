@@ -3,7 +3,10 @@
 namespace kvbridge::server {
 
 std::vector<int32_t> TokenizerCodec::Encode(std::string_view text) const {
-  return tok_.Encode(text, /*add_bos=*/tok_.bos_id() >= 0);
+  // The byte kind never fails; a Hugging Face tokenizer refuses invalid UTF-8, which the JSON
+  // parser already rejected before a prompt gets here.
+  auto ids = tok_.Encode(text, /*add_special_tokens=*/true);
+  return ids.ok() ? *std::move(ids) : std::vector<int32_t>{};
 }
 
 std::string TokenizerCodec::Decode(std::span<const int32_t> ids) const { return tok_.Decode(ids); }
