@@ -30,7 +30,9 @@ TEST(Tokenizer, DecodeDropsSpecialAndInvalidIds) {
 
 TEST(Tokenizer, StreamingHoldsBackIncompleteUtf8) {
   Tokenizer tok(264, 256, 257, 258);
-  const std::string text = "a\xE2\x9C\x93" "b\xF0\x9F\x98";  // "a✓b" then 3 of 4 bytes of 😀
+  const std::string text =
+      "a\xE2\x9C\x93"
+      "b\xF0\x9F\x98";  // "a✓b" then 3 of 4 bytes of 😀
   IncrementalDecoder stream(tok, /*skip_special_tokens=*/true);
   std::vector<std::string> deltas;
   for (char c : text) deltas.push_back(stream.Push(static_cast<uint8_t>(c)));
