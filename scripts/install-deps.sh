@@ -7,7 +7,7 @@ PKGS=(
   clang-14 libclang-rt-14-dev clang-format
   libgtest-dev libgmock-dev googletest libbenchmark-dev librapidcheck-dev
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libfmt-dev libcli11-dev
-  libtomlplusplus-dev libxxhash-dev libmsgpack-cxx-dev libeigen3-dev libboost-dev
+  libtomlplusplus-dev libxxhash-dev libmsgpack-cxx-dev libeigen3-dev libboost-dev libopenblas-dev
   libucx-dev ucx-utils libssl-dev zlib1g-dev nginx-light
 )
 missing=()

@@ -1,19 +1,63 @@
 #include "model/kernels.h"
 
+// gcc 12 reports its own AVX-512 intrinsics (_mm512_undefined_* behind the broadcasts and
+// shuffles) as maybe-uninitialized once inlined: a known false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
 #include <type_traits>
+
+#include "model/numerics.h"
 
 namespace kvbridge::model_internal {
 namespace {
 
-// ---------- portable path: 8 lanes emulated with std::fma (bitwise equal to the AVX2 path) ----
-
-struct Lanes {
-  float v[8];
+// Element tags for the weight types (the data is raw little-endian bytes, read with memcpy).
+struct Bf16 {
+  uint16_t bits;
 };
+struct Fp16 {
+  uint16_t bits;
+};
+
+inline float WidenOne(const float* p) { return *p; }
+inline float WidenOne(const Bf16* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return Bf16ToFloat(h);
+}
+inline float WidenOne(const Fp16* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return Fp16ToFloat(h);
+}
+
+// 64-byte aligned per-thread scratch (packed operands of the AVX-512 path).
+class Scratch {
+ public:
+  ~Scratch() { std::free(p_); }
+  float* Get(size_t floats) {
+    if (floats > cap_) {
+      std::free(p_);
+      cap_ = std::max(floats, cap_ * 2);
+      p_ = static_cast<float*>(std::aligned_alloc(64, (cap_ * 4 + 63) / 64 * 64));
+      if (p_ == nullptr) std::abort();
+    }
+    return p_;
+  }
+
+ private:
+  float* p_ = nullptr;
+  size_t cap_ = 0;
+};
+thread_local Scratch tl_xpack, tl_wpack;
+
+// ---------- portable path: 8 lanes emulated with std::fma (bitwise equal to the SIMD paths) --
 
 inline float ReduceLanes(const float* a) {
   const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
@@ -21,124 +65,494 @@ inline float ReduceLanes(const float* a) {
   return t0 + t1;
 }
 
-template <int MR, int NR>
-void TilePortable(const float* x, int ldx, const float* w, int ldw, int k, float* y, int ldy) {
-  Lanes acc[MR][NR] = {};
+template <int MR, int NR, class WT>
+void TilePortable(const float* x, int ldx, const WT* w, int ldw, int k, float* y, int ldy) {
+  float acc[MR][NR][8] = {};
   const int k8 = k & ~7;
   for (int p = 0; p < k8; p += 8) {
     for (int i = 0; i < MR; ++i) {
       for (int j = 0; j < NR; ++j) {
         for (int l = 0; l < 8; ++l) {
-          acc[i][j].v[l] = std::fma(x[i * ldx + p + l], w[j * ldw + p + l], acc[i][j].v[l]);
+          acc[i][j][l] =
+              std::fma(x[i * ldx + p + l], WidenOne(w + static_cast<int64_t>(j) * ldw + p + l),
+                       acc[i][j][l]);
         }
       }
     }
   }
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
-      float s = ReduceLanes(acc[i][j].v);
-      for (int p = k8; p < k; ++p) s = std::fma(x[i * ldx + p], w[j * ldw + p], s);
+      float s = ReduceLanes(acc[i][j]);
+      for (int p = k8; p < k; ++p) {
+        s = std::fma(x[i * ldx + p], WidenOne(w + static_cast<int64_t>(j) * ldw + p), s);
+      }
       y[i * ldy + j] = s;
     }
   }
 }
 
-// ---------- AVX2 + FMA path ----------
+template <class WT>
+void MatMulPortable(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k, float* y,
+                    int ldy) {
+  constexpr int kMr = 4, kNr = 3;
+  int j = 0;
+  for (; j + kNr <= n; j += kNr) {
+    int i = 0;
+    for (; i + kMr <= m; i += kMr) {
+      TilePortable<kMr, kNr>(x + static_cast<int64_t>(i) * ldx, ldx,
+                             w + static_cast<int64_t>(j) * ldw, ldw, k,
+                             y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+    for (; i < m; ++i) {
+      TilePortable<1, kNr>(x + static_cast<int64_t>(i) * ldx, ldx,
+                           w + static_cast<int64_t>(j) * ldw, ldw, k,
+                           y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+  }
+  for (; j < n; ++j) {
+    for (int i = 0; i < m; ++i) {
+      TilePortable<1, 1>(x + static_cast<int64_t>(i) * ldx, ldx, w + static_cast<int64_t>(j) * ldw,
+                         ldw, k, y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+  }
+}
 
-#define KVB_AVX2 __attribute__((target("avx2,fma")))
+// ---------- AVX2 + FMA (+ F16C) building blocks; also inlined into the AVX-512 path ----------
 
-KVB_AVX2 inline float ReduceAvx(__m256 a) {
+#define KVB_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVB_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")))
+#define KVB_INLINE inline __attribute__((always_inline))
+
+// 8 weights widened exactly to fp32: bf16 by a 16-bit left shift, fp16 by vcvtph2ps.
+KVB_AVX2 KVB_INLINE __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+KVB_AVX2 KVB_INLINE __m256 Load8(const Bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+KVB_AVX2 KVB_INLINE __m256 Load8(const Fp16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+KVB_AVX2 KVB_INLINE float ReduceYmm(__m256 a) {
   // (a0+a4, a1+a5, a2+a6, a3+a7) -> (s0+s2, s1+s3) -> t0+t1: the same tree as ReduceLanes.
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-template <int MR, int NR>
-KVB_AVX2 void TileAvx(const float* x, int ldx, const float* w, int ldw, int k, float* y, int ldy) {
+// One MR x NR tile, one ymm accumulator (8 lanes) per output element, weights widened in the
+// loop. x rows and w rows are read in place.
+template <int MR, int NR, class WT>
+KVB_AVX2 KVB_INLINE void YmmTile(const float* x, int ldx, const WT* w, int ldw, int k, float* y,
+                                 int ldy) {
   __m256 acc[MR][NR];
+#pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   }
   const int k8 = k & ~7;
   for (int p = 0; p < k8; p += 8) {
     __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) wv[j] = Load8(w + static_cast<int64_t>(j) * ldw + p);
+#pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
+      const __m256 xv = _mm256_loadu_ps(x + static_cast<int64_t>(i) * ldx + p);
+#pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
-      float s = ReduceAvx(acc[i][j]);
-      for (int p = k8; p < k; ++p) s = std::fma(x[i * ldx + p], w[j * ldw + p], s);
-      y[i * ldy + j] = s;
+      float s = ReduceYmm(acc[i][j]);
+      for (int p = k8; p < k; ++p) {
+        s = std::fma(x[static_cast<int64_t>(i) * ldx + p],
+                     WidenOne(w + static_cast<int64_t>(j) * ldw + p), s);
+      }
+      y[static_cast<int64_t>(i) * ldy + j] = s;
     }
   }
 }
 
-bool DetectAvx2Fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+// Column tiles of NR (then single columns), row tiles of MR (then single rows).
+template <int MR, int NR, class WT>
+KVB_AVX2 KVB_INLINE void YmmDriver(const float* x, int m, int ldx, const WT* w, int n, int ldw,
+                                   int k, float* y, int ldy) {
+  int j = 0;
+  for (; j + NR <= n; j += NR) {
+    const WT* wj = w + static_cast<int64_t>(j) * ldw;
+    int i = 0;
+    for (; i + MR <= m; i += MR) {
+      YmmTile<MR, NR>(x + static_cast<int64_t>(i) * ldx, ldx, wj, ldw, k,
+                      y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+    for (; i < m; ++i) {
+      YmmTile<1, NR>(x + static_cast<int64_t>(i) * ldx, ldx, wj, ldw, k,
+                     y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+  }
+  for (; j < n; ++j) {
+    const WT* wj = w + static_cast<int64_t>(j) * ldw;
+    int i = 0;
+    for (; i + MR <= m; i += MR) {
+      YmmTile<MR, 1>(x + static_cast<int64_t>(i) * ldx, ldx, wj, ldw, k,
+                     y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+    for (; i < m; ++i) {
+      YmmTile<1, 1>(x + static_cast<int64_t>(i) * ldx, ldx, wj, ldw, k,
+                    y + static_cast<int64_t>(i) * ldy + j, ldy);
+    }
+  }
 }
-const bool kUseAvx2 = DetectAvx2Fma();
 
-constexpr int kMr = 4;
-constexpr int kNr = 3;
+// Widens columns [j0, j0 + nc) of w (k elements each) into a dense fp32 block [nc][k].
+template <class WT>
+KVB_AVX2 void WidenColumns(const WT* w, int ldw, int nc, int k, float* out) {
+  const int k8 = k & ~7;
+  for (int j = 0; j < nc; ++j) {
+    const WT* src = w + static_cast<int64_t>(j) * ldw;
+    float* dst = out + static_cast<int64_t>(j) * k;
+    int p = 0;
+    for (; p < k8; p += 8) _mm256_storeu_ps(dst + p, Load8(src + p));
+    for (; p < k; ++p) dst[p] = WidenOne(src + p);
+  }
+}
 
-template <bool kAvx>
-void MatMulImpl(const float* x, int m, int ldx, const float* w, int n, int ldw, int k, float* y,
-                int ldy) {
-  auto tile = [&](auto mr, auto nr, int i, int j) {
-    constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
-    if constexpr (kAvx) {
-      TileAvx<MR, NR>(x + static_cast<int64_t>(i) * ldx, ldx, w + static_cast<int64_t>(j) * ldw,
-                      ldw, k, y + static_cast<int64_t>(i) * ldy + j, ldy);
+// AVX2 path: 4 x 3 tiles (12 accumulators + 3 weight vectors + 1 x vector = 16 ymm). With
+// many rows, narrow weights are first widened into an fp32 block of columns reused by every
+// row tile.
+template <class WT>
+KVB_AVX2 void MatMulAvx2(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
+                         float* y, int ldy) {
+  if (m < 4) {
+    YmmDriver<2, 4>(x, m, ldx, w, n, ldw, k, y, ldy);
+    return;
+  }
+  if constexpr (std::is_same_v<WT, float>) {
+    YmmDriver<4, 3>(x, m, ldx, w, n, ldw, k, y, ldy);
+  } else {
+    if (m < 16) {
+      YmmDriver<4, 3>(x, m, ldx, w, n, ldw, k, y, ldy);
+      return;
+    }
+    const int cols = std::max(3, std::min(n, (1 << 17) / std::max(k, 1) / 3 * 3));
+    float* buf = tl_wpack.Get(static_cast<size_t>(cols) * k);
+    for (int j0 = 0; j0 < n; j0 += cols) {
+      const int nc = std::min(cols, n - j0);
+      WidenColumns(w + static_cast<int64_t>(j0) * ldw, ldw, nc, k, buf);
+      YmmDriver<4, 3>(x, m, ldx, buf, nc, k, k, y + j0, ldy);
+    }
+  }
+}
+
+// ---------- AVX-512 path ----------
+//
+// Large m: x is packed in row pairs, [pair][chunk][16] = x[2p][8c..8c+8] then x[2p+1][same];
+// a weight panel of 8 columns is widened and packed as [chunk][column][8]. One zmm register
+// holds the 8-lane accumulators of rows (2p, 2p+1) against one column: it is multiplied by the
+// column's 8 weights broadcast to both halves (vbroadcastf32x8, a plain load). A tile is 3 row
+// pairs x 8 columns = 24 accumulators; every weight vector is reused by 6 rows and every x
+// vector by 8 columns. Small m: YmmTile with up to 24 accumulators (32 ymm registers).
+
+constexpr int kPairTile = 3;  // row pairs per register tile
+constexpr int kPanel = 8;     // columns per weight panel
+constexpr int kBigRows = 16;  // from this many rows on, the packed pair kernel
+
+KVB_AVX512 KVB_INLINE __m512 SumHalves(__m512 a, __m512 b) {
+  // Quarters [a.q0, a.q2, b.q0, b.q2] + [a.q1, a.q3, b.q1, b.q3]: s_l = acc_l + acc_{l+4}.
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+KVB_AVX512 KVB_INLINE __m512 SumPairs(__m512 a, __m512 b) {
+  // Per quarter [a0+a2, a1+a3, b0+b2, b1+b3]: t0 = s0 + s2, t1 = s1 + s3.
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+KVB_AVX512 KVB_INLINE __m512 SumAdjacent(__m512 a, __m512 b) {
+  // Per quarter [a0+a1, a2+a3, b0+b1, b2+b3]: t0 + t1.
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// The lane tree of 8 pair accumulators (columns 0..7) at once: returns
+// [row 2p: col 0..7 | row 2p+1: col 0..7], each element reduced exactly as ReduceLanes.
+KVB_AVX512 KVB_INLINE __m512 ReducePairPanel(const __m512* a) {
+  const __m512 s01 = SumHalves(a[0], a[1]), s23 = SumHalves(a[2], a[3]);
+  const __m512 s45 = SumHalves(a[4], a[5]), s67 = SumHalves(a[6], a[7]);
+  const __m512 t0 = SumPairs(s01, s23), t1 = SumPairs(s45, s67);
+  const __m512 r = SumAdjacent(t0, t1);
+  // r lanes: row0 c0,c2,c4,c6 | row1 c0,c2,c4,c6 | row0 c1,c3,c5,c7 | row1 c1,c3,c5,c7.
+  const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_permutexvar_ps(idx, r);
+}
+
+// Runs chunks [0, nchunks) of a 2*RP-row x 8-column tile. The accumulators start at zero or,
+// when `state_in` is set, at the exact 8-lane state a previous K block left there; they end
+// in `state_out` (the next K block continues from it) or, when that is null, reduced by the
+// lane tree into `res` ([pair][row 2p cols 0..7 | row 2p+1 cols 0..7]). Splitting K into
+// blocks this way keeps every lane's fma sequence unchanged.
+template <int RP>
+KVB_AVX512 KVB_INLINE void PairTile(const float* xp, int64_t pair_stride, const float* wp,
+                                    int nchunks, const float* state_in, float* state_out,
+                                    float* res) {
+  __m512 acc[RP][kPanel];
+#pragma GCC unroll 8
+  for (int i = 0; i < RP; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kPanel; ++j) {
+      acc[i][j] = state_in != nullptr ? _mm512_load_ps(state_in + (i * kPanel + j) * 16)
+                                      : _mm512_setzero_ps();
+    }
+  }
+  for (int c = 0; c < nchunks; ++c) {
+    __m512 xv[RP];
+#pragma GCC unroll 8
+    for (int i = 0; i < RP; ++i) xv[i] = _mm512_load_ps(xp + i * pair_stride + c * 16);
+    const float* wc = wp + c * (kPanel * 8);
+#pragma GCC unroll 8
+    for (int j = 0; j < kPanel; ++j) {
+      const __m512 wv = _mm512_broadcast_f32x8(_mm256_load_ps(wc + j * 8));
+#pragma GCC unroll 8
+      for (int i = 0; i < RP; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+    }
+  }
+  if (state_out != nullptr) {
+#pragma GCC unroll 8
+    for (int i = 0; i < RP; ++i) {
+#pragma GCC unroll 8
+      for (int j = 0; j < kPanel; ++j)
+        _mm512_store_ps(state_out + (i * kPanel + j) * 16, acc[i][j]);
+    }
+    return;
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < RP; ++i) _mm512_store_ps(res + i * 16, ReducePairPanel(acc[i]));
+}
+
+constexpr int kMaxBlockChunks = 128;  // K block: a packed 8-column panel is <= 32 KB (L1)
+
+template <class WT>
+KVB_AVX512 void MatMulAvx512(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
+                             float* y, int ldy) {
+  const int nch = k / 8, k8 = nch * 8;
+  if (m < kBigRows || nch == 0) {
+    if (m >= 8) {
+      YmmDriver<8, 3>(x, m, ldx, w, n, ldw, k, y, ldy);
+    } else if (m >= 4) {
+      YmmDriver<4, 5>(x, m, ldx, w, n, ldw, k, y, ldy);
     } else {
-      TilePortable<MR, NR>(x + static_cast<int64_t>(i) * ldx, ldx,
-                           w + static_cast<int64_t>(j) * ldw, ldw, k,
-                           y + static_cast<int64_t>(i) * ldy + j, ldy);
+      YmmDriver<2, 8>(x, m, ldx, w, n, ldw, k, y, ldy);
     }
-  };
-  using M4 = std::integral_constant<int, kMr>;
-  using M1 = std::integral_constant<int, 1>;
-  using N3 = std::integral_constant<int, kNr>;
-  using N1 = std::integral_constant<int, 1>;
-  // Cache blocking over rows only; it changes which tile computes an element, never how.
-  constexpr int kRowBlock = 64;
-  for (int i0 = 0; i0 < m; i0 += kRowBlock) {
-    const int i1 = std::min(m, i0 + kRowBlock);
-    int j = 0;
-    for (; j + kNr <= n; j += kNr) {
-      int i = i0;
-      for (; i + kMr <= i1; i += kMr) tile(M4{}, N3{}, i, j);
-      for (; i < i1; ++i) tile(M1{}, N3{}, i, j);
+    return;
+  }
+  const int64_t pair_stride = static_cast<int64_t>(nch) * 16;  // floats per packed pair
+  const int pairs = (m + 1) / 2;
+  // Row pairs per block: the packed x block stays within ~1 MB (L2).
+  int block_pairs = static_cast<int>((1 << 20) / 4 / pair_stride) / kPairTile * kPairTile;
+  block_pairs = std::clamp(block_pairs, kPairTile, 32 * kPairTile);
+  block_pairs = std::min(block_pairs, (pairs + kPairTile - 1) / kPairTile * kPairTile);
+  // K blocks of at most kMaxBlockChunks chunks, as even as possible.
+  const int kblocks = (nch + kMaxBlockChunks - 1) / kMaxBlockChunks;
+  const int kc = (nch + kblocks - 1) / kblocks;
+  float* xp = tl_xpack.Get(static_cast<size_t>(block_pairs) * pair_stride +
+                           (kblocks > 1 ? static_cast<size_t>(block_pairs) * kPanel * 16 : 0));
+  float* state = kblocks > 1 ? xp + static_cast<size_t>(block_pairs) * pair_stride : nullptr;
+  float* wp = tl_wpack.Get(static_cast<size_t>(kc) * kPanel * 8);
+  alignas(64) float res[kPairTile * 16];
+  for (int pb = 0; pb < pairs; pb += block_pairs) {
+    const int np = std::min(block_pairs, pairs - pb);
+    for (int q = 0; q < np; ++q) {
+      const int r0 = 2 * (pb + q);
+      const float* x0 = x + static_cast<int64_t>(r0) * ldx;
+      const float* x1 = r0 + 1 < m ? x0 + ldx : nullptr;
+      float* dst = xp + q * pair_stride;
+      for (int c = 0; c < nch; ++c) {
+        _mm256_store_ps(dst + c * 16, _mm256_loadu_ps(x0 + c * 8));
+        _mm256_store_ps(dst + c * 16 + 8,
+                        x1 != nullptr ? _mm256_loadu_ps(x1 + c * 8) : _mm256_setzero_ps());
+      }
     }
-    for (; j < n; ++j) {
-      int i = i0;
-      for (; i + kMr <= i1; i += kMr) tile(M4{}, N1{}, i, j);
-      for (; i < i1; ++i) tile(M1{}, N1{}, i, j);
+    for (int j0 = 0; j0 < n; j0 += kPanel) {
+      const int nr = std::min(kPanel, n - j0);
+      for (int c0 = 0; c0 < nch; c0 += kc) {
+        const int cn = std::min(kc, nch - c0);
+        const bool first = c0 == 0, last = c0 + cn == nch;
+        for (int jj = 0; jj < kPanel; ++jj) {
+          float* dst = wp + jj * 8;
+          if (jj < nr) {
+            const WT* src = w + static_cast<int64_t>(j0 + jj) * ldw + c0 * 8;
+            for (int c = 0; c < cn; ++c) {
+              _mm256_store_ps(dst + c * (kPanel * 8), Load8(src + c * 8));
+            }
+          } else {
+            for (int c = 0; c < cn; ++c) {
+              _mm256_store_ps(dst + c * (kPanel * 8), _mm256_setzero_ps());
+            }
+          }
+        }
+        for (int q = 0; q < np; q += kPairTile) {
+          const int rp = std::min(kPairTile, np - q);
+          const float* xq = xp + q * pair_stride + c0 * 16;
+          float* st = state != nullptr ? state + static_cast<size_t>(q) * kPanel * 16 : nullptr;
+          const float* in = first ? nullptr : st;
+          float* out = last ? nullptr : st;
+          if (rp == 3) {
+            PairTile<3>(xq, pair_stride, wp, cn, in, out, res);
+          } else if (rp == 2) {
+            PairTile<2>(xq, pair_stride, wp, cn, in, out, res);
+          } else {
+            PairTile<1>(xq, pair_stride, wp, cn, in, out, res);
+          }
+          if (!last) continue;
+          for (int t = 0; t < 2 * rp; ++t) {
+            const int row = 2 * (pb + q) + t;
+            if (row >= m) break;
+            const float* r = res + t * 8;
+            float* yr = y + static_cast<int64_t>(row) * ldy + j0;
+            if (k8 == k && nr == kPanel) {
+              _mm256_storeu_ps(yr, _mm256_load_ps(r));
+              continue;
+            }
+            const float* xr = x + static_cast<int64_t>(row) * ldx;
+            for (int c = 0; c < nr; ++c) {
+              float s = r[c];
+              const WT* wc = w + static_cast<int64_t>(j0 + c) * ldw;
+              for (int p = k8; p < k; ++p) s = std::fma(xr[p], WidenOne(wc + p), s);
+              yr[c] = s;
+            }
+          }
+        }
+      }
     }
+  }
+}
+
+// ---------- dispatch ----------
+
+bool CpuHas(const char* feature) {
+  __builtin_cpu_init();
+  const std::string_view f(feature);
+  if (f == "avx2") return __builtin_cpu_supports("avx2");
+  if (f == "fma") return __builtin_cpu_supports("fma");
+  if (f == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
+  if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  return false;
+}
+
+// F16C: CPUID.1:ECX bit 29 (not in __builtin_cpu_supports on every gcc).
+bool CpuHasF16c() {
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+  return (c >> 29) & 1u;
+}
+
+KernelIsa PickIsa() {
+  KernelIsa best = KernelIsa::kPortable;
+  if (KernelIsaSupported(KernelIsa::kAvx512)) {
+    best = KernelIsa::kAvx512;
+  } else if (KernelIsaSupported(KernelIsa::kAvx2)) {
+    best = KernelIsa::kAvx2;
+  }
+  if (const char* e = std::getenv("KVBRIDGE_KERNEL"); e != nullptr) {
+    const std::string_view v(e);
+    for (KernelIsa i : {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+      if ((v == KernelIsaName(i) || (v == "avx2" && i == KernelIsa::kAvx2)) &&
+          KernelIsaSupported(i)) {
+        return i;
+      }
+    }
+  }
+  return best;
+}
+
+template <class WT>
+void Run(KernelIsa isa, const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
+         float* y, int ldy) {
+  switch (isa) {
+    case KernelIsa::kAvx512:
+      MatMulAvx512(x, m, ldx, w, n, ldw, k, y, ldy);
+      return;
+    case KernelIsa::kAvx2:
+      MatMulAvx2(x, m, ldx, w, n, ldw, k, y, ldy);
+      return;
+    case KernelIsa::kPortable:
+      MatMulPortable(x, m, ldx, w, n, ldw, k, y, ldy);
+      return;
   }
 }
 
 }  // namespace
 
-void MatMulNT(const float* x, int m, int ldx, const float* w, int n, int ldw, int k, float* y,
-              int ldy) {
-  if (m <= 0 || n <= 0) return;
-  if (kUseAvx2) {
-    MatMulImpl<true>(x, m, ldx, w, n, ldw, k, y, ldy);
-  } else {
-    MatMulImpl<false>(x, m, ldx, w, n, ldw, k, y, ldy);
+const char* WeightTypeName(WeightType t) {
+  switch (t) {
+    case WeightType::kF32:
+      return "F32";
+    case WeightType::kBf16:
+      return "BF16";
+    case WeightType::kF16:
+      return "F16";
   }
+  return "?";
+}
+
+const char* KernelIsaName(KernelIsa isa) {
+  switch (isa) {
+    case KernelIsa::kPortable:
+      return "portable";
+    case KernelIsa::kAvx2:
+      return "avx2+fma";
+    case KernelIsa::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+bool KernelIsaSupported(KernelIsa isa) {
+  static const bool avx2 = CpuHas("avx2") && CpuHas("fma") && CpuHasF16c();
+  static const bool avx512 =
+      avx2 && CpuHas("avx512f") && CpuHas("avx512dq") && CpuHas("avx512bw") && CpuHas("avx512vl");
+  switch (isa) {
+    case KernelIsa::kPortable:
+      return true;
+    case KernelIsa::kAvx2:
+      return avx2;
+    case KernelIsa::kAvx512:
+      return avx512;
+  }
+  return false;
+}
+
+KernelIsa DefaultKernelIsa() {
+  static const KernelIsa isa = PickIsa();
+  return isa;
+}
+
+void MatMulNTWith(KernelIsa isa, const float* x, int m, int ldx, WeightPtr w, int n, int ldw, int k,
+                  float* y, int ldy) {
+  if (m <= 0 || n <= 0) return;
+  switch (w.type) {
+    case WeightType::kF32:
+      Run(isa, x, m, ldx, static_cast<const float*>(w.data), n, ldw, k, y, ldy);
+      return;
+    case WeightType::kBf16:
+      Run(isa, x, m, ldx, static_cast<const Bf16*>(w.data), n, ldw, k, y, ldy);
+      return;
+    case WeightType::kF16:
+      Run(isa, x, m, ldx, static_cast<const Fp16*>(w.data), n, ldw, k, y, ldy);
+      return;
+  }
+}
+
+void MatMulNT(const float* x, int m, int ldx, WeightPtr w, int n, int ldw, int k, float* y,
+              int ldy) {
+  MatMulNTWith(DefaultKernelIsa(), x, m, ldx, w, n, ldw, k, y, ldy);
 }
 
 void MatMulNTPortable(const float* x, int m, int ldx, const float* w, int n, int ldw, int k,
                       float* y, int ldy) {
-  if (m <= 0 || n <= 0) return;
-  MatMulImpl<false>(x, m, ldx, w, n, ldw, k, y, ldy);
+  MatMulNTWith(KernelIsa::kPortable, x, m, ldx, WeightPtr{w, WeightType::kF32}, n, ldw, k, y, ldy);
 }
 
 float Dot(const float* a, const float* b, int k) {
@@ -147,6 +561,20 @@ float Dot(const float* a, const float* b, int k) {
   return y;
 }
 
-const char* KernelPath() { return kUseAvx2 ? "avx2+fma" : "portable"; }
+const char* KernelPath() { return KernelIsaName(DefaultKernelIsa()); }
+
+void WidenWeights(WeightPtr w, int64_t n, float* out) {
+  switch (w.type) {
+    case WeightType::kF32:
+      if (n > 0) std::memcpy(out, w.data, static_cast<size_t>(n) * 4);
+      return;
+    case WeightType::kBf16:
+      for (int64_t i = 0; i < n; ++i) out[i] = WidenOne(static_cast<const Bf16*>(w.data) + i);
+      return;
+    case WeightType::kF16:
+      for (int64_t i = 0; i < n; ++i) out[i] = WidenOne(static_cast<const Fp16*>(w.data) + i);
+      return;
+  }
+}
 
 }  // namespace kvbridge::model_internal

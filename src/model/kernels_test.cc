@@ -8,6 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "model/numerics.h"
+
 namespace kvbridge::model_internal {
 namespace {
 
@@ -107,6 +109,70 @@ TEST(MatMulNT, ReductionOrderIsTheDocumentedOne) {
   float expect = (s0 + s2) + (s1 + s3);
   for (int p = 8; p < 11; ++p) expect = std::fma(vals[p], 1.0f, expect);
   EXPECT_EQ(Dot(x.data(), w.data(), 11), expect);
+}
+
+// Every path this CPU can run, for every weight type, against the portable path: bitwise equal
+// on shapes that exercise every tile edge (odd rows, partial panels, K tails, row strides
+// wider than K, the large-m packed kernel and the small-m one).
+TEST(MatMulNT, EveryPathAndWeightTypeBitwiseEqualToPortable) {
+  std::mt19937 rng(5);
+  const std::vector<KernelIsa> isas = {KernelIsa::kAvx2, KernelIsa::kAvx512};
+  int tested = 0;
+  for (KernelIsa isa : isas) {
+    if (!KernelIsaSupported(isa)) continue;
+    ++tested;
+    for (WeightType wt : {WeightType::kF32, WeightType::kBf16, WeightType::kF16}) {
+      // k 1037 and 2100: the packed kernel splits K into 2 and 3 blocks; m 130 at k 2100:
+      // several row blocks.
+      for (int k : {1, 7, 8, 13, 64, 67, 200, 1037, 2100}) {
+        for (int m : {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 40, 130}) {
+          if (m == 130 && k != 2100) continue;
+          for (int n : {1, 3, 8, 9, 17}) {
+            const int ldx = k + 3, ldw = k + 5, ldy = n + 2;
+            auto x = RandomVec(static_cast<size_t>(m) * ldx, rng);
+            auto wf = RandomVec(static_cast<size_t>(n) * ldw, rng);
+            std::vector<uint16_t> wh(wf.size());
+            for (size_t i = 0; i < wf.size(); ++i) {
+              wh[i] = wt == WeightType::kBf16 ? FloatToBf16(wf[i]) : FloatToFp16(wf[i]);
+            }
+            const WeightPtr w =
+                wt == WeightType::kF32 ? WeightPtr{wf.data(), wt} : WeightPtr{wh.data(), wt};
+            std::vector<float> a(static_cast<size_t>(m) * ldy, -7.0f), b(a);
+            MatMulNTWith(isa, x.data(), m, ldx, w, n, ldw, k, a.data(), ldy);
+            MatMulNTWith(KernelIsa::kPortable, x.data(), m, ldx, w, n, ldw, k, b.data(), ldy);
+            ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4))
+                << KernelIsaName(isa) << " " << WeightTypeName(wt) << " m" << m << " n" << n << " k"
+                << k;
+          }
+        }
+      }
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "this CPU has neither AVX2+FMA+F16C nor AVX-512";
+}
+
+// Narrow weights are widened exactly: bf16/fp16 weights give the same bits as their fp32
+// widening.
+TEST(MatMulNT, NarrowWeightsEqualTheirFp32Widening) {
+  std::mt19937 rng(9);
+  const int m = 19, n = 13, k = 75;
+  auto x = RandomVec(static_cast<size_t>(m) * k, rng);
+  auto wf = RandomVec(static_cast<size_t>(n) * k, rng);
+  for (WeightType wt : {WeightType::kBf16, WeightType::kF16}) {
+    std::vector<uint16_t> wh(wf.size());
+    for (size_t i = 0; i < wf.size(); ++i) {
+      wh[i] = wt == WeightType::kBf16 ? FloatToBf16(wf[i]) : FloatToFp16(wf[i]);
+    }
+    std::vector<float> widened(wf.size());
+    WidenWeights(WeightPtr{wh.data(), wt}, static_cast<int64_t>(wh.size()), widened.data());
+    for (size_t i = 0; i < wh.size(); ++i) {
+      ASSERT_EQ(widened[i], wt == WeightType::kBf16 ? Bf16ToFloat(wh[i]) : Fp16ToFloat(wh[i]));
+    }
+    std::vector<float> a(static_cast<size_t>(m) * n), b(a.size());
+    MatMulNT(x.data(), m, k, WeightPtr{wh.data(), wt}, n, k, k, a.data(), n);
+    MatMulNT(x.data(), m, k, widened.data(), n, k, k, b.data(), n);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << WeightTypeName(wt);
+  }
 }
 
 }  // namespace
