@@ -9,8 +9,12 @@ PKGS=(
   nlohmann-json3-dev libcpp-httplib-dev libspdlog-dev libfmt-dev libcli11-dev
   libtomlplusplus-dev libxxhash-dev libmsgpack-cxx-dev libeigen3-dev libboost-dev libopenblas-dev
   libucx-dev ucx-utils libssl-dev zlib1g-dev nginx-light
+  libpcre2-dev libicu-dev nodejs
 )
 missing=()
+# npm: Debian's package, unless the installed nodejs already brings it (NodeSource's does, and
+# conflicts with Debian's npm).
+command -v npm >/dev/null 2>&1 || PKGS+=(npm)
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done

@@ -32,6 +32,14 @@ sanitizer_unit() {
     ctest --test-dir build-asan -L unit -j"$JOBS" --output-on-failure --timeout 900
 }
 stage deps scripts/install-deps.sh
+# The reference tokenizer of the tokenizer tests (@huggingface/tokenizers, pinned by the lockfile).
+export KVBRIDGE_NPM_TOOLS="$PWD/build/npm-tools"
+npm_tools() {
+  mkdir -p "$KVBRIDGE_NPM_TOOLS"
+  cp tests/tools/package.json tests/tools/package-lock.json "$KVBRIDGE_NPM_TOOLS/"
+  npm ci --prefix "$KVBRIDGE_NPM_TOOLS" --no-audit --no-fund
+}
+stage npm-tools npm_tools
 stage build bash -c "cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build -j$JOBS"
 stage unit ctest_label build unit
 if ((QUICK == 0)); then

@@ -49,7 +49,9 @@ class ByteBackend final : public TokenizerBackend {
     return std::nullopt;
   }
   bool IsSpecial(int32_t id) const override { return id >= Tokenizer::kNumByteTokens; }
-  bool EndsIncomplete(std::string_view text) const override { return EndsInIncompleteUtf8(text); }
+  bool EndsIncomplete(std::span<const int32_t>, std::string_view text) const override {
+    return EndsInIncompleteUtf8(text);
+  }
 };
 
 }  // namespace
@@ -211,11 +213,16 @@ std::string IncrementalDecoder::Push(int32_t id) {
   const std::string window_text =
       tokenizer_.Decode(all.subspan(prefix_offset_), skip_special_tokens_);
   if (window_text.size() <= prefix_text.size() || !window_text.starts_with(prefix_text) ||
-      tokenizer_.backend().EndsIncomplete(window_text)) {
+      tokenizer_.backend().EndsIncomplete(all.subspan(prefix_offset_), window_text)) {
     return "";
   }
   std::string delta = window_text.substr(prefix_text.size());
-  prefix_offset_ = read_offset_;
+  // The next window starts at the old read offset, unless the ids from there decode to nothing
+  // (e.g. skipped special tokens): a window must start with text of its own, so that rules for
+  // the start of a decode (Strip, Metaspace's prepended space) act on it as on the whole text.
+  if (!tokenizer_.Decode(all.subspan(read_offset_), skip_special_tokens_).empty()) {
+    prefix_offset_ = read_offset_;
+  }
   read_offset_ = ids_.size();
   emitted_ += delta;
   return delta;

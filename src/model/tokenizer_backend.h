@@ -36,11 +36,15 @@ class TokenizerBackend {
   virtual std::optional<std::string> IdToToken(int32_t id) const = 0;
   virtual std::optional<int32_t> TokenToId(std::string_view token) const = 0;
   virtual bool IsSpecial(int32_t id) const = 0;
-  /// True when `text`, the Decode of a window of a stream, ends in something that the next ids
-  /// may still change (IncrementalDecoder holds it back).
-  virtual bool EndsIncomplete(std::string_view text) const = 0;
+  /// True when `text`, the Decode of `window_ids` (the newest ids of a stream), ends in
+  /// something that the next ids may still change: an incomplete UTF-8 character or U+FFFD, or
+  /// (Hugging Face kind) a pending byte-fallback run. IncrementalDecoder holds it back.
+  virtual bool EndsIncomplete(std::span<const int32_t> window_ids, std::string_view text) const = 0;
 
   const SpecialIds& special() const { return special_; }
+
+ protected:
+  void set_special(SpecialIds s) { special_ = std::move(s); }
 
  private:
   SpecialIds special_;
