@@ -90,8 +90,51 @@ TEST(ModelConfig, RejectsBadConfigsWithNamedField) {
        StatusCode::kInvalidArgument, "'num_attention_heads' must be > 0"},
       {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
-          "rope_scaling": {"type": "linear", "factor": 2.0}})",
-       StatusCode::kUnimplemented, "rope_scaling"},
+          "rope_scaling": {"type": "longrope", "factor": 2.0}})",
+       StatusCode::kUnimplemented, "rope_scaling type 'longrope' is not supported"},
+      {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_scaling": {"type": "linear", "factor": 2.0, "mrope_section": [2, 2]}})",
+       StatusCode::kUnimplemented, "rope_scaling key 'mrope_section' is not supported"},
+      {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_scaling": {"rope_type": "linear"}})",
+       StatusCode::kInvalidArgument, "'rope_scaling.factor' is missing"},
+      {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_scaling": {"rope_type": "llama3", "factor": 8, "high_freq_factor": 4,
+                           "original_max_position_embeddings": 64}})",
+       StatusCode::kInvalidArgument, "'rope_scaling.low_freq_factor' is missing"},
+      {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                           "high_freq_factor": 1, "original_max_position_embeddings": 64}})",
+       StatusCode::kInvalidArgument, "low_freq_factor < high_freq_factor"},
+      {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_scaling": "linear"})",
+       StatusCode::kInvalidArgument, "'rope_scaling' must be an object"},
+      {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "partial_rotary_factor": 0.5})",
+       StatusCode::kUnimplemented, "partial_rotary_factor"},
+      {R"({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}})",
+       StatusCode::kUnimplemented, "rope_parameters.partial_rotary_factor"},
+      {R"({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "layer_types": ["full_attention", "sliding_attention"]})",
+       StatusCode::kUnimplemented, "layer_types entry \"sliding_attention\""},
+      {R"({"architectures": ["MistralForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "max_position_embeddings": 32768, "sliding_window": 4096})",
+       StatusCode::kUnimplemented,
+       "sliding_window 4096 < max_position_embeddings 32768 is not supported"},
+      {R"({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "max_position_embeddings": 4096, "use_sliding_window": true, "sliding_window": 1024})",
+       StatusCode::kUnimplemented, "sliding_window 1024 < max_position_embeddings 4096"},
       {R"({"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
           "bos_token_id": 300})",
@@ -116,6 +159,150 @@ TEST(ModelConfig, RejectsBadConfigsWithNamedField) {
     EXPECT_NE(c.status().message().find(bc.message_part), std::string::npos)
         << c.status().ToString();
   }
+}
+
+// Llama-3.2-1B-Instruct's config.json (rope_scaling llama3), as published.
+constexpr const char* kLlama32 = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 64,
+  "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+  "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": false,
+  "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+  "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256
+})";
+
+TEST(ModelConfig, ParsesLlama3RopeScaling) {
+  auto c = ModelConfig::FromJson(kLlama32);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kLlama3);
+  EXPECT_EQ(c->rope_scaling.factor, 32.0);
+  EXPECT_EQ(c->rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(c->rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int>{128001, 128008, 128009}));
+  auto again = ModelConfig::FromJson(c->ToJson().dump());
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->ToJson().dump(), c->ToJson().dump());
+  EXPECT_EQ(c->ToJson()["rope_scaling"]["rope_type"], "llama3");
+}
+
+// Qwen3-0.6B's config.json, as published.
+constexpr const char* kQwen3 = R"({
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+  "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+  "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+  "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+  "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+})";
+
+TEST(ModelConfig, ParsesQwen3WithQkNormAndExplicitHeadDim) {
+  auto c = ModelConfig::FromJson(kQwen3);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->arch, ModelArch::kQwen3);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->q_dim(), 2048);  // != hidden_size
+  EXPECT_EQ(c->kv_dim(), 1024);
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kDefault);
+  EXPECT_EQ(c->rms_norm_eps, 1e-6);
+  auto again = ModelConfig::FromJson(c->ToJson().dump());
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->ToJson().dump(), c->ToJson().dump());
+  EXPECT_EQ(c->ToJson()["architectures"][0], "Qwen3ForCausalLM");
+  // Qwen3 with attention_bias: bias on q/k/v and o (Qwen3Attention).
+  auto biased = ModelConfig::FromJson(R"({"architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 300, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "attention_bias": true})");
+  ASSERT_TRUE(biased.ok()) << biased.status().ToString();
+  EXPECT_TRUE(biased->qkv_bias);
+  EXPECT_TRUE(biased->o_bias);
+}
+
+TEST(ModelConfig, ParsesMistralAndAcceptsAWindowThatCannotMatter) {
+  // Mistral-7B-v0.3 style: no window.
+  auto c = ModelConfig::FromJson(R"({"architectures": ["MistralForCausalLM"],
+    "model_type": "mistral", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 8,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": null,
+    "attention_bias": true})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->arch, ModelArch::kMistral);
+  EXPECT_FALSE(c->qkv_bias);  // MistralAttention has no bias whatever attention_bias says
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_EQ(c->ToJson()["architectures"][0], "MistralForCausalLM");
+  EXPECT_TRUE(c->ToJson()["sliding_window"].is_null());
+  // A window at least as long as the context never drops a position.
+  auto w = ModelConfig::FromJson(R"({"architectures": ["MistralForCausalLM"],
+    "vocab_size": 300, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "max_position_embeddings": 4096, "sliding_window": 4096})");
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+}
+
+TEST(ModelConfig, ParsesEveryRopeType) {
+  const std::string base = R"("architectures": ["LlamaForCausalLM"], "vocab_size": 300,
+    "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "max_position_embeddings": 512, )";
+  // Legacy "type" key.
+  auto lin =
+      ModelConfig::FromJson("{" + base + R"("rope_scaling": {"type": "linear", "factor": 4}})");
+  ASSERT_TRUE(lin.ok()) << lin.status().ToString();
+  EXPECT_EQ(lin->rope_scaling.type, RopeType::kLinear);
+  EXPECT_EQ(lin->rope_scaling.factor, 4.0);
+  // transformers 5 form: rope_parameters with rope_theta inside (wins over the top level).
+  auto dyn = ModelConfig::FromJson("{" + base + R"("rope_theta": 1.0, "rope_parameters":
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 20000.0}})");
+  ASSERT_TRUE(dyn.ok()) << dyn.status().ToString();
+  EXPECT_EQ(dyn->rope_scaling.type, RopeType::kDynamic);
+  EXPECT_EQ(dyn->rope_theta, 20000.0);
+  // rope_type wins over type; yarn's optional keys; original defaults to max positions.
+  auto yarn = ModelConfig::FromJson("{" + base + R"("rope_scaling": {"type": "linear",
+    "rope_type": "yarn", "factor": 8, "beta_fast": 16, "beta_slow": 2, "mscale": 1.0,
+    "mscale_all_dim": 0.5, "truncate": false}})");
+  ASSERT_TRUE(yarn.ok()) << yarn.status().ToString();
+  const RopeScaling& y = yarn->rope_scaling;
+  EXPECT_EQ(y.type, RopeType::kYarn);
+  EXPECT_EQ(y.original_max_position_embeddings, 512);
+  EXPECT_EQ(y.beta_fast, 16.0);
+  EXPECT_EQ(y.beta_slow, 2.0);
+  EXPECT_EQ(y.mscale, 1.0);
+  EXPECT_EQ(y.mscale_all_dim, 0.5);
+  EXPECT_FALSE(y.truncate);
+  EXPECT_EQ(y.attention_factor, 0.0);  // derived
+  auto yarn_af = ModelConfig::FromJson("{" + base + R"("rope_scaling": {"rope_type": "yarn",
+    "factor": 4, "original_max_position_embeddings": 128, "attention_factor": 1.5}})");
+  ASSERT_TRUE(yarn_af.ok()) << yarn_af.status().ToString();
+  EXPECT_EQ(yarn_af->rope_scaling.attention_factor, 1.5);
+  EXPECT_EQ(yarn_af->rope_scaling.original_max_position_embeddings, 128);
+  auto dflt = ModelConfig::FromJson("{" + base + R"("rope_scaling": {"rope_type": "default"}})");
+  ASSERT_TRUE(dflt.ok()) << dflt.status().ToString();
+  EXPECT_EQ(dflt->rope_scaling.type, RopeType::kDefault);
+  for (const auto* c : {&*lin, &*dyn, &*yarn, &*yarn_af}) {
+    auto again = ModelConfig::FromJson(c->ToJson().dump());
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_EQ(again->ToJson().dump(), c->ToJson().dump());
+  }
+}
+
+TEST(ModelConfig, ArchNamesRoundTrip) {
+  for (ModelArch a :
+       {ModelArch::kLlama, ModelArch::kQwen2, ModelArch::kQwen3, ModelArch::kMistral}) {
+    auto parsed = ParseModelArch(ModelArchName(a));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, a);
+  }
+  EXPECT_EQ(ParseModelArch("gpt2").status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ModelConfig, FromFileNamesThePath) {

@@ -130,7 +130,7 @@ void LoadKv(const uint8_t* src, int n, KvDtype dtype, float scale, float* dst) {
   }
 }
 
-// HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then * w.
+// HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then * w. `y` may be `x` (in place).
 void RmsNormRows(const float* x, int row_begin, int row_end, int h, const float* w, float eps,
                  float* y) {
   for (int i = row_begin; i < row_end; ++i) {
@@ -294,6 +294,10 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     linear(h.data(), hsz, w.wq, qd, w.bq, q.data());
     linear(h.data(), hsz, w.wk, kvd, w.bk, k.data());
     linear(h.data(), hsz, w.wv, kvd, w.bv, v.data());
+    if (c.qk_norm) {  // Qwen3: RMSNorm of every q and k head vector, before RoPE
+      model_internal::RmsNormRows(q.data(), 0, m * nh, hd, w.q_norm.data(), eps, q.data());
+      model_internal::RmsNormRows(k.data(), 0, m * nkv, hd, w.k_norm.data(), eps, k.data());
+    }
     for (int i = 0; i < m; ++i) {
       for (int hh = 0; hh < nh; ++hh)
         rope(q.data() + static_cast<size_t>(i) * qd + hh * hd, rows[i].pos);

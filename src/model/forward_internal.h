@@ -35,7 +35,7 @@ void StoreKv(const float* src, int n, KvDtype dtype, float scale, uint8_t* dst);
 /// Reads one head vector back as fp32; `scale` multiplies.
 void LoadKv(const uint8_t* src, int n, KvDtype dtype, float scale, float* dst);
 
-/// y = RMSNorm(x) * w for rows [row_begin, row_end) of x[.][h] (HF LlamaRMSNorm).
+/// y = RMSNorm(x) * w for rows [row_begin, row_end) of x[.][h] (HF LlamaRMSNorm); y may be x.
 void RmsNormRows(const float* x, int row_begin, int row_end, int h, const float* w, float eps,
                  float* y);
 

@@ -9,6 +9,7 @@
 
 #include "kvbridge/model/safetensors.h"
 #include "model/model_impl.h"
+#include "model/rope.h"
 
 namespace kvbridge {
 namespace model_internal {
@@ -26,6 +27,10 @@ std::vector<TensorSlot> TensorSlots(const ModelConfig& c, Weights* w) {
     s.push_back({p + "self_attn.q_proj.weight", {q, h}, &lw.wq});
     s.push_back({p + "self_attn.k_proj.weight", {kv, h}, &lw.wk});
     s.push_back({p + "self_attn.v_proj.weight", {kv, h}, &lw.wv});
+    if (c.qk_norm) {
+      s.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, &lw.q_norm});
+      s.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, &lw.k_norm});
+    }
     if (c.qkv_bias) {
       s.push_back({p + "self_attn.q_proj.bias", {q}, &lw.bq});
       s.push_back({p + "self_attn.k_proj.bias", {kv}, &lw.bk});
@@ -84,19 +89,9 @@ Result<std::shared_ptr<Model>> Model::Load(const std::string& dir, ModelLoadOpti
                 static_cast<unsigned long long>(digest.low64));
   impl->fingerprint = hex;
 
-  // RoPE (HF Llama "default" rope): inv_freq_i = theta^(-2i/d); angle = pos * inv_freq_i,
-  // computed in double and rounded once to fp32 (deterministic, no fp32 drift at large pos).
-  const int half = c.head_dim / 2;
-  impl->rope_cos.resize(static_cast<size_t>(c.max_position_embeddings) * half);
-  impl->rope_sin.resize(impl->rope_cos.size());
-  for (int pos = 0; pos < c.max_position_embeddings; ++pos) {
-    for (int i = 0; i < half; ++i) {
-      const double inv_freq = std::pow(c.rope_theta, -2.0 * i / c.head_dim);
-      const double angle = pos * inv_freq;
-      impl->rope_cos[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::cos(angle));
-      impl->rope_sin[static_cast<size_t>(pos) * half + i] = static_cast<float>(std::sin(angle));
-    }
-  }
+  // RoPE tables of the config's rope type (src/model/rope.h), computed in double and rounded
+  // once to fp32 (deterministic, no fp32 drift at large positions).
+  model_internal::BuildRopeTables(c, &impl->rope_cos, &impl->rope_sin);
   int threads = options.num_threads;
   if (threads <= 0) threads = std::clamp<int>(std::thread::hardware_concurrency(), 1, 8);
   impl->pool = std::make_unique<model_internal::ThreadPool>(threads);

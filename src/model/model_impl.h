@@ -19,14 +19,15 @@ constexpr int kAttentionChunk = 16;
 
 /// Weights of one decoder layer, HF layout: a linear's weight is [out][in] row-major.
 struct LayerWeights {
-  std::vector<float> input_norm;    // [hidden]
-  std::vector<float> wq, wk, wv;    // [q_dim|kv_dim][hidden]
-  std::vector<float> bq, bk, bv;    // [q_dim|kv_dim] or empty
-  std::vector<float> wo;            // [hidden][q_dim]
-  std::vector<float> bo;            // [hidden] or empty
-  std::vector<float> post_norm;     // [hidden]
-  std::vector<float> w_gate, w_up;  // [intermediate][hidden]
-  std::vector<float> w_down;        // [hidden][intermediate]
+  std::vector<float> input_norm;      // [hidden]
+  std::vector<float> wq, wk, wv;      // [q_dim|kv_dim][hidden]
+  std::vector<float> bq, bk, bv;      // [q_dim|kv_dim] or empty
+  std::vector<float> q_norm, k_norm;  // [head_dim] (Qwen3 per-head RMSNorm) or empty
+  std::vector<float> wo;              // [hidden][q_dim]
+  std::vector<float> bo;              // [hidden] or empty
+  std::vector<float> post_norm;       // [hidden]
+  std::vector<float> w_gate, w_up;    // [intermediate][hidden]
+  std::vector<float> w_down;          // [hidden][intermediate]
 };
 
 struct Weights {

@@ -3,7 +3,7 @@
 // A step runs as T rank threads over shared step buffers:
 //   stage 0  rows split by rank: x = embed, h = RMSNorm(x, layer 0 input norm)      | barrier
 //   per layer:
-//   stage 1  each rank: q/k/v of its heads, RoPE, write its KV heads into its cache   | barrier*
+//   stage 1  each rank: q/k/v of its heads, q/k norm (Qwen3), RoPE, write its KV heads  | barrier*
 //            (* only when on_layer_kv_written is set: rank 0 calls it once all wrote)
 //   stage 2  each rank: attention of its query heads, o_proj partials of its shards   | barrier
 //   stage 3  rows split by rank: x += tree(partials) + bias, h = RMSNorm(post norm)  | barrier
@@ -195,7 +195,9 @@ Result<std::unique_ptr<TensorParallelModel>> TensorParallelModel::Create(
   const int hsz = c.hidden_size, hd = c.head_dim, qd = c.q_dim(), im = c.intermediate_size;
   impl->replicated_bytes = (w.embed.size() + w.lm_head.size() + w.final_norm.size()) * 4;
   for (const auto& l : w.layers) {
-    impl->replicated_bytes += (l.input_norm.size() + l.post_norm.size() + l.bo.size()) * 4;
+    impl->replicated_bytes += (l.input_norm.size() + l.post_norm.size() + l.bo.size() +
+                               l.q_norm.size() + l.k_norm.size()) *
+                              4;
   }
   for (int r = 0; r < tp_size; ++r) {
     RankSlice& s = impl->ranks.emplace_back();
@@ -384,6 +386,10 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
       linear(rl.wq, rl.bq, qc, q.data());
       linear(rl.wk, rl.bk, kvc, k.data());
       linear(rl.wv, rl.bv, kvc, v.data());
+      if (c.qk_norm) {  // per-head norms, replicated: each rank normalizes its own heads
+        model_internal::RmsNormRows(q.data(), 0, m * nq, hd, lw.q_norm.data(), eps, q.data());
+        model_internal::RmsNormRows(k.data(), 0, m * nkv, hd, lw.k_norm.data(), eps, k.data());
+      }
       for (int i = 0; i < m; ++i) {
         for (int hh = 0; hh < nq; ++hh) {
           model_internal::ApplyRope(q.data() + static_cast<size_t>(i) * qc + hh * hd, hd,

@@ -144,7 +144,8 @@ struct TpCase {
   ModelArch arch;
   int heads, kv_heads, head_dim, intermediate;
   std::vector<int> sizes;
-  int threads = 2;  // model pool; > T: ranks also split their work over it
+  int threads = 2;                     // model pool; > T: ranks also split their work over it
+  RopeType rope = RopeType::kDefault;  // scaled with an original context of 16 (TinyWithRope)
 };
 
 class TensorParallelForward : public ::testing::TestWithParam<TpCase> {};
@@ -167,6 +168,7 @@ TEST_P(TensorParallelForward, LogitsAndKvBitwiseEqualToOneRank) {
   TempDir dir;
   auto spec = RandomModelPreset("tiny", tc.arch, 5);
   ASSERT_TRUE(spec.ok());
+  if (tc.rope != RopeType::kDefault) *spec = testing_model::TinyWithRope(tc.arch, 5, tc.rope);
   spec->config.num_attention_heads = tc.heads;
   spec->config.num_key_value_heads = tc.kv_heads;
   spec->config.head_dim = tc.head_dim;
@@ -248,6 +250,27 @@ INSTANTIATE_TEST_SUITE_P(
         TpCase{"tiny_llama", ModelArch::kLlama, 4, 2, 16, 128, {2, 4}},
         // qwen2: q/k/v bias, tied embeddings.
         TpCase{"tiny_qwen2", ModelArch::kQwen2, 4, 2, 16, 128, {2, 4}},
+        // qwen3: per-head q/k norm, head_dim 32 (q_dim 128 = 2 hidden), tied embeddings.
+        TpCase{"tiny_qwen3", ModelArch::kQwen3, 4, 2, 32, 128, {2, 4}},
+        // RoPE scaling: llama3 bands and yarn (attention factor on cos/sin).
+        TpCase{"tiny_llama_rope_llama3",
+               ModelArch::kLlama,
+               4,
+               2,
+               16,
+               128,
+               {2, 4},
+               2,
+               RopeType::kLlama3},
+        TpCase{"tiny_qwen3_rope_yarn",
+               ModelArch::kQwen3,
+               8,
+               2,
+               16,
+               100,
+               {2, 4, 8},
+               2,
+               RopeType::kYarn},
         // 8 heads / 2 KV heads, intermediate 100 (uneven shards 12/13): T=8 replicates 4x.
         TpCase{"h8_kv2", ModelArch::kLlama, 8, 2, 8, 100, {2, 4, 8}},
         // 8 heads / 8 KV heads: one KV head per rank at T=8.

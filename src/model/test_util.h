@@ -39,17 +39,36 @@ class TempDir {
   std::string path_;
 };
 
+/// Writes `spec` into `dir` and loads it (fails the test on error).
+inline std::shared_ptr<Model> WriteAndLoad(const std::string& dir, const RandomModelSpec& spec,
+                                           int threads = 2) {
+  auto st = WriteRandomModel(spec, dir);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  auto model = Model::Load(dir, {.num_threads = threads});
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  return model.ok() ? *model : nullptr;
+}
+
 /// Writes preset/arch/seed into `dir` and loads it (fails the test on error).
 inline std::shared_ptr<Model> MakeAndLoad(const std::string& dir, const char* preset,
                                           ModelArch arch, uint64_t seed, int threads = 2) {
   auto spec = RandomModelPreset(preset, arch, seed);
   EXPECT_TRUE(spec.ok()) << spec.status().ToString();
   if (!spec.ok()) return nullptr;
-  auto st = WriteRandomModel(*spec, dir);
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  auto model = Model::Load(dir, {.num_threads = threads});
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  return model.ok() ? *model : nullptr;
+  return WriteAndLoad(dir, *spec, threads);
+}
+
+/// The tiny preset of `arch` with RoPE scaling of `type` whose original context (16 for llama3
+/// and yarn) is shorter than the test prompts, so the scaled bands matter.
+inline RandomModelSpec TinyWithRope(ModelArch arch, uint64_t seed, RopeType type) {
+  auto spec = RandomModelPreset("tiny", arch, seed);
+  EXPECT_TRUE(spec.ok()) << spec.status().ToString();
+  RopeScaling& r = spec->config.rope_scaling;
+  r.type = type;
+  r.factor = 4.0;
+  r.original_max_position_embeddings = 16;
+  spec->config.rope_theta = 10000.0;
+  return *spec;
 }
 
 }  // namespace kvbridge::testing_model
