@@ -22,6 +22,7 @@ struct GenerateOptions {
   float temperature = 0.0f;
   uint64_t seed = 0;
   std::string kv_dtype = "fp32";  // same default as `serve --kv-cache-dtype auto`
+  std::string dtype = "auto";     // resident weight type, as `serve --dtype`
   int threads = 0;
   int tensor_parallel_size = 1;
 };
@@ -82,7 +83,13 @@ int32_t Sample(const float* logits, int vocab, float temperature, std::mt19937_6
 
 int RunGenerate(const GenerateOptions& o) {
   using Clock = std::chrono::steady_clock;
-  auto loaded = kvbridge::Model::Load(o.model_dir, {.num_threads = o.threads});
+  auto weight_dtype = kvbridge::ParseWeightDtype(o.dtype);
+  if (!weight_dtype.ok()) {
+    std::fprintf(stderr, "error: --dtype: %s\n", weight_dtype.status().ToString().c_str());
+    return 2;
+  }
+  auto loaded =
+      kvbridge::Model::Load(o.model_dir, {.num_threads = o.threads, .dtype = *weight_dtype});
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());
     return 1;
@@ -179,11 +186,12 @@ int RunGenerate(const GenerateOptions& o) {
   std::printf("%s\n", Printable(tok.Decode(out)).c_str());
   std::fprintf(stderr,
                "prompt %zu tokens in %.3f s (%.0f tok/s); generated %zu tokens%s in %.3f s "
-               "(%.1f tok/s); kv %s; tp %d; model %s\n",
+               "(%.1f tok/s); kv %s; tp %d; weights %s %zu bytes; model %s\n",
                ids.size(), prefill_s, ids.size() / std::max(prefill_s, 1e-9), out.size(),
                eos_note.c_str(), decode_s,
                out.size() > 1 ? (out.size() - 1) / std::max(decode_s, 1e-9) : 0.0,
-               o.kv_dtype.c_str(), o.tensor_parallel_size, model.fingerprint().c_str());
+               o.kv_dtype.c_str(), o.tensor_parallel_size, model.weight_types().c_str(),
+               model.weight_bytes(), model.fingerprint().c_str());
   return 0;
 }
 
@@ -205,6 +213,10 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--seed", o->seed, "sampling seed")->capture_default_str();
       sub.add_option("--kv-dtype", o->kv_dtype, "fp32 | bf16 | fp8")
           ->check(CLI::IsMember({"fp32", "bf16", "fp8"}))
+          ->capture_default_str();
+      sub.add_option("--dtype", o->dtype,
+                     "weights kept as: auto (as stored, memory-mapped) | bfloat16 | float16 | "
+                     "float32")
           ->capture_default_str();
       sub.add_option("--threads", o->threads, "compute threads at TP 1 (0 = all cores)")
           ->capture_default_str();

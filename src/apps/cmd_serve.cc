@@ -35,6 +35,7 @@ struct ServeOptions {
   int64_t kv_cache_memory = 256ll << 20;
   int64_t num_kv_blocks = 0;
   std::string kv_cache_dtype = "auto";
+  std::string dtype = "auto";  // resident weight type (vLLM's --dtype)
   bool enable_prefix_caching = true;
   uint64_t seed = 0;
   std::string api_key;
@@ -71,8 +72,14 @@ int RunServe(const ServeOptions& o) {
 
   auto dtype = ParseKvDtype(o.kv_cache_dtype);
   if (!dtype.ok()) return Fail(dtype.status());
-  auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads});
+  auto weight_dtype = ParseWeightDtype(o.dtype);
+  if (!weight_dtype.ok()) return Fail(weight_dtype.status().WithPrefix("--dtype"));
+  auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads, .dtype = *weight_dtype});
   if (!model.ok()) return Fail(model.status());
+  KVB_LOG_INFO("model: weights {} resident: {} bytes ({:.1f} MiB; safetensors files {:.1f} MiB)",
+               (*model)->weight_types(), (*model)->weight_bytes(),
+               static_cast<double>((*model)->weight_bytes()) / (1 << 20),
+               static_cast<double>((*model)->weight_file_bytes()) / (1 << 20));
   const int model_max_len = (*model)->config().max_position_embeddings;
   if (o.max_model_len > model_max_len) {
     return Fail(InvalidArgumentError("--max-model-len " + std::to_string(o.max_model_len) +
@@ -230,6 +237,11 @@ const bool kRegistered = RegisterCommand(
       sub.add_option(
              "--kv-cache-dtype", o->kv_cache_dtype,
              "KV cache element type: auto (= fp32), fp32, bf16, fp8 (e4m3, per-layer scales)")
+          ->capture_default_str();
+      sub.add_option("--dtype", o->dtype,
+                     "Weight type kept in memory: auto (as stored: bf16/fp16 files are used in "
+                     "place, memory-mapped), bfloat16, float16, float32 (converted at load). "
+                     "Compute is fp32 either way")
           ->capture_default_str();
       sub.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->enable_prefix_caching,
                    "Reuse the KV of full blocks of earlier prompts (on by default)");

@@ -40,6 +40,13 @@ class EngineImpl final : public Engine {
                                         "Distinct KV blocks with a transfer hold.");
     g_blocks_cached_ = &metrics_.AddGauge("kvbridge_kv_blocks_cached_free",
                                           "Unreferenced KV blocks kept as prefix-cache entries.");
+    metrics_
+        .AddGauge("kvbridge_model_weight_bytes",
+                  "Bytes of model weights resident for compute (matrices in their resident type, "
+                  "memory-mapped in place or converted by --dtype, plus fp32 norms and biases).")
+        .Set(static_cast<double>(model_->weight_bytes()));
+    metrics_.AddGauge("kvbridge_model_weight_file_bytes", "Bytes of the model's safetensors files.")
+        .Set(static_cast<double>(model_->weight_file_bytes()));
     PublishStats();
     thread_ = std::thread([this] { Loop(); });
     return OkStatus();

@@ -237,10 +237,11 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
   };
 
   // y[m][n] = x[m][k] . w[n][k] (+ bias), parallel over output columns.
-  auto linear = [&](const float* x, int k, const std::vector<float>& w, int n,
-                    const std::vector<float>& bias, float* y) {
+  auto linear = [&](const float* x, const model_internal::Matrix& w, const std::vector<float>& bias,
+                    float* y) {
+    const int n = static_cast<int>(w.rows);
     pool->ParallelFor(n, grain_for(n), [&](int64_t b, int64_t e) {
-      MatMulNT(x, m, k, w.data() + b * k, static_cast<int>(e - b), k, k, y + b, n);
+      model_internal::LinearSlice(x, m, w, b, e, y, n);
     });
     if (!bias.empty()) {
       for (int i = 0; i < m; ++i) {
@@ -251,13 +252,14 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
   // Row-parallel: shard s covers K range [s*k/S, (s+1)*k/S); y = fixed tree over shards.
   // A TP rank would compute its shards' partials and exchange them; the tree stays the same.
   std::vector<float> partial;
-  auto row_parallel = [&](const float* x, int k, const std::vector<float>& w, int n,
+  auto row_parallel = [&](const float* x, const model_internal::Matrix& w,
                           const std::vector<float>& bias, float* y) {
+    const int n = static_cast<int>(w.rows), k = static_cast<int>(w.cols);
     partial.resize(static_cast<size_t>(kRowParallelShards) * m * n);
     pool->ParallelFor(n, grain_for(n), [&](int64_t b, int64_t e) {
       for (int s = 0; s < kRowParallelShards; ++s) {
         const int k0 = model_internal::ShardBegin(s, k), k1 = model_internal::ShardBegin(s + 1, k);
-        MatMulNT(x + k0, m, k, w.data() + b * k + k0, static_cast<int>(e - b), k, k1 - k0,
+        MatMulNT(x + k0, m, k, w.Row(b).Offset(k0), static_cast<int>(e - b), k, k1 - k0,
                  partial.data() + static_cast<size_t>(s) * m * n + b, n);
       }
       const size_t stride = static_cast<size_t>(m) * n;
@@ -278,8 +280,8 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
       v(static_cast<size_t>(m) * kvd), attn(static_cast<size_t>(m) * qd);
   std::vector<float> gate(static_cast<size_t>(m) * im), up(gate.size());
   for (int i = 0; i < m; ++i) {
-    std::memcpy(x.data() + static_cast<size_t>(i) * hsz,
-                weights.embed.data() + static_cast<size_t>(rows[i].token) * hsz, hsz * 4);
+    model_internal::WidenWeights(weights.embed.Row(rows[i].token), hsz,
+                                 x.data() + static_cast<size_t>(i) * hsz);
   }
   auto rope = [&](float* vec, int pos) {
     model_internal::ApplyRope(vec, hd, pos, rope_cos.data(), rope_sin.data());
@@ -291,9 +293,9 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     const float ks = kv.k_scale[layer], vs = kv.v_scale[layer];
 
     model_internal::RmsNormRows(x.data(), 0, m, hsz, w.input_norm.data(), eps, h.data());
-    linear(h.data(), hsz, w.wq, qd, w.bq, q.data());
-    linear(h.data(), hsz, w.wk, kvd, w.bk, k.data());
-    linear(h.data(), hsz, w.wv, kvd, w.bv, v.data());
+    linear(h.data(), w.wq, w.bq, q.data());
+    linear(h.data(), w.wk, w.bk, k.data());
+    linear(h.data(), w.wv, w.bv, v.data());
     if (c.qk_norm) {  // Qwen3: RMSNorm of every q and k head vector, before RoPE
       model_internal::RmsNormRows(q.data(), 0, m * nh, hd, w.q_norm.data(), eps, q.data());
       model_internal::RmsNormRows(k.data(), 0, m * nkv, hd, w.k_norm.data(), eps, k.data());
@@ -331,17 +333,17 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
       }
     });
 
-    row_parallel(attn.data(), qd, w.wo, hsz, w.bo, tmp.data());
+    row_parallel(attn.data(), w.wo, w.bo, tmp.data());
     for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];
 
     model_internal::RmsNormRows(x.data(), 0, m, hsz, w.post_norm.data(), eps, h.data());
-    linear(h.data(), hsz, w.w_gate, im, {}, gate.data());
-    linear(h.data(), hsz, w.w_up, im, {}, up.data());
+    linear(h.data(), w.w_gate, {}, gate.data());
+    linear(h.data(), w.w_up, {}, up.data());
     for (size_t e = 0; e < gate.size(); ++e) {
       const float g = gate[e];
       gate[e] = g / (1.0f + model_internal::Exp(-g)) * up[e];
     }
-    row_parallel(gate.data(), im, w.w_down, hsz, {}, tmp.data());
+    row_parallel(gate.data(), w.w_down, {}, tmp.data());
     for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];
   }
 
@@ -355,11 +357,10 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
   model_internal::RmsNormRows(last.data(), 0, nl, hsz, weights.final_norm.data(), eps,
                               normed.data());
   logits->assign(static_cast<size_t>(nl) * c.vocab_size, 0.0f);
-  const std::vector<float>& head = weights.LmHead();
+  const model_internal::Matrix& head = weights.LmHead();
   const int vocab = c.vocab_size;
   pool->ParallelFor(vocab, grain_for(vocab), [&](int64_t b, int64_t e) {
-    MatMulNT(normed.data(), nl, hsz, head.data() + b * hsz, static_cast<int>(e - b), hsz, hsz,
-             logits->data() + b, vocab);
+    model_internal::LinearSlice(normed.data(), nl, head, b, e, logits->data(), vocab);
   });
   return OkStatus();
 }

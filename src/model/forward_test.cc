@@ -9,6 +9,7 @@
 #include <iterator>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/safetensors.h"
@@ -93,12 +94,25 @@ std::vector<std::vector<double>> ReferenceLogits(const Model& model,
     for (int e = 0; e < hd; ++e) v[e] = g[e] * v[e] * inv;
   };
   Mat x(t_len);
+  const std::vector<float> embed = w.embed.ToFloat32();
   for (int t = 0; t < t_len; ++t) {
-    x[t].assign(w.embed.begin() + static_cast<size_t>(tokens[t]) * hs,
-                w.embed.begin() + static_cast<size_t>(tokens[t] + 1) * hs);
+    x[t].assign(embed.begin() + static_cast<size_t>(tokens[t]) * hs,
+                embed.begin() + static_cast<size_t>(tokens[t] + 1) * hs);
   }
+  // The matrices widened to fp32 (exact), as the reference reads them.
+  struct Fp32Layer {
+    std::vector<float> wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    const auto& lw = w.layers[l];
+    const auto& lw0 = w.layers[l];
+    const Fp32Layer f{lw0.wq.ToFloat32(),    lw0.wk.ToFloat32(),     lw0.wv.ToFloat32(),
+                      lw0.wo.ToFloat32(),    lw0.w_gate.ToFloat32(), lw0.w_up.ToFloat32(),
+                      lw0.w_down.ToFloat32()};
+    struct {
+      const std::vector<float>&input_norm, &wq, &wk, &wv, &bq, &bk, &bv, &q_norm, &k_norm, &wo, &bo,
+          &post_norm, &w_gate, &w_up, &w_down;
+    } lw{lw0.input_norm, f.wq, f.wk,   f.wv,          lw0.bq,   lw0.bk, lw0.bv,  lw0.q_norm,
+         lw0.k_norm,     f.wo, lw0.bo, lw0.post_norm, f.w_gate, f.w_up, f.w_down};
     Mat q(t_len), k(t_len), v(t_len);
     for (int t = 0; t < t_len; ++t) {
       auto h = rms(x[t], lw.input_norm);
@@ -144,7 +158,7 @@ std::vector<std::vector<double>> ReferenceLogits(const Model& model,
   }
   Mat logits(t_len);
   for (int t = 0; t < t_len; ++t)
-    logits[t] = matvec(w.LmHead(), {}, rms(x[t], w.final_norm), c.vocab_size);
+    logits[t] = matvec(w.LmHead().ToFloat32(), {}, rms(x[t], w.final_norm), c.vocab_size);
   return logits;
 }
 
@@ -185,12 +199,18 @@ std::vector<Variant> Variants() {
   };
 }
 
-class ForwardTest : public ::testing::TestWithParam<size_t> {
+// Each variant with its weights resident as stored (bf16, WeightDtype::kAuto: the kernel reads
+// them in place) and converted to fp32 (--dtype float32).
+class ForwardTest : public ::testing::TestWithParam<std::tuple<size_t, WeightDtype>> {
  protected:
   static void SetUpTestSuite() {
     for (const Variant& v : Variants()) {
       dirs_.push_back(new TempDir());
       models_.push_back(testing_model::WriteAndLoad(dirs_.back()->path(), v.spec()));
+      auto fp32 =
+          Model::Load(dirs_.back()->path(), {.num_threads = 2, .dtype = WeightDtype::kFloat32});
+      ASSERT_TRUE(fp32.ok()) << fp32.status().ToString();
+      models_.push_back(*fp32);
     }
   }
   static void TearDownTestSuite() {
@@ -198,7 +218,11 @@ class ForwardTest : public ::testing::TestWithParam<size_t> {
     for (TempDir* d : dirs_) delete d;
     dirs_.clear();
   }
-  const Model& model() const { return *models_.at(GetParam()); }
+  size_t variant() const { return std::get<0>(GetParam()); }
+  // models_[2v] as stored, models_[2v + 1] with fp32 weights.
+  const Model& model() const {
+    return *models_.at(2 * variant() + (std::get<1>(GetParam()) == WeightDtype::kFloat32));
+  }
   LocalKvCache Cache(KvDtype d, int blocks = 256, int block_size = 16) const {
     std::vector<float> ks, vs;
     model().KvScales(d, &ks, &vs);
@@ -258,7 +282,7 @@ TEST_P(ForwardTest, MatchesDoublePrecisionReference) {
       }
     }
     std::printf("[ reference ] %s kv %s: worst |err| / (1 + max|ref|) = %.3g\n",
-                Variants()[GetParam()].name.c_str(), std::string(KvDtypeName(d)).c_str(), worst);
+                Variants()[variant()].name.c_str(), std::string(KvDtypeName(d)).c_str(), worst);
   }
 }
 
@@ -423,8 +447,48 @@ TEST_P(ForwardTest, RejectsInvalidBatchesWithoutWriting) {
   EXPECT_EQ(model().Forward(b, wrong, &logits).code(), StatusCode::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest, ::testing::Range<size_t>(0, Variants().size()),
-                         [](const auto& info) { return Variants()[info.param].name; });
+INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest,
+                         ::testing::Combine(::testing::Range<size_t>(0, Variants().size()),
+                                            ::testing::Values(WeightDtype::kAuto,
+                                                              WeightDtype::kFloat32)),
+                         [](const auto& info) {
+                           return Variants()[std::get<0>(info.param)].name +
+                                  (std::get<1>(info.param) == WeightDtype::kFloat32 ? "_fp32w"
+                                                                                    : "_bf16w");
+                         });
+
+// Weights resident as stored (bf16) and converted to fp32 hold the same values: every logit is
+// bitwise equal, the fingerprint is the same, and the resident bytes are what each type needs.
+TEST(ModelLoad, Bf16ResidentWeightsEqualFp32Converted) {
+  TempDir dir;
+  auto stored = MakeAndLoad(dir.path(), "tiny", ModelArch::kQwen2, 3);
+  ASSERT_NE(stored, nullptr);
+  auto fp32 = Model::Load(dir.path(), {.num_threads = 2, .dtype = WeightDtype::kFloat32});
+  ASSERT_TRUE(fp32.ok());
+  EXPECT_EQ(stored->fingerprint(), (*fp32)->fingerprint());
+  EXPECT_EQ(stored->weight_types(), "BF16");
+  EXPECT_EQ((*fp32)->weight_types(), "F32");
+  // tiny qwen2 (tied): embed 264x64; per layer q 64x64, k/v 32x64, o 64x64, gate/up/down
+  // 128x64; fp32 norms 3x64 per layer... (2 layers + final) and q/k/v biases 64+32+32.
+  const size_t matrices = 264 * 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64);
+  const size_t vectors = 2 * (2 * 64 + 64 + 32 + 32) + 64;
+  EXPECT_EQ(stored->weight_bytes(), matrices * 2 + vectors * 4);
+  EXPECT_EQ((*fp32)->weight_bytes(), matrices * 4 + vectors * 4);
+  EXPECT_GT(stored->weight_file_bytes(), matrices * 2);
+  const auto tokens = Prompt(21, 8);
+  std::vector<float> logits[2];
+  int i = 0;
+  for (const Model* m : {stored.get(), fp32->get()}) {
+    std::vector<float> ks, vs;
+    m->KvScales(KvDtype::kFp32, &ks, &vs);
+    LocalKvCache kv(m->KvLayout(4, 16, KvDtype::kFp32), ks, vs);
+    std::vector<int32_t> table = {0, 1};
+    ForwardBatch b;
+    b.sequences.push_back({tokens.data(), 21, 0, table.data(), 2, true});
+    ASSERT_TRUE(m->Forward(b, kv.view(), &logits[i++]).ok());
+  }
+  EXPECT_TRUE(BitEqual(logits[0], logits[1]));
+}
 
 TEST(ModelFingerprint, DependsOnWeightsAndIsStable) {
   TempDir a, b, c;

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "kvbridge/model/safetensors.h"
 #include "model/model_impl.h"
+#include "model/numerics.h"
 #include "model/rope.h"
 
 namespace kvbridge {
@@ -19,14 +21,14 @@ std::vector<TensorSlot> TensorSlots(const ModelConfig& c, Weights* w) {
                 v = c.vocab_size;
   std::vector<TensorSlot> s;
   w->layers.resize(c.num_hidden_layers);
-  s.push_back({"model.embed_tokens.weight", {v, h}, &w->embed});
+  s.push_back({"model.embed_tokens.weight", {v, h}, nullptr, &w->embed});
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     LayerWeights& lw = w->layers[l];
     s.push_back({p + "input_layernorm.weight", {h}, &lw.input_norm});
-    s.push_back({p + "self_attn.q_proj.weight", {q, h}, &lw.wq});
-    s.push_back({p + "self_attn.k_proj.weight", {kv, h}, &lw.wk});
-    s.push_back({p + "self_attn.v_proj.weight", {kv, h}, &lw.wv});
+    s.push_back({p + "self_attn.q_proj.weight", {q, h}, nullptr, &lw.wq});
+    s.push_back({p + "self_attn.k_proj.weight", {kv, h}, nullptr, &lw.wk});
+    s.push_back({p + "self_attn.v_proj.weight", {kv, h}, nullptr, &lw.wv});
     if (c.qk_norm) {
       s.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, &lw.q_norm});
       s.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, &lw.k_norm});
@@ -36,19 +38,104 @@ std::vector<TensorSlot> TensorSlots(const ModelConfig& c, Weights* w) {
       s.push_back({p + "self_attn.k_proj.bias", {kv}, &lw.bk});
       s.push_back({p + "self_attn.v_proj.bias", {kv}, &lw.bv});
     }
-    s.push_back({p + "self_attn.o_proj.weight", {h, q}, &lw.wo});
+    s.push_back({p + "self_attn.o_proj.weight", {h, q}, nullptr, &lw.wo});
     if (c.o_bias) s.push_back({p + "self_attn.o_proj.bias", {h}, &lw.bo});
     s.push_back({p + "post_attention_layernorm.weight", {h}, &lw.post_norm});
-    s.push_back({p + "mlp.gate_proj.weight", {im, h}, &lw.w_gate});
-    s.push_back({p + "mlp.up_proj.weight", {im, h}, &lw.w_up});
-    s.push_back({p + "mlp.down_proj.weight", {h, im}, &lw.w_down});
+    s.push_back({p + "mlp.gate_proj.weight", {im, h}, nullptr, &lw.w_gate});
+    s.push_back({p + "mlp.up_proj.weight", {im, h}, nullptr, &lw.w_up});
+    s.push_back({p + "mlp.down_proj.weight", {h, im}, nullptr, &lw.w_down});
   }
   s.push_back({"model.norm.weight", {h}, &w->final_norm});
-  if (!c.tie_word_embeddings) s.push_back({"lm_head.weight", {v, h}, &w->lm_head});
+  if (!c.tie_word_embeddings) s.push_back({"lm_head.weight", {v, h}, nullptr, &w->lm_head});
   return s;
 }
 
+std::vector<float> Matrix::ToFloat32() const {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  WidenWeights(ptr, rows * cols, out.data());
+  return out;
+}
+
+namespace {
+
+WeightType StoredType(const std::string& dtype) {
+  if (dtype == "BF16") return WeightType::kBf16;
+  if (dtype == "F16") return WeightType::kF16;
+  return WeightType::kF32;  // F32, and F64 (converted to fp32)
+}
+
+// Element i of a stored float tensor as fp32 (F64 rounded once, as ReadFloat32 does).
+float StoredValue(const TensorBytes& t, size_t i) {
+  const char* d = t.data.data();
+  if (t.dtype == "F64") {
+    double v;
+    std::memcpy(&v, d + 8 * i, 8);
+    return static_cast<float>(v);
+  }
+  if (t.dtype == "F32") {
+    float v;
+    std::memcpy(&v, d + 4 * i, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, d + 2 * i, 2);
+  return t.dtype == "BF16" ? Bf16ToFloat(h) : Fp16ToFloat(h);
+}
+
+// The stored tensor converted to `type` (round to nearest even when narrowing).
+std::vector<uint8_t> ConvertTensor(const TensorBytes& t, size_t count, WeightType type) {
+  std::vector<uint8_t> out(count * WeightTypeSize(type));
+  for (size_t i = 0; i < count; ++i) {
+    const float v = StoredValue(t, i);
+    if (type == WeightType::kF32) {
+      std::memcpy(out.data() + 4 * i, &v, 4);
+    } else {
+      const uint16_t h = type == WeightType::kBf16 ? FloatToBf16(v) : FloatToFp16(v);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+
+WeightType ResidentType(WeightDtype requested, WeightType stored) {
+  switch (requested) {
+    case WeightDtype::kAuto:
+      return stored;
+    case WeightDtype::kBfloat16:
+      return WeightType::kBf16;
+    case WeightDtype::kFloat16:
+      return WeightType::kF16;
+    case WeightDtype::kFloat32:
+      return WeightType::kF32;
+  }
+  return stored;
+}
+
+}  // namespace
 }  // namespace model_internal
+
+Result<WeightDtype> ParseWeightDtype(std::string_view s) {
+  if (s == "auto") return WeightDtype::kAuto;
+  if (s == "bfloat16" || s == "bf16") return WeightDtype::kBfloat16;
+  if (s == "float16" || s == "half" || s == "fp16") return WeightDtype::kFloat16;
+  if (s == "float32" || s == "float" || s == "fp32") return WeightDtype::kFloat32;
+  return InvalidArgumentError("unknown dtype '" + std::string(s) +
+                              "' (expected auto, bfloat16, float16 or float32)");
+}
+
+const char* WeightDtypeName(WeightDtype d) {
+  switch (d) {
+    case WeightDtype::kAuto:
+      return "auto";
+    case WeightDtype::kBfloat16:
+      return "bfloat16";
+    case WeightDtype::kFloat16:
+      return "float16";
+    case WeightDtype::kFloat32:
+      return "float32";
+  }
+  return "?";
+}
 
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Model::~Model() = default;
@@ -58,7 +145,9 @@ Result<std::shared_ptr<Model>> Model::Load(const std::string& dir, ModelLoadOpti
   ASSIGN_OR_RETURN(impl->config, ModelConfig::FromFile(dir + "/config.json"));
   const ModelConfig& c = impl->config;
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(dir, c));
-  ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
+  ASSIGN_OR_RETURN(TensorStore opened, TensorStore::OpenDir(dir));
+  auto store = std::make_shared<const TensorStore>(std::move(opened));
+  impl->weight_file_bytes = store->FileBytes();
 
   XXH3_state_t* st = XXH3_createState();
   if (st == nullptr) return InternalError("XXH3_createState failed");
@@ -67,22 +156,66 @@ Result<std::shared_ptr<Model>> Model::Load(const std::string& dir, ModelLoadOpti
   const std::string canonical = c.ToJson("").dump();  // keys sorted; dtype-independent
   XXH3_128bits_update(st, canonical.data(), canonical.size());
 
+  using model_internal::WeightType;
   auto slots = model_internal::TensorSlots(c, &impl->weights);
   std::sort(slots.begin(), slots.end(),
             [](const auto& a, const auto& b) { return a.name < b.name; });
+  bool any_view = false;
+  size_t resident = 0;
+  std::vector<float> chunk(4096);
   for (auto& slot : slots) {
-    auto data = store.ReadFloat32(slot.name, slot.shape);
-    if (!data.ok()) return data.status().WithPrefix(dir);
-    *slot.dest = std::move(data).value();
-    for (float f : *slot.dest) {
-      if (!std::isfinite(f)) {
-        return InvalidArgumentError(dir + ": tensor '" + slot.name + "' holds a non-finite value");
-      }
+    auto bytes = store->Bytes(slot.name, slot.shape);
+    if (!bytes.ok()) return bytes.status().WithPrefix(dir);
+    const TensorBytes& t = *bytes;
+    size_t count = 1;
+    for (int64_t d : t.shape) count *= static_cast<size_t>(d);
+    const WeightType stored = model_internal::StoredType(t.dtype);
+    const WeightType type = model_internal::ResidentType(options.dtype, stored);
+    // The resident values: a view of the mapped bytes when the type is kept (and F32 data is
+    // 4-byte aligned), else a converted copy.
+    model_internal::WeightPtr values;
+    std::vector<uint8_t> converted;
+    const bool view =
+        type == stored && t.dtype != "F64" &&
+        (type != WeightType::kF32 || reinterpret_cast<uintptr_t>(t.data.data()) % 4 == 0);
+    if (view) {
+      values = {t.data.data(), type};
+    } else {
+      converted = model_internal::ConvertTensor(t, count, type);
+      values = {converted.data(), type};
     }
+    if (slot.matrix != nullptr) {
+      model_internal::Matrix& mx = *slot.matrix;
+      mx.rows = slot.shape[0];
+      mx.cols = slot.shape[1];
+      mx.owned = std::move(converted);
+      mx.ptr = view ? values : model_internal::WeightPtr{mx.owned.data(), type};
+      values = mx.ptr;
+      any_view = any_view || view;
+      resident += mx.bytes();
+    } else {
+      slot.dest->resize(count);
+      model_internal::WidenWeights(values, static_cast<int64_t>(count), slot.dest->data());
+      resident += count * 4;
+    }
+    // Fingerprint and finiteness over the fp32 widening of the resident values, streamed.
     XXH3_128bits_update(st, slot.name.data(), slot.name.size() + 1);  // with the NUL separator
     XXH3_128bits_update(st, slot.shape.data(), slot.shape.size() * sizeof(int64_t));
-    XXH3_128bits_update(st, slot.dest->data(), slot.dest->size() * sizeof(float));
+    for (size_t i = 0; i < count; i += chunk.size()) {
+      const size_t n = std::min(chunk.size(), count - i);
+      model_internal::WidenWeights(values.Offset(static_cast<int64_t>(i)), static_cast<int64_t>(n),
+                                   chunk.data());
+      for (size_t e = 0; e < n; ++e) {
+        if (!std::isfinite(chunk[e])) {
+          return InvalidArgumentError(dir + ": tensor '" + slot.name +
+                                      "' holds a non-finite value");
+        }
+      }
+      XXH3_128bits_update(st, chunk.data(), n * sizeof(float));
+    }
   }
+  impl->weights.bytes = resident;
+  if (any_view) impl->weights.mapped = store;  // else nothing points into it: unmapped now
   const XXH128_hash_t digest = XXH3_128bits_digest(st);
   char hex[33];
   std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(digest.high64),
@@ -101,6 +234,27 @@ Result<std::shared_ptr<Model>> Model::Load(const std::string& dir, ModelLoadOpti
 const ModelConfig& Model::config() const { return impl_->config; }
 const Tokenizer& Model::tokenizer() const { return impl_->tokenizer; }
 const std::string& Model::fingerprint() const { return impl_->fingerprint; }
+size_t Model::weight_bytes() const { return impl_->weights.bytes; }
+uint64_t Model::weight_file_bytes() const { return impl_->weight_file_bytes; }
+
+std::string Model::weight_types() const {
+  const model_internal::Weights& w = impl_->weights;
+  std::vector<std::string> seen;
+  auto note = [&](const model_internal::Matrix& m) {
+    if (m.empty()) return;
+    const std::string n = model_internal::WeightTypeName(m.type());
+    if (std::find(seen.begin(), seen.end(), n) == seen.end()) seen.push_back(n);
+  };
+  note(w.embed);
+  note(w.lm_head);
+  for (const auto& l : w.layers) {
+    for (const auto* m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) note(*m);
+  }
+  std::sort(seen.begin(), seen.end());
+  std::string out;
+  for (const auto& n : seen) out += (out.empty() ? "" : "+") + n;
+  return out;
+}
 
 PagedKvLayout Model::KvLayout(int num_blocks, int block_size, KvDtype dtype) const {
   PagedKvLayout l;

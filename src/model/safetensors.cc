@@ -1,5 +1,10 @@
 #include "kvbridge/model/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -29,14 +34,45 @@ std::string ShapeString(std::span<const int64_t> shape) {
   return s + "]";
 }
 
-Result<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFoundError(path + ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return DataLossError(path + ": read failed");
-  return ss.str();
-}
+// A read-only private mapping of a whole file, unmapped on destruction.
+class MappedFile {
+ public:
+  static Result<std::shared_ptr<MappedFile>> Map(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return NotFoundError(path + ": cannot open");
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      const int e = errno;
+      ::close(fd);
+      return ErrnoToStatus(e, path + ": fstat");
+    }
+    auto m = std::shared_ptr<MappedFile>(new MappedFile());
+    m->size_ = static_cast<size_t>(st.st_size);
+    if (m->size_ > 0) {
+      void* p = ::mmap(nullptr, m->size_, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED) {
+        const int e = errno;
+        ::close(fd);
+        return ErrnoToStatus(e, path + ": mmap");
+      }
+      m->data_ = static_cast<const char*>(p);
+    }
+    ::close(fd);
+    return m;
+  }
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(const_cast<char*>(data_), size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  MappedFile() = default;
+  const char* data_ = nullptr;
+  size_t size_ = 0;
+};
 
 std::string BaseName(const std::string& path) {
   const size_t slash = path.find_last_of('/');
@@ -54,11 +90,20 @@ size_t SafetensorsDtypeSize(std::string_view d) {
 }
 
 Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string bytes, ReadWholeFile(path));
-  return Parse(std::move(bytes), path);
+  ASSIGN_OR_RETURN(std::shared_ptr<MappedFile> map, MappedFile::Map(path));
+  const std::string_view bytes(map->data() == nullptr ? "" : map->data(), map->size());
+  return ParseBytes(std::move(map), bytes, path);
 }
 
 Result<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, std::string display_name) {
+  auto owned = std::make_shared<const std::string>(std::move(bytes));
+  const std::string_view view(*owned);
+  return ParseBytes(std::move(owned), view, std::move(display_name));
+}
+
+Result<SafetensorsFile> SafetensorsFile::ParseBytes(std::shared_ptr<const void> owner,
+                                                    std::string_view bytes,
+                                                    std::string display_name) {
   auto err = [&](const std::string& what) {
     return InvalidArgumentError(display_name + ": " + what);
   };
@@ -143,7 +188,9 @@ Result<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, std::string di
       return err("tensors '" + by_begin[i - 1]->name + "' and '" + by_begin[i]->name + "' overlap");
     }
   }
-  f.bytes_ = std::move(bytes);
+  f.owner_ = std::move(owner);
+  f.bytes_ = bytes.data();
+  f.size_ = bytes.size();
   return f;
 }
 
@@ -155,11 +202,11 @@ const TensorInfo* SafetensorsFile::Find(std::string_view tensor) const {
 }
 
 std::string_view SafetensorsFile::Data(const TensorInfo& info) const {
-  return std::string_view(bytes_).substr(data_start_ + info.begin, info.end - info.begin);
+  return std::string_view(bytes_, size_).substr(data_start_ + info.begin, info.end - info.begin);
 }
 
-Result<std::vector<float>> SafetensorsFile::ReadFloat32(
-    std::string_view tensor, std::span<const int64_t> expected_shape) const {
+Result<const TensorInfo*> SafetensorsFile::Checked(std::string_view tensor,
+                                                   std::span<const int64_t> expected_shape) const {
   const TensorInfo* t = Find(tensor);
   const std::string where = BaseName(name_) + ": tensor '" + std::string(tensor) + "'";
   if (t == nullptr) return NotFoundError(where + ": not found");
@@ -168,6 +215,22 @@ Result<std::vector<float>> SafetensorsFile::ReadFloat32(
     return InvalidArgumentError(where + ": expected shape " + ShapeString(expected_shape) +
                                 ", found " + ShapeString(t->shape));
   }
+  if (t->dtype != "F32" && t->dtype != "BF16" && t->dtype != "F16" && t->dtype != "F64") {
+    return InvalidArgumentError(where + ": expected dtype BF16, F16, F32 or F64, found " +
+                                t->dtype);
+  }
+  return t;
+}
+
+Result<TensorBytes> SafetensorsFile::Bytes(std::string_view tensor,
+                                           std::span<const int64_t> expected_shape) const {
+  ASSIGN_OR_RETURN(const TensorInfo* t, Checked(tensor, expected_shape));
+  return TensorBytes{t->dtype, t->shape, Data(*t)};
+}
+
+Result<std::vector<float>> SafetensorsFile::ReadFloat32(
+    std::string_view tensor, std::span<const int64_t> expected_shape) const {
+  ASSIGN_OR_RETURN(const TensorInfo* t, Checked(tensor, expected_shape));
   const std::string_view d = Data(*t);
   std::vector<float> out;
   if (t->dtype == "F32") {
@@ -189,9 +252,6 @@ Result<std::vector<float>> SafetensorsFile::ReadFloat32(
       std::memcpy(&v, d.data() + 8 * i, 8);
       out[i] = static_cast<float>(v);
     }
-  } else {
-    return InvalidArgumentError(where + ": expected dtype BF16, F16, F32 or F64, found " +
-                                t->dtype);
   }
   return out;
 }
@@ -256,6 +316,23 @@ Result<std::vector<float>> TensorStore::ReadFloat32(std::string_view tensor,
     return NotFoundError("tensor '" + std::string(tensor) + "' not found in " + files);
   }
   return files_[it->second]->ReadFloat32(tensor, expected_shape);
+}
+
+Result<TensorBytes> TensorStore::Bytes(std::string_view tensor,
+                                       std::span<const int64_t> expected_shape) const {
+  auto it = where_.find(tensor);
+  if (it == where_.end()) {
+    std::string files;
+    for (const auto& f : files_) files += (files.empty() ? "" : ", ") + BaseName(f->name());
+    return NotFoundError("tensor '" + std::string(tensor) + "' not found in " + files);
+  }
+  return files_[it->second]->Bytes(tensor, expected_shape);
+}
+
+uint64_t TensorStore::FileBytes() const {
+  uint64_t n = 0;
+  for (const auto& f : files_) n += f->size();
+  return n;
 }
 
 Result<std::string> SerializeSafetensors(const std::vector<SafetensorsTensor>& tensors,

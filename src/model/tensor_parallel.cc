@@ -74,11 +74,37 @@ HeadRange TpQueryHeads(int num_attention_heads, int tp_size, int rank) {
 
 namespace {
 
-// Rank r's weight slices of one decoder layer, in the layout of LayerWeights but narrower:
-// wq [q_cols][hidden], wk/wv [kv_cols][hidden], wo [hidden][q_cols], w_gate/w_up
-// [im_cols][hidden], w_down [hidden][im_cols].
+// A rank's slice of a weight matrix, viewed in place in the model's weights (no copy):
+// `rows` rows from `ptr` on, `ld` elements apart. Column-parallel slices (q/k/v, gate/up) are
+// contiguous row ranges (ld = the matrix's cols); row-parallel ones (o_proj, down_proj) are
+// the rank's K columns of every row (ptr at the first column, ld = the full row length).
+struct WeightSlice {
+  model_internal::WeightPtr ptr;
+  int64_t rows = 0, ld = 0;
+  model_internal::WeightPtr Row(int64_t r) const { return ptr.Offset(r * ld); }
+};
+WeightSlice RowsOf(const model_internal::Matrix& w, int begin, int n) {
+  return {w.Row(begin), n, w.cols};
+}
+WeightSlice ColsOf(const model_internal::Matrix& w, int begin) {
+  return {w.ptr.Offset(begin), w.rows, w.cols};
+}
+// A rank's slice of a bias: [begin, begin + n) of the model's fp32 vector, or empty.
+struct BiasSlice {
+  const float* data = nullptr;
+  int n = 0;
+  bool empty() const { return data == nullptr; }
+};
+BiasSlice BiasOf(const std::vector<float>& b, int begin, int n) {
+  if (b.empty()) return {};
+  return {b.data() + begin, n};
+}
+
+// Rank r's weight slices of one decoder layer: wq [q_cols][hidden], wk/wv [kv_cols][hidden],
+// wo [hidden][q_cols], w_gate/w_up [im_cols][hidden], w_down [hidden][im_cols].
 struct RankLayer {
-  std::vector<float> wq, wk, wv, bq, bk, bv, wo, w_gate, w_up, w_down;
+  WeightSlice wq, wk, wv, wo, w_gate, w_up, w_down;
+  BiasSlice bq, bk, bv;
 };
 
 struct RankSlice {
@@ -89,22 +115,6 @@ struct RankSlice {
   std::vector<RankLayer> layers;
   size_t bytes = 0;
 };
-
-// Rows [begin, begin + n) of a [.][cols] matrix.
-std::vector<float> RowsOf(const std::vector<float>& w, int cols, int begin, int n) {
-  if (w.empty()) return {};
-  return std::vector<float>(w.begin() + static_cast<size_t>(begin) * cols,
-                            w.begin() + static_cast<size_t>(begin + n) * cols);
-}
-// Columns [begin, begin + n) of a [rows][cols] matrix.
-std::vector<float> ColsOf(const std::vector<float>& w, int rows, int cols, int begin, int n) {
-  std::vector<float> out(static_cast<size_t>(rows) * n);
-  for (int i = 0; i < rows; ++i) {
-    std::memcpy(out.data() + static_cast<size_t>(i) * n,
-                w.data() + static_cast<size_t>(i) * cols + begin, static_cast<size_t>(n) * 4);
-  }
-  return out;
-}
 
 // T-1 threads that each run rank r >= 1 of a job; the caller runs rank 0.
 class RankTeam {
@@ -192,13 +202,16 @@ Result<std::unique_ptr<TensorParallelModel>> TensorParallelModel::Create(
   impl->model = model;
   impl->tp = tp_size;
   const model_internal::Weights& w = model->impl().weights;
-  const int hsz = c.hidden_size, hd = c.head_dim, qd = c.q_dim(), im = c.intermediate_size;
-  impl->replicated_bytes = (w.embed.size() + w.lm_head.size() + w.final_norm.size()) * 4;
+  const int hd = c.head_dim, qd = c.q_dim(), im = c.intermediate_size;
+  impl->replicated_bytes = w.embed.bytes() + w.lm_head.bytes() + w.final_norm.size() * 4;
   for (const auto& l : w.layers) {
     impl->replicated_bytes += (l.input_norm.size() + l.post_norm.size() + l.bo.size() +
                                l.q_norm.size() + l.k_norm.size()) *
                               4;
   }
+  auto slice_bytes = [](const WeightSlice& v, int64_t cols, model_internal::WeightType t) {
+    return static_cast<size_t>(v.rows * cols) * model_internal::WeightTypeSize(t);
+  };
   for (int r = 0; r < tp_size; ++r) {
     RankSlice& s = impl->ranks.emplace_back();
     s.q_heads = TpQueryHeads(c.num_attention_heads, tp_size, r);
@@ -212,32 +225,26 @@ Result<std::unique_ptr<TensorParallelModel>> TensorParallelModel::Create(
     if (s.q_col_begin != s.q_heads.begin * hd || s.q_cols != s.q_heads.size() * hd) {
       return InternalError("tensor parallel: query heads not aligned with the K-shards");
     }
-    if (tp_size == 1) {
-      // Rank 0 is the whole model: no copies, Model::Forward runs it.
-      for (const auto& l : w.layers) {
-        s.bytes += (l.wq.size() + l.wk.size() + l.wv.size() + l.bq.size() + l.bk.size() +
-                    l.bv.size() + l.wo.size() + l.w_gate.size() + l.w_up.size() + l.w_down.size()) *
-                   4;
-      }
-      continue;
-    }
     const int kv_row = s.kv_heads.begin * hd, kv_rows = s.kv_heads.size() * hd;
     for (const auto& l : w.layers) {
       RankLayer& rl = s.layers.emplace_back();
-      rl.wq = RowsOf(l.wq, hsz, s.q_col_begin, s.q_cols);
-      rl.wk = RowsOf(l.wk, hsz, kv_row, kv_rows);
-      rl.wv = RowsOf(l.wv, hsz, kv_row, kv_rows);
-      rl.bq = RowsOf(l.bq, 1, s.q_col_begin, s.q_cols);
-      rl.bk = RowsOf(l.bk, 1, kv_row, kv_rows);
-      rl.bv = RowsOf(l.bv, 1, kv_row, kv_rows);
-      rl.wo = ColsOf(l.wo, hsz, qd, s.q_col_begin, s.q_cols);
-      rl.w_gate = RowsOf(l.w_gate, hsz, s.im_begin, s.im_cols);
-      rl.w_up = RowsOf(l.w_up, hsz, s.im_begin, s.im_cols);
-      rl.w_down = ColsOf(l.w_down, hsz, im, s.im_begin, s.im_cols);
-      s.bytes +=
-          (rl.wq.size() + rl.wk.size() + rl.wv.size() + rl.bq.size() + rl.bk.size() + rl.bv.size() +
-           rl.wo.size() + rl.w_gate.size() + rl.w_up.size() + rl.w_down.size()) *
-          4;
+      rl.wq = RowsOf(l.wq, s.q_col_begin, s.q_cols);
+      rl.wk = RowsOf(l.wk, kv_row, kv_rows);
+      rl.wv = RowsOf(l.wv, kv_row, kv_rows);
+      rl.bq = BiasOf(l.bq, s.q_col_begin, s.q_cols);
+      rl.bk = BiasOf(l.bk, kv_row, kv_rows);
+      rl.bv = BiasOf(l.bv, kv_row, kv_rows);
+      rl.wo = ColsOf(l.wo, s.q_col_begin);
+      rl.w_gate = RowsOf(l.w_gate, s.im_begin, s.im_cols);
+      rl.w_up = RowsOf(l.w_up, s.im_begin, s.im_cols);
+      rl.w_down = ColsOf(l.w_down, s.im_begin);
+      const int64_t hsz = c.hidden_size;
+      s.bytes += slice_bytes(rl.wq, hsz, l.wq.type()) + slice_bytes(rl.wk, hsz, l.wk.type()) +
+                 slice_bytes(rl.wv, hsz, l.wv.type()) + slice_bytes(rl.wo, s.q_cols, l.wo.type()) +
+                 slice_bytes(rl.w_gate, hsz, l.w_gate.type()) +
+                 slice_bytes(rl.w_up, hsz, l.w_up.type()) +
+                 slice_bytes(rl.w_down, s.im_cols, l.w_down.type()) +
+                 (static_cast<size_t>(rl.bq.n) + rl.bk.n + rl.bv.n) * 4;
     }
   }
   if (tp_size > 1) {
@@ -298,7 +305,7 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float attn_scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const model_internal::Weights& w = mi.weights;
-  const std::vector<float>& head = w.LmHead();
+  const model_internal::Matrix& head = w.LmHead();
   const size_t stride = static_cast<size_t>(m) * hsz;
 
   // Shared step buffers: the residual stream, its normed copy and every shard's partial sums.
@@ -329,28 +336,29 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
     const int row_begin = r * m / tp, row_end = (r + 1) * m / tp;
     std::vector<float> q(static_cast<size_t>(m) * qc), k(static_cast<size_t>(m) * kvc), v(k.size()),
         attn(q.size()), gate(static_cast<size_t>(m) * imc), up(gate.size());
-    auto linear = [&](const std::vector<float>& wt, const std::vector<float>& bias, int n,
-                      float* y) {
+    auto linear = [&](const WeightSlice& wt, const BiasSlice& bias, int n, float* y) {
       par(n, [&](int64_t b, int64_t e) {
-        MatMulNT(h.data(), m, hsz, wt.data() + b * hsz, static_cast<int>(e - b), hsz, hsz, y + b,
-                 n);
+        MatMulNT(h.data(), m, hsz, wt.Row(b), static_cast<int>(e - b), static_cast<int>(wt.ld), hsz,
+                 y + b, n);
       });
       if (!bias.empty()) {
         for (int i = 0; i < m; ++i) {
-          for (int j = 0; j < n; ++j) y[static_cast<size_t>(i) * n + j] += bias[j];
+          for (int j = 0; j < n; ++j) y[static_cast<size_t>(i) * n + j] += bias.data[j];
         }
       }
     };
     // Partials of this rank's shards of a row-parallel matmul whose K columns [col_begin,
-    // col_begin + cols) this rank holds in `in` ([m][cols]) and `wt` ([hsz][cols]).
-    auto shard_partials = [&](const float* in, const std::vector<float>& wt, int k_total,
-                              int col_begin, int cols) {
+    // col_begin + cols) this rank holds in `in` ([m][cols]) and views in `wt` ([hsz] rows of
+    // the full matrix, starting at column col_begin).
+    auto shard_partials = [&](const float* in, const WeightSlice& wt, int k_total, int col_begin,
+                              int cols) {
       for (int sh = s.shard_begin; sh < s.shard_end; ++sh) {
         const int k0 = ShardBegin(sh, k_total) - col_begin;
         const int k1 = ShardBegin(sh + 1, k_total) - col_begin;
         par(hsz, [&](int64_t b, int64_t e) {
-          MatMulNT(in + k0, m, cols, wt.data() + b * cols + k0, static_cast<int>(e - b), cols,
-                   k1 - k0, partial.data() + static_cast<size_t>(sh) * stride + b, hsz);
+          MatMulNT(in + k0, m, cols, wt.Row(b).Offset(k0), static_cast<int>(e - b),
+                   static_cast<int>(wt.ld), k1 - k0,
+                   partial.data() + static_cast<size_t>(sh) * stride + b, hsz);
         });
       }
     };
@@ -370,8 +378,8 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
     };
 
     for (int i = row_begin; i < row_end; ++i) {
-      std::memcpy(x.data() + static_cast<size_t>(i) * hsz,
-                  w.embed.data() + static_cast<size_t>(rows[i].token) * hsz, hsz * 4);
+      model_internal::WidenWeights(w.embed.Row(rows[i].token), hsz,
+                                   x.data() + static_cast<size_t>(i) * hsz);
     }
     model_internal::RmsNormRows(x.data(), row_begin, row_end, hsz, w.layers[0].input_norm.data(),
                                 eps, h.data());
@@ -454,8 +462,8 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
     model_internal::RmsNormRows(last.data(), 0, nl, hsz, w.final_norm.data(), eps, normed.data());
     const int v0 = r * vocab / tp, v1 = (r + 1) * vocab / tp;
     par(v1 - v0, [&](int64_t b, int64_t e) {
-      MatMulNT(normed.data(), nl, hsz, head.data() + static_cast<size_t>(v0 + b) * hsz,
-               static_cast<int>(e - b), hsz, hsz, out_logits + v0 + b, vocab);
+      MatMulNT(normed.data(), nl, hsz, head.Row(v0 + b), static_cast<int>(e - b), hsz, hsz,
+               out_logits + v0 + b, vocab);
     });
   };
   team->Run(rank_fn);

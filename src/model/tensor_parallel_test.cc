@@ -146,6 +146,9 @@ struct TpCase {
   std::vector<int> sizes;
   int threads = 2;                     // model pool; > T: ranks also split their work over it
   RopeType rope = RopeType::kDefault;  // scaled with an original context of 16 (TinyWithRope)
+  // Resident weights: kAuto keeps the files' bf16 (ranks view them in place); kFloat32
+  // converts at load.
+  WeightDtype dtype = WeightDtype::kAuto;
 };
 
 class TensorParallelForward : public ::testing::TestWithParam<TpCase> {};
@@ -174,7 +177,7 @@ TEST_P(TensorParallelForward, LogitsAndKvBitwiseEqualToOneRank) {
   spec->config.head_dim = tc.head_dim;
   spec->config.intermediate_size = tc.intermediate;
   ASSERT_TRUE(WriteRandomModel(*spec, dir.path()).ok());
-  auto loaded = Model::Load(dir.path(), {.num_threads = tc.threads});
+  auto loaded = Model::Load(dir.path(), {.num_threads = tc.threads, .dtype = tc.dtype});
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   std::shared_ptr<const Model> model = *loaded;
   const ModelConfig& c = model->config();
@@ -277,28 +280,59 @@ INSTANTIATE_TEST_SUITE_P(
         TpCase{"h8_kv8", ModelArch::kLlama, 8, 8, 8, 128, {2, 8}},
         // 5 model threads: at T=2 and 4 every rank also splits its matmuls and attention
         // over the shared pool.
-        TpCase{"h8_kv2_pooled", ModelArch::kLlama, 8, 2, 8, 100, {2, 4}, 5}),
+        TpCase{"h8_kv2_pooled", ModelArch::kLlama, 8, 2, 8, 100, {2, 4}, 5},
+        // The same with fp32 weights (--dtype float32).
+        TpCase{"tiny_qwen2_fp32w",
+               ModelArch::kQwen2,
+               4,
+               2,
+               16,
+               128,
+               {2, 4},
+               2,
+               RopeType::kDefault,
+               WeightDtype::kFloat32},
+        TpCase{"h8_kv2_fp32w",
+               ModelArch::kLlama,
+               8,
+               2,
+               8,
+               100,
+               {2, 4, 8},
+               2,
+               RopeType::kDefault,
+               WeightDtype::kFloat32}),
     [](const auto& info) { return info.param.name; });
 
+// Ranks view the model's weights in place (no copies): their slices' bytes in the resident
+// type, fp32 (--dtype float32) and as stored (bf16).
 TEST(TensorParallelModel, WeightBytesPerRank) {
   TempDir dir;
-  auto model = testing_model::MakeAndLoad(dir.path(), "tiny", ModelArch::kLlama, 1);
-  ASSERT_NE(model, nullptr);
-  // tiny llama: hidden 64, q_dim 64, kv_dim 32, intermediate 128, 2 layers, vocab 264.
-  const size_t layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) * 4;
-  auto one = TensorParallelModel::Create(model, 1);
-  ASSERT_TRUE(one.ok());
-  EXPECT_EQ((*one)->RankWeightBytes(0), 2 * layer);
-  EXPECT_EQ((*one)->ReplicatedWeightBytes(), (2 * 264 * 64 + 64 + 2 * 2 * 64) * 4u);
-  auto two = TensorParallelModel::Create(model, 2);
-  ASSERT_TRUE(two.ok());
-  EXPECT_EQ((*two)->RankWeightBytes(0), layer);  // exactly half: 2 KV heads over 2 ranks
-  EXPECT_EQ((*two)->RankWeightBytes(1), layer);
-  auto four = TensorParallelModel::Create(model, 4);
-  ASSERT_TRUE(four.ok());
-  // Quarter of q/o/MLP; k/v of one whole KV head (replicated on two ranks).
-  const size_t quarter = (16 * 64 + 2 * 16 * 64 + 64 * 16 + 3 * 32 * 64) * 4;
-  for (int r = 0; r < 4; ++r) EXPECT_EQ((*four)->RankWeightBytes(r), 2 * quarter) << r;
+  auto stored = testing_model::MakeAndLoad(dir.path(), "tiny", ModelArch::kLlama, 1);
+  ASSERT_NE(stored, nullptr);
+  auto fp32 = Model::Load(dir.path(), {.num_threads = 2, .dtype = WeightDtype::kFloat32});
+  ASSERT_TRUE(fp32.ok());
+  for (const auto& [model, esize] :
+       {std::pair<std::shared_ptr<Model>, size_t>{*fp32, 4}, {stored, 2}}) {
+    SCOPED_TRACE(esize);
+    // tiny llama: hidden 64, q_dim 64, kv_dim 32, intermediate 128, 2 layers, vocab 264.
+    const size_t layer = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) * esize;
+    auto one = TensorParallelModel::Create(model, 1);
+    ASSERT_TRUE(one.ok());
+    EXPECT_EQ((*one)->RankWeightBytes(0), 2 * layer);
+    EXPECT_EQ((*one)->ReplicatedWeightBytes(), 2 * 264 * 64 * esize + (64 + 2 * 2 * 64) * 4u);
+    auto two = TensorParallelModel::Create(model, 2);
+    ASSERT_TRUE(two.ok());
+    EXPECT_EQ((*two)->RankWeightBytes(0), layer);  // exactly half: 2 KV heads over 2 ranks
+    EXPECT_EQ((*two)->RankWeightBytes(1), layer);
+    auto four = TensorParallelModel::Create(model, 4);
+    ASSERT_TRUE(four.ok());
+    // Quarter of q/o/MLP; k/v of one whole KV head (replicated on two ranks).
+    const size_t quarter = (16 * 64 + 2 * 16 * 64 + 64 * 16 + 3 * 32 * 64) * esize;
+    for (int r = 0; r < 4; ++r) EXPECT_EQ((*four)->RankWeightBytes(r), 2 * quarter) << r;
+    // Creating ranks copies no weights: the model's resident bytes are all there is.
+    EXPECT_EQ(model->weight_bytes(), 2 * layer + (*one)->ReplicatedWeightBytes());
+  }
 }
 
 TEST(TensorParallelModel, RefusesBadSizesAndViews) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvbridge/common/status.h"
@@ -32,16 +33,29 @@
 
 namespace kvbridge {
 
+/// The type the linear weights and embeddings are kept in (vLLM's --dtype values). kAuto keeps
+/// each tensor as stored (BF16/F16/F32 used in place from the memory-mapped file; F64 becomes
+/// fp32); the others convert every tensor at load (round to nearest even when narrowing).
+/// Compute is fp32 either way: narrow weights are widened exactly inside the matmul kernel.
+enum class WeightDtype { kAuto, kBfloat16, kFloat16, kFloat32 };
+/// "auto", "bfloat16" (or "bf16"), "float16" ("half", "fp16"), "float32" ("float", "fp32").
+/// InvalidArgument naming the value otherwise.
+Result<WeightDtype> ParseWeightDtype(std::string_view s);
+const char* WeightDtypeName(WeightDtype d);
+
 struct ModelLoadOptions {
   /// Threads used inside one Forward (matmul output columns, attention rows x heads); they
   /// never change the arithmetic. 0 = std::thread::hardware_concurrency(), capped at 8.
   int num_threads = 0;
+  /// Resident weight type (see WeightDtype).
+  WeightDtype dtype = WeightDtype::kAuto;
 };
 
 class Model {
  public:
   /// Loads `dir/config.json` and the weights (model.safetensors or sharded with
-  /// model.safetensors.index.json; BF16/F16/F32/F64 tensors become fp32).
+  /// model.safetensors.index.json, memory-mapped; BF16/F16/F32 matrices are used in place
+  /// unless options.dtype converts them; norms and biases become fp32).
   /// Errors: NotFound (missing file), InvalidArgument naming file, tensor and expected vs
   /// found shape/dtype, Unimplemented (unsupported config features).
   static Result<std::shared_ptr<Model>> Load(const std::string& dir, ModelLoadOptions options = {});
@@ -53,8 +67,16 @@ class Model {
   const Tokenizer& tokenizer() const;
   /// 32 lowercase hex digits: XXH3-128 over the canonical config JSON and every tensor
   /// (name, shape, fp32 values, in name order). Equal models give equal fingerprints on any
-  /// host; seeds the prefix-cache hash chain and is checked at transfer handshake.
+  /// host; seeds the prefix-cache hash chain and is checked at transfer handshake. Computed
+  /// over the resident values (equal to the stored ones unless options.dtype narrowed them).
   const std::string& fingerprint() const;
+  /// Bytes of weights resident for compute: every matrix in its resident type (mapped in
+  /// place or converted) plus the fp32 norms and biases.
+  size_t weight_bytes() const;
+  /// Total size of the model's safetensors files.
+  uint64_t weight_file_bytes() const;
+  /// The resident types of the matrices, e.g. "BF16", "F32" or "BF16+F32".
+  std::string weight_types() const;
 
   /// The KV layout this model needs (all KV heads on one rank).
   PagedKvLayout KvLayout(int num_blocks, int block_size, KvDtype dtype) const;

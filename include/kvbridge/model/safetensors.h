@@ -7,8 +7,12 @@
 // `end - begin == prod(shape) * dtype size` (overflow-checked), no overlapping tensors.
 // Malformed input gives InvalidArgument / DataLoss naming the file — never a crash (fuzzed).
 //
+// Files are memory-mapped read-only (MAP_PRIVATE, unmapped when the last copy of the
+// SafetensorsFile / TensorStore holding them dies), so a tensor's bytes can be used in place.
+//
 //   ASSIGN_OR_RETURN(auto store, TensorStore::OpenDir(model_dir));   // single file or shards
 //   ASSIGN_OR_RETURN(std::vector<float> w, store.ReadFloat32("model.norm.weight", {hidden}));
+//   ASSIGN_OR_RETURN(TensorBytes t, store.Bytes("model.embed_tokens.weight", {vocab, hidden}));
 //
 // Thread-safety: SafetensorsFile and TensorStore are immutable after opening; const methods
 // may be called concurrently.
@@ -37,10 +41,18 @@ struct TensorInfo {
 /// Element size of a safetensors dtype name, or 0 when unknown.
 size_t SafetensorsDtypeSize(std::string_view dtype);
 
-/// One parsed .safetensors file held in memory.
+/// A float tensor's raw bytes in place (valid while the file or store it came from lives).
+struct TensorBytes {
+  std::string dtype;  ///< "F32", "BF16", "F16" or "F64"
+  std::vector<int64_t> shape;
+  std::string_view data;  ///< prod(shape) little-endian elements of dtype
+};
+
+/// One parsed .safetensors file: memory-mapped (Open) or held in memory (Parse). Copies share
+/// the bytes.
 class SafetensorsFile {
  public:
-  /// Reads and parses `path`. NotFound when unreadable; InvalidArgument / DataLoss when
+  /// Maps and parses `path`. NotFound when unreadable; InvalidArgument / DataLoss when
   /// malformed. Messages start with the file name.
   static Result<SafetensorsFile> Open(const std::string& path);
   /// Parses bytes already in memory; `display_name` names the file in error messages.
@@ -58,10 +70,21 @@ class SafetensorsFile {
   /// differs: "model.safetensors: tensor 'x': expected shape [64,64], found [64,32]".
   Result<std::vector<float>> ReadFloat32(std::string_view tensor,
                                          std::span<const int64_t> expected_shape) const;
+  /// The tensor's bytes in place, after the same checks as ReadFloat32 (same errors).
+  Result<TensorBytes> Bytes(std::string_view tensor, std::span<const int64_t> expected_shape) const;
+  /// Size of the whole file in bytes.
+  size_t size() const { return size_; }
 
  private:
+  static Result<SafetensorsFile> ParseBytes(std::shared_ptr<const void> owner,
+                                            std::string_view bytes, std::string display_name);
+  Result<const TensorInfo*> Checked(std::string_view tensor,
+                                    std::span<const int64_t> expected_shape) const;
+
   std::string name_;
-  std::string bytes_;
+  std::shared_ptr<const void> owner_;  // the mapping or the std::string holding the bytes
+  const char* bytes_ = nullptr;
+  size_t size_ = 0;
   size_t data_start_ = 0;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
@@ -80,6 +103,10 @@ class TensorStore {
   /// See SafetensorsFile::ReadFloat32; NotFound naming the tensor when no file holds it.
   Result<std::vector<float>> ReadFloat32(std::string_view tensor,
                                          std::span<const int64_t> expected_shape) const;
+  /// See SafetensorsFile::Bytes; NotFound as ReadFloat32.
+  Result<TensorBytes> Bytes(std::string_view tensor, std::span<const int64_t> expected_shape) const;
+  /// Total size of the safetensors files in bytes.
+  uint64_t FileBytes() const;
 
  private:
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
