@@ -10,6 +10,7 @@ PKGS=(
   libtomlplusplus-dev libxxhash-dev libmsgpack-cxx-dev libeigen3-dev libboost-dev libopenblas-dev
   libucx-dev ucx-utils libssl-dev zlib1g-dev nginx-light
   libpcre2-dev libicu-dev nodejs
+  python3-jinja2
 )
 missing=()
 # npm: Debian's package, unless the installed nodejs already brings it (NodeSource's does, and
