@@ -657,6 +657,16 @@ TEST(ChatTemplate, RealTemplatesMatchJinja2) {
   }
   ASSERT_GT(cases.size(), 100u);
   ExpectSameAsReference(cases);
+  // KVBRIDGE_DUMP_CHAT_CASES=FILE writes the cases and our renders, for
+  // tests/tools/transformers_check.py (the one-time check against transformers itself).
+  if (const char* dump = std::getenv("KVBRIDGE_DUMP_CHAT_CASES")) {
+    Json out = Json::array();
+    for (const Case& c : cases) {
+      Outcome o = OurRender(c);
+      out.push_back({{"name", c.name}, {"context", c.context}, {"ours", o.text}, {"ok", o.ok}});
+    }
+    std::ofstream(dump) << out.dump();
+  }
 }
 
 TEST(ChatTemplate, LoadsSpecialTokensAndPrecedence) {

@@ -612,6 +612,22 @@ class Parser {
     Parser* p_;
   };
 
+  // A left-associative chain (a + b + c, x|f|g, a.b.c) nests one level per link although it is
+  // parsed by a loop: each link counts toward the depth until the chain is done.
+  struct ChainDepth {
+    explicit ChainDepth(Parser* p) : p_(p) {}
+    void Add() {
+      ++n_;
+      if (++p_->depth_ > p_->max_depth_) {
+        throw Error{"the template nests deeper than " + std::to_string(p_->max_depth_) + " levels",
+                    p_->Cur().line, false, true};
+      }
+    }
+    ~ChainDepth() { p_->depth_ -= n_; }
+    Parser* p_;
+    int n_ = 0;
+  };
+
   static NodePtr MakeNode(NodeKind kind, int line) {
     auto n = std::make_unique<Node>();
     n->kind = kind;
@@ -1042,7 +1058,9 @@ class Parser {
     DepthGuard guard(this);
     if (!with_condexpr) return ParseOr();
     NodePtr expr = ParseOr();
+    ChainDepth chain(this);
     while (IsName("if")) {
+      chain.Add();
       int line = Next().line;
       auto n = MakeNode(NodeKind::kCondExpr, line);
       NodePtr test = ParseOr();
@@ -1066,7 +1084,9 @@ class Parser {
 
   NodePtr ParseOr() {
     NodePtr left = ParseAnd();
+    ChainDepth chain(this);
     while (IsName("or")) {
+      chain.Add();
       int line = Next().line;
       left = Binary("or", std::move(left), ParseAnd(), line);
     }
@@ -1074,7 +1094,9 @@ class Parser {
   }
   NodePtr ParseAnd() {
     NodePtr left = ParseNot();
+    ChainDepth chain(this);
     while (IsName("and")) {
+      chain.Add();
       int line = Next().line;
       left = Binary("and", std::move(left), ParseNot(), line);
     }
@@ -1121,7 +1143,9 @@ class Parser {
   }
   NodePtr ParseMath1() {
     NodePtr left = ParseConcat();
+    ChainDepth chain(this);
     while (IsOp("+") || IsOp("-")) {
+      chain.Add();
       Token t = Next();
       left = Binary(t.text, std::move(left), ParseConcat(), t.line);
     }
@@ -1129,7 +1153,9 @@ class Parser {
   }
   NodePtr ParseConcat() {
     NodePtr left = ParseMath2();
+    ChainDepth chain(this);
     while (IsOp("~")) {
+      chain.Add();
       int line = Next().line;
       left = Binary("~", std::move(left), ParseMath2(), line);
     }
@@ -1137,7 +1163,9 @@ class Parser {
   }
   NodePtr ParseMath2() {
     NodePtr left = ParsePow();
+    ChainDepth chain(this);
     while (IsOp("*") || IsOp("/") || IsOp("//") || IsOp("%")) {
+      chain.Add();
       Token t = Next();
       left = Binary(t.text, std::move(left), ParsePow(), t.line);
     }
@@ -1145,7 +1173,9 @@ class Parser {
   }
   NodePtr ParsePow() {
     NodePtr left = ParseUnary(true);
+    ChainDepth chain(this);
     while (IsOp("**")) {
+      chain.Add();
       int line = Next().line;
       left = Binary("**", std::move(left), ParseUnary(true), line);
     }
@@ -1231,8 +1261,9 @@ class Parser {
   }
 
   NodePtr ParsePostfix(NodePtr node) {
+    ChainDepth chain(this);
     while (true) {
-      DepthGuard guard(this);
+      chain.Add();
       if (IsOp(".") || IsOp("[")) {
         node = ParseSubscript(std::move(node));
       } else if (IsOp("(")) {
@@ -1244,8 +1275,9 @@ class Parser {
   }
 
   NodePtr ParseFilterExpr(NodePtr node) {
+    ChainDepth chain(this);
     while (true) {
-      DepthGuard guard(this);
+      chain.Add();
       if (IsOp("|")) {
         node = ParseFilterChain(std::move(node));
       } else if (IsName("is")) {
@@ -1369,7 +1401,9 @@ class Parser {
   }
 
   NodePtr ParseFilterChain(NodePtr node, bool start_inline = false) {
+    ChainDepth chain(this);
     while (IsOp("|") || start_inline) {
+      chain.Add();
       if (!start_inline) Next();
       start_inline = false;
       int line = Cur().line;
