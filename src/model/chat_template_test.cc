@@ -669,6 +669,104 @@ TEST(ChatTemplate, RealTemplatesMatchJinja2) {
   }
 }
 
+// Templates of the shapes other checkpoints use (written for this test): a Llama 3.1-like one
+// (strftime_now, tools as tojson(indent=4), a single tool call or raise_exception) and a
+// macro / namespace / rejectattr one, over the same conversation table.
+constexpr const char* kLlamaStyle = R"T({{- bos_token }}
+{%- set date = strftime_now("%d %B %Y") if strftime_now is defined else "1 Jan 2024" %}
+{%- if messages and messages[0].role == 'system' %}
+    {%- set sys = messages[0].content | trim %}
+    {%- set rest = messages[1:] %}
+{%- else %}
+    {%- set sys = '' %}
+    {%- set rest = messages %}
+{%- endif %}
+{{- '<|hdr|>system<|/hdr|>\n\n' }}
+{{- 'Today: ' ~ date ~ '\n' }}
+{%- if tools is defined and tools is not none and tools | length > 0 %}
+    {{- 'Functions:\n' }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- '\n\n' }}
+    {%- endfor %}
+{%- endif %}
+{{- sys ~ '<|end|>' }}
+{%- for m in rest %}
+    {%- if m.role not in ['user', 'assistant', 'tool', 'ipython'] %}
+        {{- raise_exception('Unknown role: ' ~ m.role) }}
+    {%- endif %}
+    {%- if m.tool_calls is defined and m.tool_calls %}
+        {%- if m.tool_calls | length != 1 %}
+            {{- raise_exception('Only one tool call per message is supported.') }}
+        {%- endif %}
+        {%- set call = m.tool_calls[0].function if m.tool_calls[0].function is defined else m.tool_calls[0] %}
+        {{- '<|hdr|>assistant<|/hdr|>\n\n' }}
+        {{- '{"name": "' + call.name + '", "parameters": ' }}
+        {%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}
+        {{- '}<|eom|>' }}
+    {%- elif m.role in ['tool', 'ipython'] %}
+        {{- '<|hdr|>ipython<|/hdr|>\n\n' }}
+        {%- if m.content is mapping or (m.content is iterable and m.content is not string) %}
+            {{- m.content | tojson }}
+        {%- else %}
+            {{- m.content }}
+        {%- endif %}
+        {{- '<|end|>' }}
+    {%- else %}
+        {{- '<|hdr|>' ~ m.role ~ '<|/hdr|>\n\n' ~ m.content | trim ~ '<|end|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|hdr|>assistant<|/hdr|>\n\n' }}{%- endif %}
+)T";
+
+constexpr const char* kMacroStyle = R"T({%- macro render_args(args) -%}
+{%- for k, v in args | items -%}
+{{ k }}={{ v | tojson }}{{ ', ' if not loop.last }}
+{%- endfor -%}
+{%- endmacro -%}
+{%- set ns = namespace(system=none, turns=0) -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}{%- set ns.system = m.content -%}{%- endif -%}
+{%- endfor -%}
+{% if tools %}[TOOLS]{{ tools | map(attribute='function.name') | join(',') }}[/TOOLS]
+{% endif -%}
+[SYSTEM]{{ ns.system if ns.system is not none else 'default system' }}[/SYSTEM]
+{% for m in messages | rejectattr('role', 'equalto', 'system') -%}
+{%- set ns.turns = ns.turns + 1 -%}
+{%- if m.role == 'user' -%}
+[INST] {{ m.content }} [/INST]
+{% elif m.role == 'assistant' -%}
+{%- if m.tool_calls -%}
+{%- for tc in m.tool_calls -%}
+{%- set f = tc.function if tc.function is defined else tc -%}
+[CALL {{ loop.index }}] {{ f.name }}({{ render_args(f.arguments) if f.arguments is mapping else f.arguments }})
+{% endfor -%}
+{%- endif -%}
+{{ m.content }}{{ eos_token }}
+{% else -%}
+[RESULT {{ m.tool_call_id | default('?') }}] {{ m.content }}
+{% endif -%}
+{%- endfor -%}
+turns={{ ns.turns }}{% if add_generation_prompt %} >>{% endif %}
+)T";
+
+TEST(ChatTemplate, OtherTemplateShapesMatchJinja2) {
+  std::vector<Case> cases;
+  for (const auto& [name, conv] : ConversationTable()) {
+    for (bool gen : {false, true}) {
+      Json ctx = Json::parse(R"({"bos_token": "<s>", "eos_token": "</s>"})");
+      for (auto it = conv.begin(); it != conv.end(); ++it) ctx[it.key()] = it.value();
+      ctx["add_generation_prompt"] = gen;
+      cases.push_back({"llama_style/" + name, kLlamaStyle, ctx});
+      cases.push_back({"macro_style/" + name, kMacroStyle, ctx});
+    }
+  }
+  Json odd_role =
+      Json::parse(R"({"messages": [{"role": "narrator", "content": "x"}], "bos_token": ""})");
+  cases.push_back({"llama_style/unknown_role", kLlamaStyle, odd_role});
+  ExpectSameAsReference(cases);
+}
+
 TEST(ChatTemplate, LoadsSpecialTokensAndPrecedence) {
   const fs::path root = SharedTokenizers();
   if (!fs::exists(root)) GTEST_SKIP() << "no " << root << " (the shared test data is absent)";
