@@ -131,7 +131,9 @@ const char* ArchClassName(ModelArch arch) {
 Status ParseRope(const json& j, ModelConfig* c) {
   const json* rope = nullptr;
   const char* where = "rope_scaling";
-  if (auto it = j.find("rope_scaling"); it != j.end() && !it->is_null()) {
+  // (transformers: `rope_scaling or rope_parameters`, so an empty rope_scaling does not count)
+  if (auto it = j.find("rope_scaling");
+      it != j.end() && !it->is_null() && !(it->is_object() && it->empty())) {
     rope = &*it;
   } else if (auto it2 = j.find("rope_parameters"); it2 != j.end() && !it2->is_null()) {
     rope = &*it2;
@@ -207,14 +209,12 @@ Status ParseRope(const json& j, ModelConfig* c) {
   if (s.type == RopeType::kDefault) return OkStatus();
   ASSIGN_OR_RETURN(s.factor, number("factor", std::nullopt));
   if (s.type == RopeType::kLlama3 || s.type == RopeType::kYarn) {
-    // transformers: a top-level original_max_position_embeddings (Phi-3 style) wins; else the
-    // rope key; else max_position_embeddings.
+    // transformers (standardize_rope_params): a top-level original_max_position_embeddings
+    // (Phi-3 style) wins; else the rope key; else max_position_embeddings.
     double orig = 0;
     if (auto top = j.find("original_max_position_embeddings"); top != j.end() && !top->is_null()) {
       ASSIGN_OR_RETURN(int o, GetInt(j, "original_max_position_embeddings", std::nullopt));
       orig = o;
-    } else if (s.type == RopeType::kLlama3) {  // required for llama3
-      ASSIGN_OR_RETURN(orig, number("original_max_position_embeddings", std::nullopt));
     } else {
       ASSIGN_OR_RETURN(orig, number("original_max_position_embeddings",
                                     static_cast<double>(c->max_position_embeddings)));

@@ -285,6 +285,11 @@ TEST(ModelConfig, ParsesEveryRopeType) {
   ASSERT_TRUE(yarn_af.ok()) << yarn_af.status().ToString();
   EXPECT_EQ(yarn_af->rope_scaling.attention_factor, 1.5);
   EXPECT_EQ(yarn_af->rope_scaling.original_max_position_embeddings, 128);
+  // llama3 without original_max_position_embeddings: max_position_embeddings (transformers).
+  auto l3 = ModelConfig::FromJson("{" + base + R"("rope_scaling": {"rope_type": "llama3",
+    "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}})");
+  ASSERT_TRUE(l3.ok()) << l3.status().ToString();
+  EXPECT_EQ(l3->rope_scaling.original_max_position_embeddings, 512);
   auto dflt = ModelConfig::FromJson("{" + base + R"("rope_scaling": {"rope_type": "default"}})");
   ASSERT_TRUE(dflt.ok()) << dflt.status().ToString();
   EXPECT_EQ(dflt->rope_scaling.type, RopeType::kDefault);
