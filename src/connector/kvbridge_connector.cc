@@ -16,7 +16,7 @@
 #include <variant>
 
 #include "kvbridge/common/logging.h"
-#include "kvbridge/connector/connector_cores.h"
+#include "kvbridge/connector/connector_logic.h"
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/prefill_core.h"
 #include "kvbridge/connector/tp_plan.h"
@@ -122,26 +122,22 @@ Status RegisterKvMemory(xfer::TransferAgent& agent, KvTransport transport, int r
 }
 
 // Events that other threads hand to the engine thread.
-struct EvReadEnded {
-  uint64_t read_id;
+// A posted READ (decode side) or WRITE (prefill side, WRITE mode) ended.
+struct EvTransferEnded {
+  KvTransferMode op;
+  uint64_t id;
   Status status;
-  double seconds;
+  double seconds;  // from its post to its end (the watcher's clock)
 };
 struct EvMessage {
   ControlMessage msg;
   uint64_t reply_token;
 };
-// A WRITE (write mode, prefill side) ended.
-struct EvWriteEnded {
-  uint64_t write_id;
-  Status status;
-  double seconds;
-};
 struct EvPeer {
   std::string key;  // engine_id + "/rank" + r
   Result<std::string> agent_name;
 };
-using Event = std::variant<EvReadEnded, EvMessage, EvPeer, EvWriteEnded>;
+using Event = std::variant<EvTransferEnded, EvMessage, EvPeer>;
 
 }  // namespace
 
@@ -243,13 +239,13 @@ class Worker {
   std::thread thread_;
 };
 
-// Watches posted READ handles (the agent has no completion callback) and reports their end.
-class ReadWatcher {
+// Watches posted READ and WRITE handles (the agent has no completion callback) and reports their
+// end as EvTransferEnded.
+class TransferWatcher {
  public:
-  // `writes`: the handles are WRITEs (EvWriteEnded) instead of READs (EvReadEnded).
-  explicit ReadWatcher(std::shared_ptr<KvBridgeRuntime::Impl> impl, bool writes = false)
-      : impl_(std::move(impl)), writes_(writes), thread_([this] { Run(); }) {}
-  ~ReadWatcher() {
+  explicit TransferWatcher(std::shared_ptr<KvBridgeRuntime::Impl> impl)
+      : impl_(std::move(impl)), thread_([this] { Run(); }) {}
+  ~TransferWatcher() {
     {
       std::lock_guard<std::mutex> l(mu_);
       stop_ = true;
@@ -257,23 +253,24 @@ class ReadWatcher {
     cv_.notify_all();
     thread_.join();
   }
-  void Add(uint64_t read_id, xfer::TransferHandle h) {
+  void Add(KvTransferMode op, uint64_t id, xfer::TransferHandle h) {
     {
       std::lock_guard<std::mutex> l(mu_);
-      items_.push_back({read_id, std::move(h), std::chrono::steady_clock::now()});
+      items_.push_back({op, id, std::move(h), std::chrono::steady_clock::now()});
     }
     cv_.notify_all();
   }
-  // Test-only (KVBRIDGE_DEBUG_READ_DONE_DELAY_MS): hold each ended transfer this long before
+  // Test-only (KVBRIDGE_DEBUG_READ_DONE_DELAY_MS): hold each ended READ this long before
   // reporting it, so a test can act "after the READ began, before the decode notified".
-  void SetDebugReportDelay(std::chrono::milliseconds d) {
+  void SetDebugReadReportDelay(std::chrono::milliseconds d) {
     std::lock_guard<std::mutex> l(mu_);
-    debug_delay_ = d;
+    debug_read_delay_ = d;
   }
 
  private:
   struct Item {
-    uint64_t read_id;
+    KvTransferMode op;
+    uint64_t id;
     xfer::TransferHandle handle;
     std::chrono::steady_clock::time_point t0;
     std::chrono::steady_clock::time_point due{};  // when an ended transfer may be reported
@@ -287,7 +284,8 @@ class ReadWatcher {
       const auto now = std::chrono::steady_clock::now();
       for (auto it = items_.begin(); it != items_.end();) {
         if (it->handle.state() != xfer::TransferState::kPending) {
-          it->due = now + debug_delay_;
+          it->due = now + (it->op == KvTransferMode::kRead ? debug_read_delay_
+                                                           : std::chrono::milliseconds(0));
           delayed_.push_back(std::move(*it));
           it = items_.erase(it);
         } else {
@@ -313,13 +311,10 @@ class ReadWatcher {
         const double secs =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - d.t0).count();
         Status st = d.handle.state() == xfer::TransferState::kDone ? OkStatus() : d.handle.status();
-        if (st.ok() && d.handle.state() != xfer::TransferState::kDone)
-          st = InternalError("READ failed");
-        if (writes_) {
-          impl_->Push(EvWriteEnded{d.read_id, st, secs});
-        } else {
-          impl_->Push(EvReadEnded{d.read_id, st, secs});
+        if (st.ok() && d.handle.state() != xfer::TransferState::kDone) {
+          st = InternalError(d.op == KvTransferMode::kRead ? "READ failed" : "WRITE failed");
         }
+        impl_->Push(EvTransferEnded{d.op, d.id, st, secs});
       }
       if (oldest) {
         oldest->Wait(1);
@@ -330,12 +325,11 @@ class ReadWatcher {
     }
   }
   std::shared_ptr<KvBridgeRuntime::Impl> impl_;
-  bool writes_ = false;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Item> items_;
-  std::vector<Item> delayed_;  // ended, held back by debug_delay_
-  std::chrono::milliseconds debug_delay_{0};
+  std::vector<Item> delayed_;  // ended, held back by debug_read_delay_
+  std::chrono::milliseconds debug_read_delay_{0};
   bool stop_ = false;
   std::thread thread_;  // last: starts after the members it uses
 };
@@ -393,7 +387,12 @@ class PhaseTimeline {
   std::map<std::string, std::string> prefill_req_, decode_req_;
 };
 
-class KvBridgeConnector final : public KvConnector {
+// The runtime's I/O shell around ConnectorLogic (connector_logic.h): it performs the logic's
+// actions on the transfer agents (one per TP rank), keeps the peer directory (metadata fetches,
+// transfers and messages queued behind a peer not ready yet), watches posted transfers, and
+// feeds every result back to the logic as an event on the engine thread. Metrics, the stats
+// snapshot, the hold check's snapshot and the phase timeline are kept here too.
+class KvBridgeConnector final : public KvConnector, private ConnectorSink {
  public:
   static Result<std::unique_ptr<KvConnector>> Create(std::shared_ptr<KvBridgeRuntime::Impl> impl,
                                                      const EngineHooks& hooks) {
@@ -415,7 +414,6 @@ class KvBridgeConnector final : public KvConnector {
     // Order: stop the threads that call into the agent, then the agent (joins its threads).
     worker_.reset();
     watcher_.reset();
-    write_watcher_.reset();
     if (agent_) {
       agent_->SetNotificationHandler(nullptr);
       agent_->SetHoldCheck(nullptr);
@@ -424,215 +422,277 @@ class KvBridgeConnector final : public KvConnector {
     agent_.reset();
   }
 
+  // ---- Engine hooks: the logic maps them; the shell keeps its snapshot in step. ----
+
   Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req, int num_local_computed,
                                        TimePoint now) override {
-    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return Match{};
-    ASSIGN_OR_RETURN(KvTransferParams p, ParseKvTransferParams(*req.kv_transfer_params, Limits()));
-    Match m;
-    if (p.mode == KvTransferMode::kWrite) {
-      ASSIGN_OR_RETURN(m, WriteRequestAdded(req, p, num_local_computed, now));
-      PerformAll(now);
-      return m;
-    }
-    if (p.do_remote_decode) {
-      if (!opt().config.IsProducer())
-        return InvalidArgumentError("this engine is not a kv_producer");
-      RETURN_IF_ERROR(cores_.prefill.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
-      timeline_.Mark(true, p.transfer_id, "admitted");
-    } else {
-      if (!opt().config.IsConsumer())
-        return InvalidArgumentError("this engine is not a kv_consumer");
-      Result<DecodeCore::Match> added = cores_.decode.OnRequestAdded(
-          req.request_id, p, req.num_prompt_tokens, num_local_computed, now);
-      if (!added.ok()) {
-        SyncState();  // its queued-heartbeat entry is gone: the stats snapshot must say so
-        return added.status();
-      }
-      const DecodeCore::Match dm = *added;
-      asked_.insert(req.parent_id);
-      if (dm.load_async) {
-        timeline_.MapRequest(false, req.request_id, p.transfer_id);
-        timeline_.Mark(false, p.transfer_id, "admitted");
-      }
-      m.num_external_tokens = dm.num_external_tokens;
-      m.load_async = dm.load_async;
-      // Fetch the metadata of the prefill ranks the TP plan reads from (not unread replicas).
-      std::set<int> sources;
-      for (const auto& [dr, pr] : TpPlanPairs(p.tp_size, EngineTp(hooks_), GlobalKvHeads(hooks_)))
-        sources.insert(pr);
-      for (int r : sources) EnsurePeer(p.remote_engine_id, p.remote_host, p.remote_port, r);
-    }
-    PerformAll(now);
+    if (!HasParams(req)) return Match{};
+    Result<Match> m = logic_.GetNumNewMatchedTokens(req, num_local_computed, now);
+    SyncState();
     return m;
   }
 
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
                              int num_local_computed, int num_external, TimePoint now) override {
-    if (write_decodes_.erase(req.request_id)) {
-      cores_.wdecode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
-                                       now);
-      PerformAll(now);
-      return;
-    }
-    cores_.decode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
-                                    now);
-    PerformAll(now);
+    logic_.UpdateStateAfterAlloc(req, block_ids, num_local_computed, num_external, now);
+    SyncState();
   }
 
   FinishDecision RequestFinished(const ConnectorRequestInfo& req,
                                  std::span<const int32_t> block_ids, std::string_view finish_reason,
                                  TimePoint now) override {
-    FinishDecision d;
-    asked_.erase(req.parent_id);
-    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return d;
-    auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
-    if (!p.ok() || !p->do_remote_decode) return d;
-    const int bs = block_size();
-    const size_t nb = static_cast<size_t>((req.num_prompt_tokens + bs - 1) / bs);
-    std::vector<int32_t> prompt_blocks(block_ids.begin(),
-                                       block_ids.begin() + std::min(nb, block_ids.size()));
-    if (p->mode == KvTransferMode::kWrite) {
-      d.hold_blocks = cores_.wprefill.OnRequestFinished(req.request_id, prompt_blocks, now);
-    } else {
-      d.hold_blocks =
-          cores_.prefill.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
-      if (d.hold_blocks) {
-        timeline_.MapRequest(true, req.request_id, p->transfer_id);
-        timeline_.Mark(true, p->transfer_id, "held");
-      }
-    }
-    KvTransferParams out;
-    out.do_remote_prefill = true;
-    out.transfer_id = p->transfer_id;
-    out.remote_engine_id = impl_->engine_id;
-    {
-      std::lock_guard<std::mutex> l(impl_->mu);
-      out.remote_host = opt().advertise_host;
-      out.remote_port = opt().advertise_port;
-    }
-    out.remote_block_ids = prompt_blocks;
-    out.remote_num_tokens = req.num_prompt_tokens;
-    out.tp_size = EngineTp(hooks_);
-    out.mode = p->mode;
-    d.kv_transfer_params = KvTransferParamsToJson(out);
-    PerformAll(now);
+    FinishDecision d = logic_.RequestFinished(req, block_ids, finish_reason, now);
+    if (HasParams(req)) SyncState();
     return d;
   }
 
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override {
     timeline_.Drop(req.request_id);
-    const bool keep = cores_.OnRequestAborted(req.request_id, now);
-    write_decodes_.erase(req.request_id);
-    if (req.request_id == req.parent_id && !asked_.count(req.parent_id) &&
-        req.kv_transfer_params != nullptr && !req.kv_transfer_params->is_null()) {
-      // Aborted while still queued (the connector never saw it): the prefill must not wait
-      // for its lease.
-      auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
-      if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kWrite) {
-        cores_.wprefill.OnAbortedBeforeAdmission(p->transfer_id, now);
-      }
-      if (p.ok() && p->do_remote_prefill) {
-        if (p->mode == KvTransferMode::kWrite) {
-          cores_.wdecode.OnAbortedBeforeAdmission(*p);
-        } else {
-          cores_.decode.OnAbortedBeforeAdmission(*p);
-        }
-      }
-    }
-    if (req.request_id == req.parent_id && req.kv_transfer_params != nullptr &&
-        !req.kv_transfer_params->is_null()) {
-      // A prefill leg aborted (maybe before admission): a release parked for its transfer is
-      // dropped now, not after a lease (a no-op when the transfer was registered).
-      auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
-      if (p.ok() && p->do_remote_decode && p->mode == KvTransferMode::kRead) {
-        cores_.prefill.OnAbortedBeforeAdmission(p->transfer_id, now);
-      }
-    }
-    asked_.erase(req.parent_id);
-    PerformAll(now);
+    const bool keep = logic_.RequestAborted(req, now);
+    SyncState();
     return keep;
   }
 
   void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override {
-    // A decode leg waiting in the engine's queue heartbeats the prefill (DESIGN.md READ step 4).
-    if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
-    auto p = ParseKvTransferParams(*req.kv_transfer_params, Limits());
-    if (p.ok() && p->do_remote_prefill && p->mode == KvTransferMode::kRead) {
-      cores_.decode.OnRequestQueued(req.request_id, *p, now);
-    }
+    if (HasParams(req)) logic_.RequestQueued(req, now);
   }
 
   StepReport Poll(TimePoint now) override {
-    for (Event& e : impl_->TakeInbox()) {
-      if (auto* r = std::get_if<EvReadEnded>(&e)) {
-        OnReadEnded(*r, now);
-      } else if (auto* m = std::get_if<EvMessage>(&e)) {
-        OnMessage(*m, now);
-      } else if (auto* w = std::get_if<EvWriteEnded>(&e)) {
-        OnWriteEnded(*w, now);
-      } else {
-        OnPeer(std::get<EvPeer>(e), now);
-      }
-    }
-    cores_.OnTick(now);
-    PerformAll(now);
-    StepReport out = std::move(report_);
-    report_ = StepReport{};
+    HandleInbox(now);
+    StepReport out = logic_.Poll(now);
+    SyncState();
     return out;
   }
 
-  std::optional<TimePoint> NextDeadline() const override { return cores_.NextDeadline(); }
+  std::optional<TimePoint> NextDeadline() const override { return logic_.NextDeadline(); }
 
   void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override {
-    if (cores_.wprefill.NumTransfers() == 0) return;  // no WRITE-mode prefill request here
+    if (!logic_.WantsLayers()) return;  // no WRITE-mode prefill request here
     // The layer's real time (`now` is the step's start): the overlap is measured from it.
     const TimePoint at = SteadyNow();
     // What arrived while this forward pass ran (a decode's block ids, its metadata, earlier
     // layers' WRITE completions) is taken now, not after the pass: the writes start at this
-    // layer and the last layer's WRITE can carry the WriteDone. Handlers only queue reports.
-    for (Event& e : impl_->TakeInbox()) {
-      if (auto* r = std::get_if<EvReadEnded>(&e)) {
-        OnReadEnded(*r, at);
-      } else if (auto* m = std::get_if<EvMessage>(&e)) {
-        OnMessage(*m, at);
-      } else if (auto* w = std::get_if<EvWriteEnded>(&e)) {
-        OnWriteEnded(*w, at);
-      } else {
-        OnPeer(std::get<EvPeer>(e), at);
-      }
-    }
-    for (const LayerKvChunk& c : chunks) {
-      if (c.completes_tokens)
-        cores_.wprefill.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, at);
-    }
-    PerformAll(at);
+    // layer and the last layer's WRITE can carry the WriteDone.
+    HandleInbox(at);
+    logic_.OnLayerKvWritten(layer, chunks, at);
+    SyncState();
   }
 
   bool Idle() const override {
     std::lock_guard<std::mutex> l(impl_->mu);
-    return cores_.Idle() && impl_->inbox.empty() && handles_.empty() && write_handles_.empty();
+    return logic_.Idle() && impl_->inbox.empty() && handles_.empty();
   }
 
  private:
   struct PeerState {
     std::string agent_name;  // set when ready
     bool ready = false;
-    std::vector<ConnectorAction> queued;
+    std::vector<ConnectorAction> queued;  // PostRead / PostWrite / SendMessage waiting for it
   };
+  // A posted transfer, by (op, id).
+  struct Posted {
+    xfer::TransferHandle handle;
+    uint64_t bytes = 0;
+    int32_t first_local_block = -1;  // READ: the first destination block (test-only corruption)
+    TimePoint posted_at = 0;         // SteadyNow at Post
+  };
+  using HandleKey = std::pair<KvTransferMode, uint64_t>;
 
   KvBridgeConnector(std::shared_ptr<KvBridgeRuntime::Impl> impl, const EngineHooks& hooks)
       : impl_(std::move(impl)),
         hooks_(hooks),
-        cores_(impl_->options.config, {.engine_id = impl_->engine_id,
-                                       .rank = impl_->options.tp_rank,
-                                       .tp_size = EngineTp(hooks),
-                                       .num_kv_heads = GlobalKvHeads(hooks),
-                                       .block_size = hooks.kv_view.layout.block_size,
-                                       .num_layers = hooks.kv_view.layout.num_layers}) {}
+        logic_(impl_->options.config,
+               {.engine_id = impl_->engine_id,
+                .rank = impl_->options.tp_rank,
+                .tp_size = EngineTp(hooks),
+                .num_kv_heads = GlobalKvHeads(hooks),
+                .block_size = hooks.kv_view.layout.block_size,
+                .num_layers = hooks.kv_view.layout.num_layers},
+               this) {}
 
   const KvBridgeOptions& opt() const { return impl_->options; }
-  int block_size() const { return hooks_.kv_view.layout.block_size; }
-  KvTransferParamsLimits Limits() const { return {.block_size = block_size()}; }
+  static bool HasParams(const ConnectorRequestInfo& req) {
+    return req.kv_transfer_params != nullptr && !req.kv_transfer_params->is_null();
+  }
+
+  // ---- ConnectorSink: what the logic asks, performed on the agents. ----
+
+  Status PostTransfer(const TransferAction& t) override {
+    if (const auto* r = std::get_if<PostReadAction>(&t)) {
+      PeerState* peer = Ready(r->prefill);
+      if (peer == nullptr) return QueueBehindPeer(r->prefill, *r);
+      timeline_.Mark(false, r->transfer_id, "read_posted");
+      return PostRead(*r, peer->agent_name);
+    }
+    const auto& w = std::get<PostWriteAction>(t);
+    PeerState* peer = Ready(w.decode);
+    if (peer == nullptr) return QueueBehindPeer(w.decode, w);
+    return PostWrite(w, peer->agent_name);
+  }
+
+  Status CancelTransfer(KvTransferMode op, uint64_t id) override {
+    auto it = handles_.find({op, id});
+    if (it != handles_.end()) {
+      it->second.handle.Cancel();
+      return OkStatus();
+    }
+    // Not posted yet (queued behind a metadata fetch): drop it from the queue; it ends now.
+    for (auto& [key, peer] : peers_) {
+      auto& q = peer.queued;
+      auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
+        if (const auto* pr = std::get_if<PostReadAction>(&x))
+          return op == KvTransferMode::kRead && pr->read_id == id;
+        if (const auto* pw = std::get_if<PostWriteAction>(&x))
+          return op == KvTransferMode::kWrite && pw->write_id == id;
+        return false;
+      });
+      if (qi != q.end()) {
+        q.erase(qi);
+        return CancelledError("cancelled before posting");
+      }
+    }
+    return OkStatus();
+  }
+
+  void Send(const SendMessageAction& s) override {
+    // The tcp write check must know a WRITE decode's blocks before its WriteBlocks leaves.
+    if (std::holds_alternative<WriteBlocksMsg>(s.msg)) SyncHeldSnapshot();
+    SendMessage(s);
+  }
+
+  void OnReport(const ConnectorLogic::Report& r) override {
+    if (const auto* d = std::get_if<ReportLoadDoneAction>(&r)) {
+      EndTimeline(false, d->request_id, "load_done");
+    } else if (const auto* f = std::get_if<ReportLoadFailedAction>(&r)) {
+      EndTimeline(false, f->request_id, "load_failed");
+    } else {
+      EndTimeline(true, std::get<ReportBlocksFreeAction>(r).request_id, "freed");
+    }
+    Wake();
+  }
+
+  void PreparePeer(const PeerEndpoint& p) override {
+    EnsurePeer(p.engine_id, p.host, p.port, p.rank);
+  }
+
+  void Note(const RequestNote& n) override {
+    if (n.mode != KvTransferMode::kRead) return;  // the timeline follows READ-mode transfers
+    switch (n.kind) {
+      case RequestNote::Kind::kPrefillAdmitted:
+        timeline_.Mark(true, n.transfer_id, "admitted");
+        break;
+      case RequestNote::Kind::kLoadStarted:
+        timeline_.MapRequest(false, n.request_id, n.transfer_id);
+        timeline_.Mark(false, n.transfer_id, "admitted");
+        break;
+      case RequestNote::Kind::kHeld:
+        timeline_.MapRequest(true, n.request_id, n.transfer_id);
+        timeline_.Mark(true, n.transfer_id, "held");
+        break;
+      case RequestNote::Kind::kReleased:
+        break;
+    }
+  }
+
+  std::pair<std::string, int> AdvertisedEndpoint() const override {
+    std::lock_guard<std::mutex> l(impl_->mu);
+    return {opt().advertise_host, opt().advertise_port};
+  }
+
+  // ---- Events from other threads, fed to the logic on the engine thread. ----
+
+  void HandleInbox(TimePoint now) {
+    for (Event& e : impl_->TakeInbox()) {
+      if (auto* t = std::get_if<EvTransferEnded>(&e)) {
+        OnTransferEnded(*t, now);
+      } else if (auto* m = std::get_if<EvMessage>(&e)) {
+        OnMessage(*m, now);
+      } else {
+        OnPeer(std::get<EvPeer>(e), now);
+      }
+    }
+  }
+
+  void OnTransferEnded(const EvTransferEnded& e, TimePoint now) {
+    auto it = handles_.find({e.op, e.id});
+    if (it == handles_.end()) {
+      if (m_ignored_) m_ignored_->Inc();
+      return;
+    }
+    const Posted& p = it->second;
+    TimePoint at = now;
+    if (e.op == KvTransferMode::kRead) {
+      timeline_.Mark(false, p.handle.transfer_id(), "read_ended");
+      if (e.status.ok()) {
+        if (m_bytes_) m_bytes_->Inc(static_cast<double>(p.bytes));
+        bytes_read_ += static_cast<double>(p.bytes);
+        if (m_seconds_) m_seconds_->Observe(e.seconds);
+        if (opt().debug_corrupt_first_read_block && p.first_local_block >= 0) {
+          const PagedKvLayout& l = hooks_.kv_view.layout;
+          hooks_.kv_view.layer_base[0][static_cast<size_t>(p.first_local_block) * l.BlockBytes()] ^=
+              0x40;
+        }
+      }
+    } else {
+      if (e.status.ok()) {
+        if (m_bytes_) m_bytes_->Inc(static_cast<double>(p.bytes));
+        bytes_written_ += static_cast<double>(p.bytes);
+      }
+      // The WRITE's real end (the watcher measured it from the post), not when this thread got
+      // to it (after a forward pass, perhaps): the transfer time is measured from it.
+      at = p.posted_at + static_cast<TimePoint>(e.seconds * 1e6);
+    }
+    Forget(it);
+    logic_.OnTransferEnded(e.op, e.id, e.status, at);
+  }
+
+  void OnMessage(EvMessage& e, TimePoint now) {
+    if (auto* rd = std::get_if<ReadDoneMsg>(&e.msg)) {
+      timeline_.Mark(true, rd->transfer_id, "read_done");
+    } else if (auto* hr = std::get_if<HoldReplyMsg>(&e.msg)) {
+      timeline_.Mark(false, hr->transfer_id, "ack");
+    }
+    Status st = logic_.OnMessage(e.msg, e.reply_token, now);
+    if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
+    if (e.reply_token != 0) {
+      // A reply path the cores did not use (e.g. a message that needs none): forget it.
+      unused_tokens_.push_back(e.reply_token);
+    }
+  }
+
+  void OnPeer(const EvPeer& e, TimePoint now) {
+    auto it = peers_.find(e.key);
+    if (it == peers_.end()) return;
+    std::vector<ConnectorAction> queued;
+    queued.swap(it->second.queued);
+    if (!e.agent_name.ok()) {
+      KVB_LOG_WARN("kv connector: {}", e.agent_name.status().ToString());
+      peers_.erase(it);  // the next request retries the fetch
+      for (ConnectorAction& a : queued) {
+        if (auto* r = std::get_if<PostReadAction>(&a)) {
+          logic_.OnTransferEnded(KvTransferMode::kRead, r->read_id, e.agent_name.status(), now);
+        } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
+          logic_.OnTransferEnded(KvTransferMode::kWrite, w->write_id, e.agent_name.status(), now);
+        }
+        // Messages to an unreachable prefill are dropped: its lease frees the hold.
+      }
+      return;
+    }
+    it->second.ready = true;
+    it->second.agent_name = *e.agent_name;
+    for (ConnectorAction& a : queued) {
+      if (auto* s = std::get_if<SendMessageAction>(&a)) {
+        Send(*s);
+        continue;
+      }
+      TransferAction t = std::holds_alternative<PostReadAction>(a)
+                             ? TransferAction(std::get<PostReadAction>(a))
+                             : TransferAction(std::get<PostWriteAction>(a));
+      if (Status st = PostTransfer(t); !st.ok()) {
+        logic_.OnTransferEnded(TransferOp(t), TransferId(t), st, now);
+      }
+    }
+  }
 
   Status Init() {
     ASSIGN_OR_RETURN(const int debug_delay_ms, DebugReadDoneDelayMs());
@@ -683,13 +743,12 @@ class KvBridgeConnector final : public KvConnector {
       if (auto impl = weak.lock()) impl->OnNotification(std::move(n), /*rank=*/0);
     });
     worker_ = std::make_unique<Worker>();
-    watcher_ = std::make_unique<ReadWatcher>(impl_);
+    watcher_ = std::make_unique<TransferWatcher>(impl_);
     if (debug_delay_ms > 0) {
       KVB_LOG_WARN("kv connector: test-only: every ended READ is reported {} ms late",
                    debug_delay_ms);
-      watcher_->SetDebugReportDelay(std::chrono::milliseconds(debug_delay_ms));
+      watcher_->SetDebugReadReportDelay(std::chrono::milliseconds(debug_delay_ms));
     }
-    write_watcher_ = std::make_unique<ReadWatcher>(impl_, /*writes=*/true);
     if (hooks_.metrics != nullptr) RegisterMetrics(*hooks_.metrics);
     {
       std::lock_guard<std::mutex> l(impl_->mu);
@@ -795,146 +854,6 @@ class KvBridgeConnector final : public KvConnector {
     });
   }
 
-  void OnPeer(const EvPeer& e, TimePoint now) {
-    auto it = peers_.find(e.key);
-    if (it == peers_.end()) return;
-    std::vector<ConnectorAction> queued;
-    queued.swap(it->second.queued);
-    if (!e.agent_name.ok()) {
-      KVB_LOG_WARN("kv connector: {}", e.agent_name.status().ToString());
-      peers_.erase(it);  // the next request retries the fetch
-      for (ConnectorAction& a : queued) {
-        if (auto* r = std::get_if<PostReadAction>(&a)) {
-          cores_.decode.OnReadCompleted(r->read_id, e.agent_name.status(), now);
-        } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
-          cores_.wprefill.OnWriteCompleted(w->write_id, e.agent_name.status(), now);
-        }
-        // Messages to an unreachable prefill are dropped: its lease frees the hold.
-      }
-      return;
-    }
-    it->second.ready = true;
-    it->second.agent_name = *e.agent_name;
-    for (ConnectorAction& a : queued) Perform(a, now);
-  }
-
-  void OnReadEnded(const EvReadEnded& e, TimePoint now) {
-    auto it = handles_.find(e.read_id);
-    if (it == handles_.end()) {
-      if (m_ignored_) m_ignored_->Inc();
-      return;
-    }
-    timeline_.Mark(false, it->second.handle.transfer_id(), "read_ended");
-    if (e.status.ok()) {
-      if (m_bytes_) m_bytes_->Inc(static_cast<double>(it->second.bytes));
-      bytes_read_ += static_cast<double>(it->second.bytes);
-      if (m_seconds_) m_seconds_->Observe(e.seconds);
-      if (opt().debug_corrupt_first_read_block && it->second.first_local_block >= 0) {
-        const PagedKvLayout& l = hooks_.kv_view.layout;
-        hooks_.kv_view
-            .layer_base[0][static_cast<size_t>(it->second.first_local_block) * l.BlockBytes()] ^=
-            0x40;
-      }
-    }
-    handles_.erase(it);
-    impl_->reads_inflight.store(static_cast<int64_t>(handles_.size()));
-    cores_.decode.OnReadCompleted(e.read_id, e.status, now);
-  }
-
-  void OnMessage(EvMessage& e, TimePoint now) {
-    if (OnWriteMessage(e, now)) {
-      if (e.reply_token != 0) unused_tokens_.push_back(e.reply_token);
-      return;
-    }
-    if (auto* rd = std::get_if<ReadDoneMsg>(&e.msg)) {
-      timeline_.Mark(true, rd->transfer_id, "read_done");
-      cores_.prefill.OnReadDone(*rd, e.reply_token, now);
-    } else if (auto* hb = std::get_if<HeartbeatMsg>(&e.msg)) {
-      cores_.prefill.OnHeartbeat(*hb, now);
-    } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg)) {
-      Status st = cores_.prefill.OnRelease(*rel, now);
-      if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
-    } else if (auto* hr = std::get_if<HoldReplyMsg>(&e.msg)) {
-      timeline_.Mark(false, hr->transfer_id, "ack");
-      cores_.decode.OnHoldReply(*hr, now);
-    }
-    if (e.reply_token != 0) {
-      // A reply path the core did not use (e.g. a message that needs none): forget it.
-      unused_tokens_.push_back(e.reply_token);
-    }
-  }
-
-  void PerformAll(TimePoint now) {
-    for (int guard = 0; guard < 1000; ++guard) {
-      std::vector<ConnectorAction> acts = cores_.TakeActions();
-      if (acts.empty()) break;
-      // The tcp write check must know a WRITE decode's blocks before its WriteBlocks leaves.
-      if (std::any_of(acts.begin(), acts.end(), [](const ConnectorAction& a) {
-            auto* s = std::get_if<SendMessageAction>(&a);
-            return s != nullptr && std::holds_alternative<WriteBlocksMsg>(s->msg);
-          })) {
-        SyncState();
-      }
-      for (ConnectorAction& a : acts) Perform(a, now);
-    }
-    SyncState();
-  }
-
-  void Perform(ConnectorAction& a, TimePoint now) {
-    if (auto* r = std::get_if<PostReadAction>(&a)) {
-      PeerState* peer = Ready(r->prefill.engine_id, r->prefill.rank);
-      if (peer == nullptr) {
-        EnsurePeer(r->prefill.engine_id, r->prefill.host, r->prefill.port, r->prefill.rank);
-        peers_[AgentName(r->prefill.engine_id, r->prefill.rank)].queued.push_back(a);
-        return;
-      }
-      timeline_.Mark(false, r->transfer_id, "read_posted");
-      PostRead(*r, peer->agent_name, now);
-    } else if (auto* c = std::get_if<CancelReadAction>(&a)) {
-      auto it = handles_.find(c->read_id);
-      if (it != handles_.end()) {
-        it->second.handle.Cancel();
-        return;
-      }
-      // Not posted yet (queued behind a metadata fetch): drop it from the queue and end it.
-      for (auto& [key, peer] : peers_) {
-        auto& q = peer.queued;
-        auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
-          auto* pr = std::get_if<PostReadAction>(&x);
-          return pr != nullptr && pr->read_id == c->read_id;
-        });
-        if (qi != q.end()) {
-          q.erase(qi);
-          cores_.decode.OnReadCompleted(c->read_id, CancelledError("cancelled before posting"),
-                                        now);
-          return;
-        }
-      }
-    } else if (std::holds_alternative<PostWriteAction>(a) ||
-               std::holds_alternative<CancelWriteAction>(a)) {
-      PerformWrite(a, now);
-    } else if (auto* s = std::get_if<SendMessageAction>(&a)) {
-      if (auto* wb = std::get_if<WriteBlocksMsg>(&s->msg)) {
-        std::lock_guard<std::mutex> l(impl_->mu);
-        wb->decode_host = opt().advertise_host;
-        wb->decode_port = opt().advertise_port;
-      }
-      SendMessage(*s, a, now);
-    } else if (auto* d = std::get_if<ReportLoadDoneAction>(&a)) {
-      EndTimeline(false, d->request_id, "load_done");
-      report_.finished_recving.push_back(d->request_id);
-      Wake();
-    } else if (auto* f = std::get_if<ReportLoadFailedAction>(&a)) {
-      EndTimeline(false, f->request_id, "load_failed");
-      report_.failed_recving.push_back({f->request_id, f->recompute, f->status});
-      Wake();
-    } else if (auto* fr = std::get_if<ReportBlocksFreeAction>(&a)) {
-      EndTimeline(true, fr->request_id, "freed");
-      report_.finished_sending.push_back(fr->request_id);
-      Wake();
-    }
-  }
-
   void EndTimeline(bool prefill, const std::string& request_id, const char* phase) {
     json rec = timeline_.End(prefill, request_id, phase);
     if (rec.is_null()) return;
@@ -947,45 +866,72 @@ class KvBridgeConnector final : public KvConnector {
     spdlog::debug("kv timeline {}", rec.dump());
   }
 
-  PeerState* Ready(const std::string& engine_id, int rank) {
-    auto it = peers_.find(AgentName(engine_id, rank));
+  PeerState* Ready(const PeerEndpoint& p) {
+    auto it = peers_.find(AgentName(p.engine_id, p.rank));
     return it != peers_.end() && it->second.ready ? &it->second : nullptr;
   }
 
-  void PostRead(const PostReadAction& r, const std::string& peer, TimePoint now) {
+  // A transfer or message for a peer whose metadata is not here yet: it waits for the fetch
+  // (OnPeer posts or fails it).
+  Status QueueBehindPeer(const PeerEndpoint& p, ConnectorAction a) {
+    EnsurePeer(p.engine_id, p.host, p.port, p.rank);
+    peers_[AgentName(p.engine_id, p.rank)].queued.push_back(std::move(a));
+    return OkStatus();
+  }
+
+  // Prepares and posts a READ or WRITE on local rank `rank`'s agent; the watcher reports its end.
+  // Not OK: it did not start.
+  Status Post(KvTransferMode op, uint64_t id, int rank, const xfer::TransferSpec& spec,
+              xfer::PostOptions po, int32_t first_local_block) {
+    xfer::TransferAgent* agent = AgentFor(rank);
+    if (agent == nullptr)
+      return InternalError("no transfer agent for rank " + std::to_string(rank));
+    ASSIGN_OR_RETURN(auto prepared, agent->Prepare(spec));
+    const uint64_t bytes = prepared->bytes();
+    ASSIGN_OR_RETURN(xfer::TransferHandle h, agent->Post(prepared, po));
+    handles_[{op, id}] = Posted{h, bytes, first_local_block, SteadyNow()};
+    (op == KvTransferMode::kRead ? reads_inflight_ : writes_inflight_) += 1;
+    impl_->reads_inflight.store(reads_inflight_);
+    watcher_->Add(op, id, h);
+    return OkStatus();
+  }
+
+  void Forget(std::map<HandleKey, Posted>::iterator it) {
+    (it->first.first == KvTransferMode::kRead ? reads_inflight_ : writes_inflight_) -= 1;
+    handles_.erase(it);
+    impl_->reads_inflight.store(reads_inflight_);
+  }
+
+  Status PostRead(const PostReadAction& r, const std::string& peer) {
     xfer::TransferSpec spec;
     spec.op = xfer::TransferOp::kRead;
     spec.peer = peer;
     for (size_t i = 0; i < r.local_block_ids.size(); ++i) {
       spec.blocks.push_back({r.local_block_ids[i], r.remote_block_ids[i]});
     }
-    xfer::TransferAgent* agent = AgentFor(r.decode_rank);
-    if (agent == nullptr) {
-      cores_.decode.OnReadCompleted(
-          r.read_id, InternalError("no transfer agent for rank " + std::to_string(r.decode_rank)),
-          now);
-      return;
-    }
     SetHeadSlice(r, spec);
-    auto prepared = agent->Prepare(spec);
-    if (!prepared.ok()) {
-      cores_.decode.OnReadCompleted(r.read_id, prepared.status(), now);
-      return;
-    }
     xfer::PostOptions po;
     po.transfer_id = r.transfer_id;
-    const uint64_t bytes = (*prepared)->bytes();
-    auto h = agent->Post(*prepared, po);
-    if (!h.ok()) {
-      cores_.decode.OnReadCompleted(r.read_id, h.status(), now);
-      return;
-    }
-    handles_[r.read_id] = Posted{*h, bytes, r.local_block_ids.empty() ? -1 : r.local_block_ids[0]};
-    impl_->reads_inflight.store(static_cast<int64_t>(handles_.size()));
-    watcher_->Add(r.read_id, *h);
+    return Post(KvTransferMode::kRead, r.read_id, r.decode_rank, spec, po,
+                r.local_block_ids.empty() ? -1 : r.local_block_ids[0]);
   }
 
-  void SendMessage(const SendMessageAction& s, ConnectorAction& a, TimePoint now) {
+  Status PostWrite(const PostWriteAction& w, const std::string& peer) {
+    xfer::TransferSpec spec;
+    spec.op = xfer::TransferOp::kWrite;
+    spec.peer = peer;
+    spec.layer = w.layer;
+    for (size_t i = 0; i < w.local_block_ids.size(); ++i) {
+      spec.blocks.push_back({w.local_block_ids[i], w.remote_block_ids[i]});
+    }
+    RETURN_IF_ERROR(SetWriteHeadSlice(w, spec));
+    xfer::PostOptions po;
+    po.transfer_id = w.transfer_id;
+    if (w.notification) po.notification = EncodeMessage(*w.notification);
+    return Post(KvTransferMode::kWrite, w.write_id, w.prefill_rank, spec, po, -1);
+  }
+
+  void SendMessage(const SendMessageAction& s) {
     const std::string payload = EncodeMessage(s.msg);
     if (s.reply_token != 0) {
       xfer::Notification n;
@@ -1008,10 +954,9 @@ class KvBridgeConnector final : public KvConnector {
       if (!st.ok()) KVB_LOG_WARN("kv connector: reply to {}: {}", n.peer, st.ToString());
       return;
     }
-    PeerState* peer = Ready(s.to.engine_id, s.to.rank);
+    PeerState* peer = Ready(s.to);
     if (peer == nullptr) {
-      EnsurePeer(s.to.engine_id, s.to.host, s.to.port, s.to.rank);
-      peers_[AgentName(s.to.engine_id, s.to.rank)].queued.push_back(a);
+      QueueBehindPeer(s.to, s).IgnoreError();
       return;
     }
     std::string tid;
@@ -1147,130 +1092,7 @@ class KvBridgeConnector final : public KvConnector {
     if (hooks_.wake) hooks_.wake();
   }
 
-  // ---- WRITE mode (write_core.h; docs/protocol.md "WRITE mode") ----
-
-  Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
-                                  int num_local_computed, TimePoint now) {
-    Match m;
-    if (p.do_remote_decode) {
-      if (!opt().config.IsProducer())
-        return InvalidArgumentError("this engine is not a kv_producer");
-      Status st = cores_.wprefill.OnRequestAdded(req.request_id, req.n, p.transfer_id,
-                                                 req.num_prompt_tokens, now);
-      if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
-        // This leg will never write: answer the decode's block ids now, not at the lease.
-        cores_.wprefill.OnAbortedBeforeAdmission(p.transfer_id, now);
-      }
-      RETURN_IF_ERROR(st);
-      return m;
-    }
-    if (!opt().config.IsConsumer()) return InvalidArgumentError("this engine is not a kv_consumer");
-    ASSIGN_OR_RETURN(WriteDecodeCore::Match dm,
-                     cores_.wdecode.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
-                                                   num_local_computed, now));
-    asked_.insert(req.parent_id);
-    if (dm.num_external_tokens > 0) write_decodes_.insert(req.request_id);
-    m.num_external_tokens = dm.num_external_tokens;
-    m.load_async = dm.load_async;
-    for (int r = 0; r < p.tp_size; ++r)
-      EnsurePeer(p.remote_engine_id, p.remote_host, p.remote_port, r);
-    return m;
-  }
-
-  // Routes a WRITE-mode message (and a release naming a WRITE transfer). False: not one.
-  bool OnWriteMessage(EvMessage& e, TimePoint now) {
-    if (auto* wb = std::get_if<WriteBlocksMsg>(&e.msg)) {
-      // The decode's agent must be known before the first WRITE (and the WriteDone) to it.
-      if (wb->prefill_engine_id == impl_->engine_id && !wb->decode_host.empty() &&
-          wb->decode_port > 0) {
-        EnsurePeer(wb->decode_engine_id, wb->decode_host, wb->decode_port, wb->decode_rank);
-      }
-      cores_.wprefill.OnWriteBlocks(*wb, now);
-    } else if (auto* wc = std::get_if<WriteCancelMsg>(&e.msg)) {
-      cores_.wprefill.OnWriteCancel(*wc, now);
-    } else if (auto* wd = std::get_if<WriteDoneMsg>(&e.msg)) {
-      cores_.wdecode.OnWriteDone(*wd, now);
-    } else if (auto* rel = std::get_if<ReleaseMsg>(&e.msg);
-               rel && (cores_.wprefill.Knows(rel->transfer_id) ||
-                       // Not registered yet anywhere: the mode this engine serves decides.
-                       (opt().config.mode == KvTransferMode::kWrite &&
-                        cores_.prefill.Siblings(rel->transfer_id).empty()))) {
-      Status st = cores_.wprefill.OnRelease(*rel, now);
-      if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
-    } else {
-      return false;
-    }
-    return true;
-  }
-
-  void PerformWrite(ConnectorAction& a, TimePoint now) {
-    if (auto* w = std::get_if<PostWriteAction>(&a)) {
-      PeerState* peer = Ready(w->decode.engine_id, w->decode.rank);
-      if (peer == nullptr) {
-        EnsurePeer(w->decode.engine_id, w->decode.host, w->decode.port, w->decode.rank);
-        peers_[AgentName(w->decode.engine_id, w->decode.rank)].queued.push_back(a);
-        return;
-      }
-      PostWrite(*w, peer->agent_name, now);
-      return;
-    }
-    const auto& c = std::get<CancelWriteAction>(a);
-    auto it = write_handles_.find(c.write_id);
-    if (it != write_handles_.end()) {
-      it->second.handle.Cancel();
-      return;
-    }
-    for (auto& [key, peer] : peers_) {
-      auto& q = peer.queued;
-      auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
-        auto* pw = std::get_if<PostWriteAction>(&x);
-        return pw != nullptr && pw->write_id == c.write_id;
-      });
-      if (qi != q.end()) {
-        q.erase(qi);
-        cores_.wprefill.OnWriteCompleted(c.write_id, CancelledError("cancelled before posting"),
-                                         now);
-        return;
-      }
-    }
-  }
-
-  void PostWrite(const PostWriteAction& w, const std::string& peer, TimePoint now) {
-    xfer::TransferSpec spec;
-    spec.op = xfer::TransferOp::kWrite;
-    spec.peer = peer;
-    spec.layer = w.layer;
-    for (size_t i = 0; i < w.local_block_ids.size(); ++i) {
-      spec.blocks.push_back({w.local_block_ids[i], w.remote_block_ids[i]});
-    }
-    xfer::TransferAgent* agent = AgentFor(w.prefill_rank);
-    if (agent == nullptr) {
-      cores_.wprefill.OnWriteCompleted(w.write_id, InternalError("no transfer agent for this rank"),
-                                       now);
-      return;
-    }
-    if (Status st = SetWriteHeadSlice(w, spec); !st.ok()) {
-      cores_.wprefill.OnWriteCompleted(w.write_id, st, now);
-      return;
-    }
-    auto prepared = agent->Prepare(spec);
-    if (!prepared.ok()) {
-      cores_.wprefill.OnWriteCompleted(w.write_id, prepared.status(), now);
-      return;
-    }
-    xfer::PostOptions po;
-    po.transfer_id = w.transfer_id;
-    if (w.notification) po.notification = EncodeMessage(*w.notification);
-    const uint64_t bytes = (*prepared)->bytes();
-    auto h = agent->Post(*prepared, po);
-    if (!h.ok()) {
-      cores_.wprefill.OnWriteCompleted(w.write_id, h.status(), now);
-      return;
-    }
-    write_handles_[w.write_id] = Posted{*h, bytes, -1};
-    write_posted_at_[w.write_id] = SteadyNow();
-    write_watcher_->Add(w.write_id, *h);
-  }
+  // ---- WRITE mode: the TP plan's head slices. ----
 
   // A WRITE with TP: the head slice of the TP plan that decode rank w.decode.rank reads from
   // prefill rank w.prefill_rank, inside each K and V half block on both sides (whole blocks
@@ -1296,39 +1118,30 @@ class KvBridgeConnector final : public KvConnector {
                          std::to_string(w.decode.rank));
   }
 
-  void OnWriteEnded(const EvWriteEnded& e, TimePoint now) {
-    auto it = write_handles_.find(e.write_id);
-    if (it == write_handles_.end()) {
-      if (m_ignored_) m_ignored_->Inc();
-      return;
-    }
-    if (e.status.ok()) {
-      if (m_bytes_) m_bytes_->Inc(static_cast<double>(it->second.bytes));
-      bytes_written_ += static_cast<double>(it->second.bytes);
-    }
-    write_handles_.erase(it);
-    // The WRITE's real end (the watcher measured it from the post), not when this thread got
-    // to it (after a forward pass, perhaps): the transfer time is measured from it.
-    TimePoint ended = now;
-    if (auto p = write_posted_at_.find(e.write_id); p != write_posted_at_.end()) {
-      ended = p->second + static_cast<TimePoint>(e.seconds * 1e6);
-      write_posted_at_.erase(p);
-    }
-    cores_.wprefill.OnWriteCompleted(e.write_id, e.status, ended);
+  // What the agents' hold check lets a peer touch: blocks held for a READ transfer, and blocks a
+  // WRITE-mode decode reserved for a transfer (tcp serves a peer's WRITE only into those).
+  std::map<std::string, std::set<int>> HeldSnapshot() const {
+    std::map<std::string, std::set<int>> out;
+    for (const auto& [tid, blocks] : logic_.cores().prefill.HeldBlocksByTransfer())
+      out[tid].insert(blocks.begin(), blocks.end());
+    for (const auto& [tid, blocks] : logic_.cores().wdecode.WritableBlocksByTransfer())
+      out[tid].insert(blocks.begin(), blocks.end());
+    return out;
+  }
+  void SyncHeldSnapshot() {
+    std::map<std::string, std::set<int>> held = HeldSnapshot();
+    std::lock_guard<std::mutex> l(impl_->mu);
+    impl_->held_snapshot = std::move(held);
   }
 
   // Mirrors core state into the thread-safe snapshot (hold check, stats, metrics).
   void SyncState() {
-    auto held = cores_.prefill.HeldBlocksByTransfer();
-    // tcp serves a peer's WRITE only into blocks a WRITE-mode decode reserved for that transfer.
-    for (auto& [tid, blocks] : cores_.wdecode.WritableBlocksByTransfer()) {
-      auto& v = held[tid];
-      v.insert(v.end(), blocks.begin(), blocks.end());
-    }
-    const auto& pc = cores_.prefill.counters();
-    const auto& dc = cores_.decode.counters();
-    const auto& wpc = cores_.wprefill.counters();
-    const auto& wdc = cores_.wdecode.counters();
+    const ConnectorCores& cores = logic_.cores();
+    std::map<std::string, std::set<int>> held = HeldSnapshot();
+    const auto& pc = cores.prefill.counters();
+    const auto& dc = cores.decode.counters();
+    const auto& wpc = cores.wprefill.counters();
+    const auto& wdc = cores.wdecode.counters();
     const int64_t ignored = pc.notifications_ignored + dc.notifications_ignored +
                             wpc.notifications_ignored + wdc.notifications_ignored;
     const int64_t lease = pc.lease_expired + wpc.lease_expired;
@@ -1339,7 +1152,7 @@ class KvBridgeConnector final : public KvConnector {
     synced_lease_ = lease;
     synced_ignored_ = ignored;
     synced_fail_ = fails;
-    for (const WriteDecodeCore::LoadTiming& t : cores_.wdecode.TakeLoadTimings()) {
+    for (const WriteDecodeCore::LoadTiming& t : logic_.TakeWriteLoadTimings()) {
       // One host shares CLOCK_MONOTONIC (SteadyNow): then the exact interval from the prefill's
       // last layer to this go; otherwise (an implausible difference) the cores' estimate.
       int64_t us = t.go_at - t.last_layer_at_us;
@@ -1347,68 +1160,55 @@ class KvBridgeConnector final : public KvConnector {
       write_overlap_us_sum_ += us;
       if (m_write_overlap_) m_write_overlap_->Observe(static_cast<double>(us) * 1e-6);
     }
-    for (int64_t us : cores_.wprefill.TakeTransferTimes()) {
+    for (int64_t us : logic_.TakeWriteTransferTimes()) {
       if (m_seconds_) m_seconds_->Observe(static_cast<double>(us) * 1e-6);
     }
     std::lock_guard<std::mutex> l(impl_->mu);
-    impl_->held_snapshot.clear();
-    for (auto& [tid, blocks] : held)
-      impl_->held_snapshot[tid] = std::set<int>(blocks.begin(), blocks.end());
+    impl_->held_snapshot = std::move(held);
     for (uint64_t t : unused_tokens_) impl_->reply_paths.erase(t);
     unused_tokens_.clear();
     KvBridgeStats& s = impl_->stats;
-    s.transfers = cores_.prefill.NumTransfers() + cores_.wprefill.NumTransfers();
-    s.held_blocks = cores_.prefill.NumHeldBlocks() + cores_.wprefill.NumHeldBlocks();
-    s.parked = cores_.prefill.NumParked() + cores_.wprefill.NumParked();
-    s.waiting_for_remote = cores_.decode.NumWaiting() + cores_.wdecode.NumWaiting();
-    s.reads_inflight = static_cast<int64_t>(handles_.size());
+    s.transfers = cores.prefill.NumTransfers() + cores.wprefill.NumTransfers();
+    s.held_blocks = cores.prefill.NumHeldBlocks() + cores.wprefill.NumHeldBlocks();
+    s.parked = cores.prefill.NumParked() + cores.wprefill.NumParked();
+    s.waiting_for_remote = cores.decode.NumWaiting() + cores.wdecode.NumWaiting();
+    s.reads_inflight = reads_inflight_;
     s.lease_expired = lease;
     s.notifications_ignored = ignored;
     s.load_failures = fails;
     s.loads_done = dc.loads_done + wdc.loads_done;
     s.bytes_read = bytes_read_;
-    s.writes_inflight = static_cast<int64_t>(write_handles_.size());
+    s.writes_inflight = writes_inflight_;
     s.bytes_written = bytes_written_;
     s.write_loads_done = wdc.loads_done;
     s.write_overlap_us_sum = write_overlap_us_sum_;
     s.write_targets_done = wpc.targets_ok;
     s.write_transfer_us_sum = wpc.transfer_us_sum;
     s.write_compute_us_sum = wpc.compute_us_sum;
-    s.idle = cores_.Idle() && handles_.empty() && write_handles_.empty();
+    s.idle = logic_.Idle() && handles_.empty();
   }
-
-  struct Posted {
-    xfer::TransferHandle handle;
-    uint64_t bytes = 0;
-    int32_t first_local_block = -1;
-  };
 
   std::shared_ptr<KvBridgeRuntime::Impl> impl_;
   EngineHooks hooks_;
-  ConnectorCores cores_;
+  ConnectorLogic logic_;
   std::unique_ptr<xfer::TransferAgent> agent_;
   std::vector<std::unique_ptr<xfer::TransferAgent>> rank_agents_;  // ranks 1..tp-1 (TP)
   std::unique_ptr<Worker> worker_;
-  std::unique_ptr<ReadWatcher> watcher_;
-  std::unique_ptr<ReadWatcher> write_watcher_;  // WRITE handles (write mode, prefill side)
-  std::map<std::string, PeerState> peers_;      // "<engine>/rank<r>" -> state (engine thread)
-  std::map<uint64_t, Posted> handles_;          // read id -> posted READ (engine thread)
-  std::map<uint64_t, Posted> write_handles_;    // write id -> posted WRITE (engine thread)
-  std::set<std::string> write_decodes_;         // WRITE-mode decode requests awaiting allocation
+  std::unique_ptr<TransferWatcher> watcher_;
+  std::map<std::string, PeerState> peers_;            // "<engine>/rank<r>" -> state (engine thread)
+  std::map<HandleKey, Posted> handles_;               // posted READs and WRITEs (engine thread)
+  int64_t reads_inflight_ = 0, writes_inflight_ = 0;  // of handles_
+  double bytes_read_ = 0;
   double bytes_written_ = 0;
   int64_t write_overlap_us_sum_ = 0;
-  std::map<uint64_t, TimePoint> write_posted_at_;  // write id -> SteadyNow at Post
-  Histogram* m_write_overlap_ = nullptr;
   std::vector<uint64_t> unused_tokens_;
-  std::set<std::string> asked_;  // parents with do_remote_prefill seen by GetNumNewMatchedTokens
-  StepReport report_;
-  double bytes_read_ = 0;
   int64_t synced_lease_ = 0, synced_ignored_ = 0, synced_fail_ = 0;
+  PhaseTimeline timeline_;
   Counter* m_bytes_ = nullptr;
   Histogram* m_seconds_ = nullptr;
   Histogram* m_hold_ = nullptr;
   Histogram* m_ack_ = nullptr;
-  PhaseTimeline timeline_;
+  Histogram* m_write_overlap_ = nullptr;
   Counter* m_lease_ = nullptr;
   Counter* m_load_fail_ = nullptr;
   Counter* m_ignored_ = nullptr;

@@ -2,8 +2,8 @@
 //
 // Layout of this file:
 //   Knobs        every seeded choice of a run (topology, workload, fault rates)
-//   SimConnector the KvConnector adapter around the REAL PrefillCore/DecodeCore (the same hook
-//                mapping as src/connector/kvbridge_connector.cc), with a release ledger
+//   SimConnector the KvConnector around the runtime's own ConnectorLogic (the hook mapping and
+//                the real cores, connector_logic.h) with the simulator as its sink, plus a ledger
 //   Sim          the event loop: engines (real Scheduler + BlockPool), proxy flows (real PdFlow),
 //                HTTP legs, control network, transfer layer, crashes, client aborts, invariants
 #include "kvbridge/sim/simulator.h"
@@ -24,7 +24,7 @@
 #include <variant>
 #include <vector>
 
-#include "kvbridge/connector/connector_cores.h"
+#include "kvbridge/connector/connector_logic.h"
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/kv_transfer_config.h"
 #include "kvbridge/connector/messages.h"
@@ -193,63 +193,67 @@ struct InWriteEnded {
 using InEvent = std::variant<InMsg, InReadEnded, InWriteEnded>;
 
 // The connector settings the knobs stand for (the rest at KvTransferConfig's defaults; the
-// heartbeat is lease / 4).
+// heartbeat is lease / 4). The mode is the run's: a release no core knows yet goes to its cores.
 KvTransferConfig SimTransferConfig(const Knobs& k) {
   KvTransferConfig c;
   c.lease = k.lease;
   c.reply_timeout = k.reply_timeout;
   c.read_timeout = k.read_timeout;
+  c.mode = k.write_mode ? KvTransferMode::kWrite : KvTransferMode::kRead;
   return c;
 }
 
-// The engine-side adapter: the real cores behind the engine's KvConnector hooks. The mapping of
-// hooks to core calls follows KvBridgeConnector (src/connector/kvbridge_connector.cc); the
-// transport is the simulator. It also keeps a ledger of what the engine holds, drains and loads,
-// to check that every report names a request in the right state, exactly once.
-class SimConnector final : public KvConnector {
+// The engine-side connector: the runtime's own ConnectorLogic (connector_logic.h: the hook
+// mapping and the four cores) behind the engine's KvConnector hooks, with the simulator as its
+// sink (fake transfers and network). It also keeps a ledger of what the engine holds, drains and
+// loads, to check that every report names a request in the right state, exactly once.
+class SimConnector final : public KvConnector, private ConnectorSink {
  public:
   SimConnector(Sim* sim, int engine, const std::string& engine_id, int port, const Knobs& k)
       : sim_(sim),
         engine_(engine),
         engine_id_(engine_id),
         port_(port),
-        block_size_(k.block_size),
-        tp_(engine < k.num_prefill ? k.prefill_tp : k.decode_tp),
-        write_mode_(k.write_mode),
-        cores_(SimTransferConfig(k), {.engine_id = engine_id,
-                                      .tp_size = tp_,
-                                      .num_kv_heads = k.num_kv_heads,
-                                      .block_size = k.block_size,
-                                      .num_layers = k.num_layers}) {}
+        logic_(SimTransferConfig(k),
+               {.engine_id = engine_id,
+                .tp_size = engine < k.num_prefill ? k.prefill_tp : k.decode_tp,
+                .num_kv_heads = k.num_kv_heads,
+                .block_size = k.block_size,
+                .num_layers = k.num_layers},
+               this) {}
 
   Result<Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req, int num_local_computed,
-                                       TimePoint now) override;
+                                       TimePoint now) override {
+    return logic_.GetNumNewMatchedTokens(req, num_local_computed, now);
+  }
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
                              int num_local_computed, int num_external, TimePoint now) override {
-    if (write_decodes_.erase(req.request_id)) {
-      cores_.wdecode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
-                                       now);
-    } else {
-      cores_.decode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
-                                      now);
-    }
-    Perform(now);
+    logic_.UpdateStateAfterAlloc(req, block_ids, num_local_computed, num_external, now);
   }
   FinishDecision RequestFinished(const ConnectorRequestInfo& req,
                                  std::span<const int32_t> block_ids, std::string_view finish_reason,
-                                 TimePoint now) override;
+                                 TimePoint now) override {
+    return logic_.RequestFinished(req, block_ids, finish_reason, now);
+  }
   bool RequestAborted(const ConnectorRequestInfo& req, TimePoint now) override;
-  void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override;
+  void RequestQueued(const ConnectorRequestInfo& req, TimePoint now) override {
+    logic_.RequestQueued(req, now);
+  }
   StepReport Poll(TimePoint now) override;
-  void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override;
-  std::optional<TimePoint> NextDeadline() const override { return cores_.NextDeadline(); }
-  bool Idle() const override { return cores_.Idle() && inbox_.empty(); }
+  void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override {
+    // What arrived during the forward pass is taken first, as the runtime does.
+    if (!logic_.WantsLayers()) return;
+    HandleInbox(now);
+    logic_.OnLayerKvWritten(layer, chunks, now);
+  }
+  std::optional<TimePoint> NextDeadline() const override { return logic_.NextDeadline(); }
+  bool Idle() const override { return logic_.Idle() && inbox_.empty(); }
 
   void Push(InEvent e) { inbox_.push_back(std::move(e)); }
-  const PrefillCore& prefill() const { return cores_.prefill; }
-  const DecodeCore& decode() const { return cores_.decode; }
-  const WritePrefillRanks& wprefill() const { return cores_.wprefill; }
-  const WriteDecodeCore& wdecode() const { return cores_.wdecode; }
+  const PrefillCore& prefill() const { return logic_.cores().prefill; }
+  const DecodeCore& decode() const { return logic_.cores().decode; }
+  const WritePrefillRanks& wprefill() const { return logic_.cores().wprefill; }
+  const WriteDecodeCore& wdecode() const { return logic_.cores().wdecode; }
   size_t num_ledger_held() const { return held_.size(); }
   size_t num_ledger_held_read() const {
     size_t n = 0;
@@ -258,34 +262,33 @@ class SimConnector final : public KvConnector {
   }
   size_t num_ledger_draining() const { return draining_.size(); }
   size_t num_ledger_loading() const { return loading_.size(); }
-  size_t num_write_decodes() const { return write_decodes_.size(); }
+  size_t num_write_decodes() const { return logic_.NumAwaitingAlloc(); }
   size_t inbox_size() const { return inbox_.size(); }
   int64_t lease_expired() const {
-    return cores_.prefill.counters().lease_expired + cores_.wprefill.counters().lease_expired;
+    return prefill().counters().lease_expired + wprefill().counters().lease_expired;
   }
   int64_t notifications_ignored() const {
-    return cores_.prefill.counters().notifications_ignored +
-           cores_.decode.counters().notifications_ignored +
-           cores_.wprefill.counters().notifications_ignored +
-           cores_.wdecode.counters().notifications_ignored;
+    return prefill().counters().notifications_ignored + decode().counters().notifications_ignored +
+           wprefill().counters().notifications_ignored + wdecode().counters().notifications_ignored;
   }
 
  private:
-  Result<Match> WriteRequestAdded(const ConnectorRequestInfo& req, const KvTransferParams& p,
-                                  int num_local_computed, TimePoint now);
   void HandleInbox(TimePoint now);
-  void Perform(TimePoint now);
+
+  // ConnectorSink: the simulator performs the transfers and carries the messages.
+  Status PostTransfer(const TransferAction& t) override;
+  Status CancelTransfer(KvTransferMode op, uint64_t id) override;
+  void Send(const SendMessageAction& a) override;
+  void OnReport(const ConnectorLogic::Report& r) override;
+  void Note(const RequestNote& n) override;
+  std::pair<std::string, int> AdvertisedEndpoint() const override { return {"sim", port_}; }
 
   Sim* sim_;
   int engine_;
   std::string engine_id_;
   int port_;
-  int block_size_;
-  int tp_;  // this engine's TP ranks (the cores below serve all of them)
-  bool write_mode_;
-  ConnectorCores cores_;  // the same cores, wired as KvBridgeConnector wires them
+  ConnectorLogic logic_;  // the runtime's hook mapping and cores
   std::vector<InEvent> inbox_;
-  StepReport report_;
   struct Held {
     std::string transfer_id;
     bool write = false;
@@ -294,8 +297,6 @@ class SimConnector final : public KvConnector {
   std::set<std::string> draining_;               // aborted, blocks kept until a report
   std::set<std::string> loading_;                // waiting for remote KV
   std::map<std::string, std::string> load_tid_;  // loading request -> transfer_id
-  std::set<std::string> decode_admitted_;        // decode parents the decode cores accepted
-  std::set<std::string> write_decodes_;          // WRITE decode requests awaiting allocation
   std::set<std::string> released_;               // READ transfers the proxy released here
   int64_t leases_before_poll_ = 0;               // PrefillCore's lease expiries when Poll began
 };
@@ -530,133 +531,14 @@ class Sim {
 // ------------------------------------------------------------------------------------------
 // SimConnector
 
-Result<KvConnector::Match> SimConnector::GetNumNewMatchedTokens(const ConnectorRequestInfo& req,
-                                                                int num_local_computed,
-                                                                TimePoint now) {
-  if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return Match{};
-  ASSIGN_OR_RETURN(KvTransferParams p,
-                   ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_}));
-  Match m;
-  if (p.mode == KvTransferMode::kWrite) {
-    ASSIGN_OR_RETURN(m, WriteRequestAdded(req, p, num_local_computed, now));
-  } else if (p.do_remote_decode) {
-    RETURN_IF_ERROR(cores_.prefill.OnRequestAdded(req.parent_id, req.n, p.transfer_id, now));
-  } else {
-    ASSIGN_OR_RETURN(DecodeCore::Match dm,
-                     cores_.decode.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
-                                                  num_local_computed, now));
-    decode_admitted_.insert(req.parent_id);
-    m.num_external_tokens = dm.num_external_tokens;
-    m.load_async = dm.load_async;
-  }
-  if (m.load_async) {
-    if (!loading_.insert(req.request_id).second) {
-      sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " loads twice");
-    }
-    load_tid_[req.request_id] = p.transfer_id;
-  }
-  Perform(now);
-  return m;
-}
-
-// As KvBridgeConnector::WriteRequestAdded.
-Result<KvConnector::Match> SimConnector::WriteRequestAdded(const ConnectorRequestInfo& req,
-                                                           const KvTransferParams& p,
-                                                           int num_local_computed, TimePoint now) {
-  Match m;
-  if (p.do_remote_decode) {
-    Status st = cores_.wprefill.OnRequestAdded(req.request_id, req.n, p.transfer_id,
-                                               req.num_prompt_tokens, now);
-    if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
-      cores_.wprefill.OnAbortedBeforeAdmission(p.transfer_id, now);  // answer parked block ids now
-    }
-    RETURN_IF_ERROR(st);
-    return m;
-  }
-  ASSIGN_OR_RETURN(WriteDecodeCore::Match dm,
-                   cores_.wdecode.OnRequestAdded(req.request_id, p, req.num_prompt_tokens,
-                                                 num_local_computed, now));
-  decode_admitted_.insert(req.parent_id);
-  if (dm.num_external_tokens > 0) write_decodes_.insert(req.request_id);
-  m.num_external_tokens = dm.num_external_tokens;
-  m.load_async = dm.load_async;
-  return m;
-}
-
-KvConnector::FinishDecision SimConnector::RequestFinished(const ConnectorRequestInfo& req,
-                                                          std::span<const int32_t> block_ids,
-                                                          std::string_view finish_reason,
-                                                          TimePoint now) {
-  FinishDecision d;
-  if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return d;
-  auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
-  if (!p.ok() || !p->do_remote_decode) return d;
-  const size_t nb = static_cast<size_t>((req.num_prompt_tokens + block_size_ - 1) / block_size_);
-  std::vector<int32_t> prompt_blocks(block_ids.begin(),
-                                     block_ids.begin() + std::min(nb, block_ids.size()));
-  const bool write = p->mode == KvTransferMode::kWrite;
-  d.hold_blocks =
-      write ? cores_.wprefill.OnRequestFinished(req.request_id, prompt_blocks, now)
-            : cores_.prefill.OnRequestFinished(req.request_id, p->transfer_id, prompt_blocks, now);
-  if (d.hold_blocks &&
-      !held_.emplace(req.request_id, Held{.transfer_id = p->transfer_id, .write = write}).second) {
-    sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " held twice");
-  }
-  KvTransferParams out;
-  out.do_remote_prefill = true;
-  out.transfer_id = p->transfer_id;
-  out.remote_engine_id = engine_id_;
-  out.remote_host = "sim";
-  out.remote_port = port_;
-  out.remote_block_ids = prompt_blocks;
-  out.remote_num_tokens = req.num_prompt_tokens;
-  out.tp_size = tp_;
-  out.mode = p->mode;
-  d.kv_transfer_params = KvTransferParamsToJson(out);
-  Perform(now);
-  return d;
-}
-
 bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now) {
-  const bool keep = cores_.OnRequestAborted(req.request_id, now);
-  write_decodes_.erase(req.request_id);
   loading_.erase(req.request_id);
   load_tid_.erase(req.request_id);
+  const bool keep = logic_.RequestAborted(req, now);
   if (keep && !draining_.insert(req.request_id).second) {
     sim_->Violate(ViolationKind::kExactlyOnce, "request " + req.request_id + " drained twice");
   }
-  if (req.request_id == req.parent_id && req.kv_transfer_params != nullptr &&
-      !req.kv_transfer_params->is_null()) {
-    // As KvBridgeConnector: a leg aborted before admission stops its queued heartbeats / tells
-    // the prefill (decode leg), or drops a release parked for it (prefill leg).
-    auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
-    const bool write = p.ok() && p->mode == KvTransferMode::kWrite;
-    if (p.ok() && p->do_remote_decode) {
-      if (write) {
-        cores_.wprefill.OnAbortedBeforeAdmission(p->transfer_id, now);
-      } else {
-        cores_.prefill.OnAbortedBeforeAdmission(p->transfer_id, now);
-      }
-    }
-    if (p.ok() && p->do_remote_prefill && !decode_admitted_.count(req.parent_id)) {
-      if (write) {
-        cores_.wdecode.OnAbortedBeforeAdmission(*p);
-      } else {
-        cores_.decode.OnAbortedBeforeAdmission(*p);
-      }
-    }
-  }
-  decode_admitted_.erase(req.parent_id);
-  Perform(now);
   return keep;
-}
-
-void SimConnector::RequestQueued(const ConnectorRequestInfo& req, TimePoint now) {
-  if (req.kv_transfer_params == nullptr || req.kv_transfer_params->is_null()) return;
-  auto p = ParseKvTransferParams(*req.kv_transfer_params, {.block_size = block_size_});
-  if (p.ok() && p->do_remote_prefill && p->mode == KvTransferMode::kRead) {
-    cores_.decode.OnRequestQueued(req.request_id, *p, now);
-  }
 }
 
 void SimConnector::HandleInbox(TimePoint now) {
@@ -664,61 +546,26 @@ void SimConnector::HandleInbox(TimePoint now) {
   in.swap(inbox_);
   for (InEvent& e : in) {
     if (auto* r = std::get_if<InReadEnded>(&e)) {
-      cores_.decode.OnReadCompleted(r->read_id, r->status, now);
+      logic_.OnTransferEnded(KvTransferMode::kRead, r->read_id, r->status, now);
     } else if (auto* w = std::get_if<InWriteEnded>(&e)) {
-      cores_.wprefill.OnWriteCompleted(w->write_id, w->status, now);
+      logic_.OnTransferEnded(KvTransferMode::kWrite, w->write_id, w->status, now);
     } else {
       InMsg& m = std::get<InMsg>(e);
       if (auto* rd = std::get_if<ReadDoneMsg>(&m.msg)) {
         sim_->OnReadDoneTaken(engine_, *rd);  // this pair's READ is no longer pending
-        cores_.prefill.OnReadDone(*rd, m.reply_token, now);
-      } else if (auto* hr = std::get_if<HoldReplyMsg>(&m.msg)) {
-        cores_.decode.OnHoldReply(*hr, now);
-      } else if (auto* hb = std::get_if<HeartbeatMsg>(&m.msg)) {
-        cores_.prefill.OnHeartbeat(*hb, now);
-      } else if (auto* wb = std::get_if<WriteBlocksMsg>(&m.msg)) {
-        cores_.wprefill.OnWriteBlocks(*wb, now);
-      } else if (auto* wc = std::get_if<WriteCancelMsg>(&m.msg)) {
-        cores_.wprefill.OnWriteCancel(*wc, now);
       } else if (auto* wd = std::get_if<WriteDoneMsg>(&m.msg)) {
         sim_->OnWriteDoneTaken(engine_, *wd);
-        cores_.wdecode.OnWriteDone(*wd, now);
-      } else if (auto* rl = std::get_if<ReleaseMsg>(&m.msg)) {
-        // As KvBridgeConnector::OnWriteMessage: a release names a WRITE transfer when the WRITE
-        // cores know it, or (registered nowhere yet) when this engine serves WRITE mode.
-        if (cores_.wprefill.Knows(rl->transfer_id) ||
-            (write_mode_ && cores_.prefill.Siblings(rl->transfer_id).empty())) {
-          cores_.wprefill.OnRelease(*rl, now).IgnoreError();
-        } else {
-          Status st = cores_.prefill.OnRelease(*rl, now);  // not ok: another incarnation (404)
-          if (st.ok()) released_.insert(rl->transfer_id);
-        }
       }
+      // A release for another incarnation is refused (the runtime answers it 404).
+      logic_.OnMessage(m.msg, m.reply_token, now).IgnoreError();
     }
-    Perform(now);
   }
-}
-
-void SimConnector::OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks,
-                                    TimePoint now) {
-  // As KvBridgeConnector: what arrived during the forward pass is taken now (handlers only queue
-  // reports), then every request whose final chunk this is posts this layer's WRITEs.
-  if (cores_.wprefill.NumTransfers() == 0) return;
-  HandleInbox(now);
-  for (const LayerKvChunk& c : chunks) {
-    if (c.completes_tokens)
-      cores_.wprefill.OnLayerComputed(std::string(c.request_id), layer, c.block_ids, now);
-  }
-  Perform(now);
 }
 
 KvConnector::StepReport SimConnector::Poll(TimePoint now) {
-  leases_before_poll_ = cores_.prefill.counters().lease_expired;
+  leases_before_poll_ = prefill().counters().lease_expired;
   HandleInbox(now);
-  cores_.OnTick(now);
-  Perform(now);
-  StepReport out = std::move(report_);
-  report_ = StepReport{};
+  StepReport out = logic_.Poll(now);
   // The ledger: every report names a request in the matching state, once.
   for (const std::string& id : out.finished_sending) {
     if (!held_.erase(id) && !draining_.erase(id)) {
@@ -750,53 +597,75 @@ KvConnector::StepReport SimConnector::Poll(TimePoint now) {
   return out;
 }
 
-void SimConnector::Perform(TimePoint now) {
-  for (int round = 0; round < 16; ++round) {
-    std::vector<ConnectorAction> acts = cores_.TakeActions();
-    if (acts.empty()) return;
-    for (ConnectorAction& a : acts) {
-      if (auto* pr = std::get_if<PostReadAction>(&a)) {
-        sim_->PostRead(engine_, *pr);
-      } else if (auto* cr = std::get_if<CancelReadAction>(&a)) {
-        sim_->CancelRead(engine_, cr->read_id);
-      } else if (auto* pw = std::get_if<PostWriteAction>(&a)) {
-        sim_->PostWrite(engine_, *pw);
-      } else if (auto* cw = std::get_if<CancelWriteAction>(&a)) {
-        sim_->CancelWrite(engine_, cw->write_id);
-      } else if (auto* sm = std::get_if<SendMessageAction>(&a)) {
-        if (auto* wb = std::get_if<WriteBlocksMsg>(&sm->msg)) {
-          wb->decode_host = "sim";  // as KvBridgeConnector: the decode's control endpoint
-          wb->decode_port = port_;
-        }
-        sim_->SendFromEngine(engine_, *sm);
-      } else if (auto* ld = std::get_if<ReportLoadDoneAction>(&a)) {
-        if (sim_->tracing())
-          sim_->Trace("  %s: load done %s", engine_id_.c_str(), ld->request_id.c_str());
-        report_.finished_recving.push_back(ld->request_id);
-        // WRITE: checked when the core decides to go, before the rest of the inbox is taken.
-        if (auto t = load_tid_.find(ld->request_id); t != load_tid_.end())
-          sim_->CheckWriteLoad(engine_, ld->request_id, t->second);
-      } else if (auto* lf = std::get_if<ReportLoadFailedAction>(&a)) {
-        if (sim_->tracing()) {
-          sim_->Trace("  %s: load failed %s (%s)", engine_id_.c_str(), lf->request_id.c_str(),
-                      lf->status.ToString().c_str());
-        }
-        report_.failed_recving.push_back({lf->request_id, lf->recompute, lf->status});
-      } else if (auto* bf = std::get_if<ReportBlocksFreeAction>(&a)) {
-        if (sim_->tracing())
-          sim_->Trace("  %s: blocks free %s", engine_id_.c_str(), bf->request_id.c_str());
-        if (auto h = held_.find(bf->request_id); h != held_.end() && !h->second.write) {
-          // A READ hold freed while a READ pair of its transfer is still pending (in flight, or
-          // its read_done not taken yet) is an early free, unless the proxy released it or its
-          // lease fired (the decode is then told "hold gone"). Checked when the core decides,
-          // before the rest of the inbox is taken.
-          const std::string& tid = h->second.transfer_id;
-          const bool excused = released_.count(tid) > 0 ||
-                               cores_.prefill.counters().lease_expired > leases_before_poll_;
-          sim_->CheckReadsAtPrefillFree(engine_, tid, excused);
-        }
-        report_.finished_sending.push_back(bf->request_id);
+Status SimConnector::PostTransfer(const TransferAction& t) {
+  if (const auto* r = std::get_if<PostReadAction>(&t)) {
+    sim_->PostRead(engine_, *r);
+  } else {
+    sim_->PostWrite(engine_, std::get<PostWriteAction>(t));
+  }
+  return OkStatus();  // every simulated transfer ends through the inbox
+}
+
+Status SimConnector::CancelTransfer(KvTransferMode op, uint64_t id) {
+  if (op == KvTransferMode::kRead) {
+    sim_->CancelRead(engine_, id);
+  } else {
+    sim_->CancelWrite(engine_, id);
+  }
+  return OkStatus();
+}
+
+void SimConnector::Send(const SendMessageAction& a) { sim_->SendFromEngine(engine_, a); }
+
+void SimConnector::Note(const RequestNote& n) {
+  switch (n.kind) {
+    case RequestNote::Kind::kLoadStarted:
+      if (!loading_.insert(n.request_id).second) {
+        sim_->Violate(ViolationKind::kExactlyOnce, "request " + n.request_id + " loads twice");
       }
+      load_tid_[n.request_id] = n.transfer_id;
+      break;
+    case RequestNote::Kind::kHeld:
+      if (!held_
+               .emplace(n.request_id, Held{.transfer_id = n.transfer_id,
+                                           .write = n.mode == KvTransferMode::kWrite})
+               .second) {
+        sim_->Violate(ViolationKind::kExactlyOnce, "request " + n.request_id + " held twice");
+      }
+      break;
+    case RequestNote::Kind::kReleased:
+      released_.insert(n.transfer_id);
+      break;
+    case RequestNote::Kind::kPrefillAdmitted:
+      break;
+  }
+}
+
+void SimConnector::OnReport(const ConnectorLogic::Report& r) {
+  if (const auto* ld = std::get_if<ReportLoadDoneAction>(&r)) {
+    if (sim_->tracing())
+      sim_->Trace("  %s: load done %s", engine_id_.c_str(), ld->request_id.c_str());
+    // WRITE: checked when the core decides to go, before the rest of the inbox is taken.
+    if (auto t = load_tid_.find(ld->request_id); t != load_tid_.end())
+      sim_->CheckWriteLoad(engine_, ld->request_id, t->second);
+  } else if (const auto* lf = std::get_if<ReportLoadFailedAction>(&r)) {
+    if (sim_->tracing()) {
+      sim_->Trace("  %s: load failed %s (%s)", engine_id_.c_str(), lf->request_id.c_str(),
+                  lf->status.ToString().c_str());
+    }
+  } else {
+    const auto& bf = std::get<ReportBlocksFreeAction>(r);
+    if (sim_->tracing())
+      sim_->Trace("  %s: blocks free %s", engine_id_.c_str(), bf.request_id.c_str());
+    if (auto h = held_.find(bf.request_id); h != held_.end() && !h->second.write) {
+      // A READ hold freed while a READ pair of its transfer is still pending (in flight, or its
+      // read_done not taken yet) is an early free, unless the proxy released it or its lease
+      // fired (the decode is then told "hold gone"). Checked when the core decides, before the
+      // rest of the inbox is taken.
+      const std::string& tid = h->second.transfer_id;
+      const bool excused =
+          released_.count(tid) > 0 || prefill().counters().lease_expired > leases_before_poll_;
+      sim_->CheckReadsAtPrefillFree(engine_, tid, excused);
     }
   }
 }

@@ -130,5 +130,17 @@ TEST(PlantedFaults, APrefillRankThatNeverSendsWriteDoneIsCaught) {
                TransferMode::kWrite});
 }
 
+// The hook mapping itself (ConnectorLogic, shared by the runtime and the simulator): a
+// RequestFinished of a set's last sibling that never reaches the prefill cores. The engine frees
+// that sibling's blocks at once while the transfer waits for it; before the simulator drove the
+// runtime's mapping, a bug here was invisible to it.
+TEST(PlantedFaults, AMappingThatForgetsAFinishedSiblingIsCaught) {
+  ExpectFound({"mapping forgets the last finished sibling",
+               [](PlantedFaults& p) { p.forget_last_finished_sibling = true; },
+               Workload::kPrefillN,
+               {ViolationKind::kLeak, ViolationKind::kSiblingAccounting},
+               200});
+}
+
 }  // namespace
 }  // namespace kvbridge::sim

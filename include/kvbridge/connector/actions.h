@@ -1,8 +1,8 @@
 // kvbridge/connector/actions.h — what the sans-IO connector cores ask their runtime to do.
 //
 // PrefillCore and DecodeCore (prefill_core.h, decode_core.h) take events (engine hooks, messages,
-// transfer completions, `now`) and queue actions; the runtime (KvBridgeConnector) or the
-// simulator drains them with TakeActions() and performs them: posts/cancels READs on the transfer
+// transfer completions, `now`) and queue actions; ConnectorLogic (connector_logic.h) drains them
+// with TakeActions() and performs them through its sink (the runtime or the simulator): posts/cancels READs on the transfer
 // agent, sends control messages, and turns the three Report* actions into the engine's
 // KvConnector::StepReport. None of the cores reads a clock, a socket or a thread.
 //

@@ -1,7 +1,7 @@
 // kvbridge/connector/connector_cores.h — the four sans-IO protocol cores of one engine (READ
 // prefill, READ decode, WRITE prefill ranks, WRITE decode), built from one KvTransferConfig and
-// driven together. The runtime (KvBridgeConnector) and the simulator (SimConnector) both own one,
-// so the two wire the cores identically: same options, same action order, same deadlines.
+// driven together. ConnectorLogic (connector_logic.h) owns one and maps the engine's hooks onto
+// it, for the runtime and the simulator alike: same options, same action order, same deadlines.
 //
 //   ConnectorCores cores(config, {.engine_id = "p0-1a2b", .tp_size = 2, .num_kv_heads = 8,
 //                                 .block_size = 16, .num_layers = 32});

@@ -1,5 +1,6 @@
-// kvbridge/connector/kvbridge_connector.h — the runtime P/D connector: the sans-IO cores
-// (prefill_core.h, decode_core.h) wired to a transfer agent, threads and HTTP.
+// kvbridge/connector/kvbridge_connector.h — the runtime P/D connector: the I/O shell around the
+// sans-IO ConnectorLogic (connector_logic.h: hook mapping and cores), wired to transfer agents,
+// threads and HTTP.
 //
 // One KvBridgeRuntime per engine process. It makes the engine's KvConnector (through Factory())
 // and installs the connector's HTTP routes on the engine's ApiServer:
@@ -28,7 +29,7 @@
 //
 // Thread-safety: Create/Factory/InstallRoutes/SetAdvertisedEndpoint from the controlling thread
 // before serving; ValidateHook and the routes run on HTTP threads; the KvConnector runs on the
-// engine thread (kv_connector.h). Internal threads: one metadata fetcher, one READ watcher.
+// engine thread (kv_connector.h). Internal threads: one metadata fetcher, one transfer (READ and WRITE) watcher.
 #pragma once
 
 #include <map>

@@ -11,7 +11,8 @@
 //   #endif
 //
 // Each switch mirrors one of DESIGN.md's known failure modes; the hook sites are one-line
-// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in src/connector/{prefill,decode,write}_core.cc.
+// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in src/connector/{prefill,decode,write}_core.cc and
+// connector_logic.cc.
 //
 // Thread-safety: thread_local; each test thread sets its own.
 #pragma once
@@ -56,6 +57,10 @@ struct PlantedFaults {
   /// WriteDecodeCore (WRITE, TP): the decode proceeds at the first pair's WriteDone(ok) instead
   /// of waiting for every (decode rank, prefill rank) pair of the TP plan.
   bool decode_proceeds_at_first_write_done = false;
+  /// ConnectorLogic (the hook mapping, both modes): RequestFinished of a set's last sibling is
+  /// not forwarded to the prefill cores — the engine frees that sibling's blocks at once and the
+  /// transfer waits for a sibling the cores never hear finish.
+  bool forget_last_finished_sibling = false;
 };
 
 /// This thread's switches (all off by default).
