@@ -109,5 +109,44 @@ TEST_F(ServeCliTest, BadFlagsFailClearly) {
   EXPECT_EQ(missing.Wait(30'000), 1);
 }
 
+// Every architecture through make-model --arch and serve (tiny shapes; the real-shaped presets
+// are 1-2.5 GB and stay out of CI's unit and integration runs).
+TEST(ServeCliArchs, MakeModelAndServeEveryArchitecture) {
+  for (const char* arch : {"mistral", "qwen2", "qwen3"}) {
+    SCOPED_TRACE(arch);
+    const std::string dir = MakeTempDir("kvb_serve_arch") + "/" + arch;
+    Subprocess make({KvbridgeBin(), "make-model", "--preset", "tiny", "--arch", arch, "--seed", "2",
+                     "--out", dir},
+                    dir + ".make.log");
+    ASSERT_EQ(make.Wait(60'000), 0) << make.ReadLog();
+    EXPECT_NE(make.ReadLog().find(std::string("arch ") + arch), std::string::npos)
+        << make.ReadLog();
+    const int port = FreePort();
+    Subprocess serve({KvbridgeBin(), "serve", dir, "--port", std::to_string(port),
+                      "--max-model-len", "128", "--num-kv-blocks", "32"},
+                     dir + ".serve.log");
+    ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << serve.ReadLog();
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(60, 0);
+    auto r = c.Post("/v1/completions",
+                    json{{"prompt", "abc"}, {"max_tokens", 4}, {"ignore_eos", true}}.dump(),
+                    "application/json");
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(json::parse(r->body)["usage"]["completion_tokens"], 4) << r->body;
+    serve.Signal(SIGTERM);
+    EXPECT_EQ(serve.Wait(15'000), 0) << serve.ReadLog();
+  }
+  // A real-shaped preset's arch is fixed (refused before anything is written).
+  const std::string dir = MakeTempDir("kvb_make_bad") + "/m";
+  Subprocess bad(
+      {KvbridgeBin(), "make-model", "--preset", "qwen3-0.6b", "--arch", "llama", "--out", dir},
+      dir + ".log");
+  EXPECT_EQ(bad.Wait(30'000), 1);
+  EXPECT_NE(bad.ReadLog().find("preset 'qwen3-0.6b' is a qwen3 model, not llama"),
+            std::string::npos)
+      << bad.ReadLog();
+}
+
 }  // namespace
 }  // namespace kvbridge
