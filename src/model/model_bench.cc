@@ -291,6 +291,161 @@ BENCHMARK(BM_Decode)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
+// ---------- qwen2.5-0.5b shapes, bf16 weights resident (memory-mapped) ----------
+
+// The qwen2.5-0.5b preset (random bf16 weights, the published config), written once per
+// process into a temp dir (or taken from KVBRIDGE_BENCH_QWEN_DIR when set) and loaded with
+// the weights as stored, on all cores.
+std::shared_ptr<Model> QwenModel() {
+  static std::shared_ptr<Model> model = [] {
+    std::string dir;
+    bool remove = false;
+    if (const char* d = std::getenv("KVBRIDGE_BENCH_QWEN_DIR"); d != nullptr && *d) {
+      dir = d;
+    } else {
+      dir = (std::filesystem::temp_directory_path() /
+             ("kvbridge_bench_qwen_" + std::to_string(::getpid())))
+                .string();
+      auto spec = RandomModelPreset("qwen2.5-0.5b", 0);
+      if (!spec.ok() || !WriteRandomModel(*spec, dir).ok()) std::abort();
+      remove = true;
+    }
+    auto m = Model::Load(dir);
+    if (!m.ok()) {
+      std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
+      std::abort();
+    }
+    // The mapping stays valid after the file is unlinked.
+    if (remove) std::filesystem::remove_all(dir);
+    return *m;
+  }();
+  return model;
+}
+
+// The machine's limits, measured once in this run: read bandwidth and FMA peak, all cores.
+struct Machine {
+  double read_gbs = 0, peak_gflops = 0;
+};
+const Machine& MeasuredMachine() {
+  static Machine m = [] {
+    Machine r;
+    for (int i = 0; i < 3; ++i) r.read_gbs = std::max(r.read_gbs, ReadBandwidth(Cores()));
+    r.peak_gflops = FmaPeak(Cores(), HasAvx512());
+    return r;
+  }();
+  return m;
+}
+
+// KV cache for `batch` sequences of `ctx` positions (bf16), filled with small values: a
+// decode step's cost does not depend on what the KV holds, so no prefill is needed.
+struct DecodeSetup {
+  LocalKvCache kv;
+  std::vector<std::vector<int32_t>> tables;
+  int per_seq;
+};
+DecodeSetup MakeDecodeSetup(const Model& model, int batch, int ctx) {
+  const int per_seq = (ctx + 1 + 15) / 16;
+  std::vector<float> ks, vs;
+  model.KvScales(KvDtype::kBf16, &ks, &vs);
+  DecodeSetup s{
+      LocalKvCache(model.KvLayout(per_seq * batch, 16, KvDtype::kBf16), ks, vs), {}, per_seq};
+  const PagedKvView& v = s.kv.view();
+  uint64_t st = 1;
+  for (uint8_t* base : v.layer_base) {
+    auto* h = reinterpret_cast<uint16_t*>(base);
+    for (size_t i = 0; i < v.layout.LayerBytes() / 2; ++i) {
+      st = st * 6364136223846793005ull + 1442695040888963407ull;
+      const float f = static_cast<float>(static_cast<int>(st >> 40) % 2001 - 1000) * 1e-3f;
+      h[i] = model_internal::FloatToBf16(f);
+    }
+  }
+  s.tables.resize(batch);
+  for (int b = 0; b < batch; ++b) {
+    for (int i = 0; i < per_seq; ++i) s.tables[b].push_back(b * per_seq + i);
+  }
+  return s;
+}
+
+// BM_QwenDecode/<batch>/<context>: one decode step of `batch` sequences at position `context`
+// (bf16 weights and KV, all cores), ms/step against the roofline
+//   max((weight bytes + KV bytes) / read bandwidth, FLOPs / FMA peak)
+// with both limits measured in this run (MeasuredMachine).
+void BM_QwenDecode(benchmark::State& state) {
+  auto model = QwenModel();
+  const ModelConfig& c = model->config();
+  const int batch = static_cast<int>(state.range(0)), ctx = static_cast<int>(state.range(1));
+  const Machine& mach = MeasuredMachine();
+  DecodeSetup setup = MakeDecodeSetup(*model, batch, ctx);
+  std::vector<int32_t> tokens(batch);
+  for (int b = 0; b < batch; ++b) tokens[b] = 1000 + 17 * b;
+  std::vector<float> logits;
+  auto step = [&] {
+    ForwardBatch fb;
+    for (int b = 0; b < batch; ++b) {
+      fb.sequences.push_back(
+          {&tokens[b], 1, ctx, setup.tables[b].data(), setup.per_seq, /*compute_logits=*/true});
+    }
+    return model->Forward(fb, setup.kv.view(), &logits);
+  };
+  if (!step().ok()) state.SkipWithError("forward failed");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    if (!step().ok()) state.SkipWithError("forward failed");
+  }
+  const double wall_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Bytes: every resident weight (tied lm_head = the embeddings, read whole for the logits)
+  // and the KV of positions [0, ctx] of every sequence; FLOPs: 2 per weight per row of the
+  // matmuls, and q.k + p.v over ctx + 1 positions per head.
+  const double layers = c.num_hidden_layers;
+  const double mat_params =
+      layers * (static_cast<double>(c.hidden_size) * (2.0 * c.q_dim() + 2.0 * c.kv_dim()) +
+                3.0 * c.hidden_size * c.intermediate_size) +
+      static_cast<double>(c.vocab_size) * c.hidden_size;
+  const double kv_bytes = batch * layers * 2.0 * c.kv_dim() * (ctx + 1) * 2;
+  const double bytes = static_cast<double>(model->weight_bytes()) + kv_bytes;
+  const double flops = batch * (2.0 * mat_params + layers * 4.0 * c.q_dim() * (ctx + 1));
+  const double roof_ms =
+      std::max(bytes / (mach.read_gbs * 1e9), flops / (mach.peak_gflops * 1e9)) * 1e3;
+  const double ms = wall_s * 1e3 / static_cast<double>(std::max<int64_t>(1, state.iterations()));
+  state.counters["ms/step"] = ms;
+  state.counters["vs_roofline"] = roof_ms / ms;
+  state.counters["roofline_ms"] = roof_ms;
+  state.counters["read_GB/s"] = mach.read_gbs;
+  state.counters["peak_GFLOP/s"] = mach.peak_gflops;
+  state.counters["weight_MB"] = static_cast<double>(model->weight_bytes()) / 1e6;
+  state.counters["tok/s"] = benchmark::Counter(static_cast<double>(state.iterations()) * batch,
+                                               benchmark::Counter::kIsRate);
+  state.SetLabel(std::string("weights ") + model->weight_types() + ", kernel " +
+                 model_internal::KernelPath());
+}
+BENCHMARK(BM_QwenDecode)
+    ->Args({1, 512})
+    ->Args({8, 512})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
+
+// BM_QwenPrefill/<tokens>: one prompt of `tokens` tokens in one step (bf16 weights and KV, all
+// cores), tokens/s.
+void BM_QwenPrefill(benchmark::State& state) {
+  auto model = QwenModel();
+  const int n = static_cast<int>(state.range(0));
+  DecodeSetup setup = MakeDecodeSetup(*model, 1, n);
+  std::vector<int32_t> tokens(n);
+  for (int i = 0; i < n; ++i) tokens[i] = (i * 7919) % 150000;
+  std::vector<float> logits;
+  for (auto _ : state) {
+    ForwardBatch fb;
+    fb.sequences.push_back({tokens.data(), n, 0, setup.tables[0].data(), setup.per_seq, true});
+    if (!model->Forward(fb, setup.kv.view(), &logits).ok()) state.SkipWithError("forward failed");
+  }
+  state.counters["tok/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * n, benchmark::Counter::kIsRate);
+  state.SetLabel(std::string("weights ") + model->weight_types());
+}
+BENCHMARK(BM_QwenPrefill)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
 }  // namespace
 }  // namespace kvbridge
 
