@@ -117,12 +117,8 @@ void LoadKv(const uint8_t* src, int n, KvDtype dtype, float scale, float* dst) {
     case KvDtype::kFp32:
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
       break;
-    case KvDtype::kBf16:
-      for (int i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = Bf16ToFloat(h);
-      }
+    case KvDtype::kBf16:  // exact widening (vectorized in kernels.cc)
+      WidenWeights(WeightPtr{src, WeightType::kBf16}, n, dst);
       break;
     case KvDtype::kFp8E4M3:
       for (int i = 0; i < n; ++i) dst[i] = Fp8E4M3ToFloat(src[i]) * scale;
@@ -181,25 +177,11 @@ void AttendKvHead(const float* qg, int group, const SequenceChunk& sq, int pos,
     }
     // scores[j][t] = q_j . k_t (fixed-order dot), then * 1/sqrt(head_dim).
     MatMulNT(qg, group, hd, s->kbuf.data(), n, hd, hd, s->scores.data(), kAttentionChunk);
+    // Online softmax per query head (kernels.h: fixed operation order on every path).
     for (int j = 0; j < group; ++j) {
-      float* sj = s->scores.data() + static_cast<size_t>(j) * kAttentionChunk;
-      float cmax = -std::numeric_limits<float>::infinity();
-      for (int t = 0; t < n; ++t) {
-        sj[t] *= attn_scale;
-        cmax = std::max(cmax, sj[t]);
-      }
-      const float new_max = std::max(s->mx[j], cmax);
-      const float corr = Exp(s->mx[j] - new_max);
-      float* aj = s->acc.data() + static_cast<size_t>(j) * hd;
-      s->den[j] *= corr;
-      for (int d = 0; d < hd; ++d) aj[d] *= corr;
-      for (int t = 0; t < n; ++t) {
-        const float pr = Exp(sj[t] - new_max);
-        s->den[j] += pr;
-        const float* vt = s->vbuf.data() + static_cast<size_t>(t) * hd;
-        for (int d = 0; d < hd; ++d) aj[d] += pr * vt[d];
-      }
-      s->mx[j] = new_max;
+      OnlineSoftmaxChunk(s->scores.data() + static_cast<size_t>(j) * kAttentionChunk, n, attn_scale,
+                         s->vbuf.data(), hd, &s->mx[j], &s->den[j],
+                         s->acc.data() + static_cast<size_t>(j) * hd);
     }
   }
   for (int j = 0; j < group; ++j) {
@@ -339,10 +321,7 @@ Status Model::Impl::Forward(const ForwardBatch& batch, const PagedKvView& kv,
     model_internal::RmsNormRows(x.data(), 0, m, hsz, w.post_norm.data(), eps, h.data());
     linear(h.data(), w.w_gate, {}, gate.data());
     linear(h.data(), w.w_up, {}, up.data());
-    for (size_t e = 0; e < gate.size(); ++e) {
-      const float g = gate[e];
-      gate[e] = g / (1.0f + model_internal::Exp(-g)) * up[e];
-    }
+    model_internal::SiluMul(gate.data(), up.data(), static_cast<int64_t>(gate.size()));
     row_parallel(gate.data(), w.w_down, {}, tmp.data());
     for (size_t e = 0; e < x.size(); ++e) x[e] += tmp[e];
   }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string_view>
 #include <type_traits>
 
@@ -427,6 +428,127 @@ KVB_AVX512 void MatMulAvx512(const float* x, int m, int ldx, const WT* w, int n,
   }
 }
 
+// ---------- element-wise: exp, SiLU, online softmax ----------
+
+// model_internal::Exp on 8 lanes, the same operations in the same order (numerics.cc).
+KVB_AVX2 KVB_INLINE __m256 Exp8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i ki = _mm256_cvttps_epi32(k);
+  const __m256 normal = _mm256_mul_ps(
+      p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23)));
+  const __m256 big = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_set1_ps(2.0f)),
+                                   _mm256_castsi256_ps(_mm256_set1_epi32(254 << 23)));
+  const __m256 small =
+      _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                         _mm256_add_epi32(ki, _mm256_set1_epi32(64 + 127)), 23))),
+                    _mm256_set1_ps(5.42101086e-20f));
+  __m256 y = normal;
+  y = _mm256_blendv_ps(y, big, _mm256_castsi256_ps(_mm256_cmpgt_epi32(ki, _mm256_set1_epi32(127))));
+  y = _mm256_blendv_ps(y, small,
+                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ki)));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ));
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(-103.972084045410156f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+KVB_AVX2 void ExpArrayAvx2(const float* x, int n, float* y) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, Exp8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) y[i] = Exp(x[i]);
+}
+
+KVB_AVX2 void SiluMulAvx2(float* gate, const float* up, int64_t n) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = Exp8(_mm256_xor_ps(g, sign));
+    _mm256_storeu_ps(
+        gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) gate[i] = gate[i] / (1.0f + Exp(-gate[i])) * up[i];
+}
+
+void SiluMulPortable(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + Exp(-g)) * up[i];
+  }
+}
+
+void OnlineSoftmaxChunkPortable(float* s, int n, float scale, const float* v, int hd, float* mx,
+                                float* den, float* acc) {
+  float cmax = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) {
+    s[t] *= scale;
+    cmax = std::max(cmax, s[t]);
+  }
+  const float new_max = std::max(*mx, cmax);
+  const float corr = Exp(*mx - new_max);
+  *den *= corr;
+  for (int d = 0; d < hd; ++d) acc[d] *= corr;
+  for (int t = 0; t < n; ++t) {
+    const float pr = Exp(s[t] - new_max);
+    *den += pr;
+    const float* vt = v + static_cast<int64_t>(t) * hd;
+    for (int d = 0; d < hd; ++d) acc[d] += pr * vt[d];
+  }
+  *mx = new_max;
+}
+
+KVB_AVX2 void OnlineSoftmaxChunkAvx2(float* s, int n, float scale, const float* v, int hd,
+                                     float* mx, float* den, float* acc) {
+  float cmax = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) {
+    s[t] *= scale;
+    cmax = std::max(cmax, s[t]);
+  }
+  const float new_max = std::max(*mx, cmax);
+  const float corr = Exp(*mx - new_max);
+  *den *= corr;
+  const int hd8 = hd & ~7;
+  const __m256 c = _mm256_set1_ps(corr);
+  for (int d = 0; d < hd8; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), c));
+  for (int d = hd8; d < hd; ++d) acc[d] *= corr;
+  alignas(32) float e[16], pr[16];
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    const int cnt = std::min(16, n - t0);
+    for (int t = 0; t < cnt; ++t) e[t] = s[t0 + t] - new_max;
+    ExpArrayAvx2(e, cnt, pr);
+    for (int t = 0; t < cnt; ++t) {
+      *den += pr[t];
+      const float* vt = v + static_cast<int64_t>(t0 + t) * hd;
+      const __m256 p = _mm256_set1_ps(pr[t]);
+      for (int d = 0; d < hd8; d += 8) {
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d),
+                                                _mm256_mul_ps(p, _mm256_loadu_ps(vt + d))));
+      }
+      for (int d = hd8; d < hd; ++d) acc[d] += pr[t] * vt[d];
+    }
+  }
+  *mx = new_max;
+}
+
+template <class WT>
+KVB_AVX2 void WidenAvx2(const WT* w, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, Load8(w + i));
+  for (; i < n; ++i) out[i] = WidenOne(w + i);
+}
+
 // ---------- dispatch ----------
 
 bool CpuHas(const char* feature) {
@@ -563,15 +685,54 @@ float Dot(const float* a, const float* b, int k) {
 
 const char* KernelPath() { return KernelIsaName(DefaultKernelIsa()); }
 
+void ExpArrayWith(KernelIsa isa, const float* x, int n, float* y) {
+  if (isa == KernelIsa::kPortable) {
+    for (int i = 0; i < n; ++i) y[i] = Exp(x[i]);
+    return;
+  }
+  ExpArrayAvx2(x, n, y);
+}
+void SiluMulWith(KernelIsa isa, float* gate, const float* up, int64_t n) {
+  if (isa == KernelIsa::kPortable) {
+    SiluMulPortable(gate, up, n);
+    return;
+  }
+  SiluMulAvx2(gate, up, n);
+}
+void OnlineSoftmaxChunkWith(KernelIsa isa, float* s, int n, float scale, const float* v, int hd,
+                            float* mx, float* den, float* acc) {
+  if (isa == KernelIsa::kPortable) {
+    OnlineSoftmaxChunkPortable(s, n, scale, v, hd, mx, den, acc);
+    return;
+  }
+  OnlineSoftmaxChunkAvx2(s, n, scale, v, hd, mx, den, acc);
+}
+void ExpArray(const float* x, int n, float* y) { ExpArrayWith(DefaultKernelIsa(), x, n, y); }
+void SiluMul(float* gate, const float* up, int64_t n) {
+  SiluMulWith(DefaultKernelIsa(), gate, up, n);
+}
+void OnlineSoftmaxChunk(float* s, int n, float scale, const float* v, int hd, float* mx, float* den,
+                        float* acc) {
+  OnlineSoftmaxChunkWith(DefaultKernelIsa(), s, n, scale, v, hd, mx, den, acc);
+}
+
 void WidenWeights(WeightPtr w, int64_t n, float* out) {
   switch (w.type) {
     case WeightType::kF32:
       if (n > 0) std::memcpy(out, w.data, static_cast<size_t>(n) * 4);
       return;
     case WeightType::kBf16:
+      if (KernelIsaSupported(KernelIsa::kAvx2)) {
+        WidenAvx2(static_cast<const Bf16*>(w.data), n, out);
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) out[i] = WidenOne(static_cast<const Bf16*>(w.data) + i);
       return;
     case WeightType::kF16:
+      if (KernelIsaSupported(KernelIsa::kAvx2)) {
+        WidenAvx2(static_cast<const Fp16*>(w.data), n, out);
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) out[i] = WidenOne(static_cast<const Fp16*>(w.data) + i);
       return;
   }

@@ -72,4 +72,24 @@ const char* KernelPath();
 /// Widens `n` weights starting at `w` to fp32 (exact).
 void WidenWeights(WeightPtr w, int64_t n, float* out);
 
+// ---- element-wise kernels of the forward pass: every operation separately rounded (no fma),
+// in the order written, so vector and scalar paths give the same bits (tested) ----
+
+/// y[i] = model_internal::Exp(x[i]) (numerics.h), bitwise.
+void ExpArray(const float* x, int n, float* y);
+/// gate[i] = gate[i] / (1 + Exp(-gate[i])) * up[i] (SiLU(gate) * up, HF order).
+void SiluMul(float* gate, const float* up, int64_t n);
+/// One chunk of the online softmax of one query head over `n` KV positions:
+///   s[t] *= scale (t < n); m = max(*mx, max_t s[t]); c = Exp(*mx - m);
+///   *den *= c; acc[d] *= c (d < hd);
+///   for t ascending: p = Exp(s[t] - m); *den += p; acc[d] += p * v[t * hd + d];
+///   *mx = m.
+void OnlineSoftmaxChunk(float* s, int n, float scale, const float* v, int hd, float* mx, float* den,
+                        float* acc);
+/// The three above on a given path (tests).
+void ExpArrayWith(KernelIsa isa, const float* x, int n, float* y);
+void SiluMulWith(KernelIsa isa, float* gate, const float* up, int64_t n);
+void OnlineSoftmaxChunkWith(KernelIsa isa, float* s, int n, float scale, const float* v, int hd,
+                            float* mx, float* den, float* acc);
+
 }  // namespace kvbridge::model_internal

@@ -175,5 +175,63 @@ TEST(MatMulNT, NarrowWeightsEqualTheirFp32Widening) {
   }
 }
 
+// The vector exp is model_internal::Exp bitwise: a dense sweep of [-110, 95] (every special
+// branch: underflow to 0, the two-step subnormal range, the k = 128 overflow step, inf) plus
+// +-inf and NaN.
+TEST(ElementwiseKernels, ExpArrayBitwiseEqualToExp) {
+  std::vector<float> x;
+  for (float v = -110.0f; v < 95.0f; v += 0.0037f) x.push_back(v);
+  for (float v :
+       {0.0f, -0.0f, 88.72283935546875f, 88.7228f, -103.972084045410156f, -87.3f, -87.4f, -100.5f,
+        std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+        std::numeric_limits<float>::quiet_NaN(), 1e-30f, -1e-30f}) {
+    x.push_back(v);
+  }
+  for (KernelIsa isa : {KernelIsa::kPortable, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (!KernelIsaSupported(isa)) continue;
+    std::vector<float> y(x.size());
+    ExpArrayWith(isa, x.data(), static_cast<int>(x.size()), y.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float want = Exp(x[i]);
+      ASSERT_EQ(0, std::memcmp(&y[i], &want, 4))
+          << KernelIsaName(isa) << " x=" << x[i] << " got " << y[i] << " want " << want;
+    }
+  }
+}
+
+TEST(ElementwiseKernels, SiluMulAndOnlineSoftmaxBitwiseEqualToPortable) {
+  std::mt19937 rng(21);
+  for (KernelIsa isa : {KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (!KernelIsaSupported(isa)) continue;
+    for (int n : {1, 7, 8, 37, 1000}) {
+      auto g = RandomVec(n, rng), up = RandomVec(n, rng);
+      for (auto& v : g) v *= 30.0f;
+      auto a = g, b = g;
+      SiluMulWith(isa, a.data(), up.data(), n);
+      SiluMulWith(KernelIsa::kPortable, b.data(), up.data(), n);
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), n * 4)) << KernelIsaName(isa) << " n" << n;
+    }
+    for (int hd : {16, 64, 67}) {
+      for (int n : {1, 5, 16}) {
+        auto v = RandomVec(static_cast<size_t>(n) * hd, rng);
+        auto s0 = RandomVec(n, rng);
+        for (auto& e : s0) e *= 40.0f;
+        auto acc0 = RandomVec(hd, rng);
+        for (float mx0 : {-std::numeric_limits<float>::infinity(), 3.0f, 90.0f}) {
+          auto sa = s0, sb = s0, acca = acc0, accb = acc0;
+          float mxa = mx0, mxb = mx0, dena = 2.5f, denb = 2.5f;
+          OnlineSoftmaxChunkWith(isa, sa.data(), n, 0.125f, v.data(), hd, &mxa, &dena, acca.data());
+          OnlineSoftmaxChunkWith(KernelIsa::kPortable, sb.data(), n, 0.125f, v.data(), hd, &mxb,
+                                 &denb, accb.data());
+          ASSERT_EQ(0, std::memcmp(acca.data(), accb.data(), hd * 4)) << hd << " " << n;
+          ASSERT_EQ(0, std::memcmp(sa.data(), sb.data(), n * 4));
+          ASSERT_EQ(0, std::memcmp(&mxa, &mxb, 4));
+          ASSERT_EQ(0, std::memcmp(&dena, &denb, 4));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvbridge::model_internal

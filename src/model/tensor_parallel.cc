@@ -442,10 +442,7 @@ Status TensorParallelModel::Impl::ForwardTp(const ForwardBatch& batch,
 
       linear(rl.w_gate, {}, imc, gate.data());
       linear(rl.w_up, {}, imc, up.data());
-      for (size_t e = 0; e < gate.size(); ++e) {
-        const float g = gate[e];
-        gate[e] = g / (1.0f + model_internal::Exp(-g)) * up[e];
-      }
+      model_internal::SiluMul(gate.data(), up.data(), static_cast<int64_t>(gate.size()));
       shard_partials(gate.data(), rl.w_down, c.intermediate_size, s.im_begin, imc);
       barrier->arrive_and_wait();
       const bool last = layer + 1 == c.num_hidden_layers;
