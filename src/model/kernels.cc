@@ -330,20 +330,118 @@ KVB_AVX512 KVB_INLINE void PairTile(const float* xp, int64_t pair_stride, const 
   for (int i = 0; i < RP; ++i) _mm512_store_ps(res + i * 16, ReducePairPanel(acc[i]));
 }
 
+// Small m (decode, attention): one zmm holds the 8-lane accumulators of one row against two
+// columns [col 2q | col 2q+1]; the two columns' 8 weights are loaded, joined and widened into
+// one zmm, the row's 8 x values broadcast to both halves. MR rows x CP column pairs per tile.
+template <class WT>
+KVB_AVX512 KVB_INLINE __m512 Load16(const WT* a, const WT* b);
+template <>
+KVB_AVX512 KVB_INLINE __m512 Load16(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+template <>
+KVB_AVX512 KVB_INLINE __m512 Load16(const Bf16* a, const Bf16* b) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+KVB_AVX512 KVB_INLINE __m512 Load16(const Fp16* a, const Fp16* b) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+template <int MR, int CP, class WT>
+KVB_AVX512 KVB_INLINE void ColPairTile(const float* x, int ldx, const WT* w, int ldw, int k,
+                                       float* y, int ldy) {
+  constexpr int kAcc = MR * CP, kPad = (kAcc + 7) / 8 * 8;
+  __m512 acc[kPad];
+#pragma GCC unroll 32
+  for (int q = 0; q < kPad; ++q) acc[q] = _mm512_setzero_ps();
+  const int k8 = k & ~7;
+  for (int p = 0; p < k8; p += 8) {
+    __m512 wv[CP];
+#pragma GCC unroll 16
+    for (int q = 0; q < CP; ++q) {
+      wv[q] = Load16(w + static_cast<int64_t>(2 * q) * ldw + p,
+                     w + static_cast<int64_t>(2 * q + 1) * ldw + p);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xb =
+          _mm512_broadcast_f32x8(_mm256_loadu_ps(x + static_cast<int64_t>(i) * ldx + p));
+#pragma GCC unroll 16
+      for (int q = 0; q < CP; ++q) acc[i * CP + q] = _mm512_fmadd_ps(xb, wv[q], acc[i * CP + q]);
+    }
+  }
+  alignas(64) float res[kPad * 2];
+#pragma GCC unroll 4
+  for (int g = 0; g < kPad / 8; ++g) _mm512_store_ps(res + 16 * g, ReducePairPanel(acc + 8 * g));
+  // res[16g + e] / res[16g + 8 + e]: the first / second column of accumulator 8g + e.
+  for (int a = 0; a < kAcc; ++a) {
+    const int i = a / CP, q = a % CP;
+    for (int h = 0; h < 2; ++h) {
+      float s = res[16 * (a / 8) + 8 * h + a % 8];
+      const int col = 2 * q + h;
+      const WT* wc = w + static_cast<int64_t>(col) * ldw;
+      const float* xr = x + static_cast<int64_t>(i) * ldx;
+      for (int p = k8; p < k; ++p) s = std::fma(xr[p], WidenOne(wc + p), s);
+      y[static_cast<int64_t>(i) * ldy + col] = s;
+    }
+  }
+}
+
+// MR rows: tiles of CP column pairs, the columns left over through the ymm tiles.
+template <int MR, int CP, class WT>
+KVB_AVX512 KVB_INLINE void ColPairRows(const float* x, int ldx, const WT* w, int n, int ldw, int k,
+                                       float* y, int ldy) {
+  int j = 0;
+  for (; j + 2 * CP <= n; j += 2 * CP) {
+    ColPairTile<MR, CP>(x, ldx, w + static_cast<int64_t>(j) * ldw, ldw, k, y + j, ldy);
+  }
+  if (j < n)
+    YmmDriver<2, 8>(x, MR, ldx, w + static_cast<int64_t>(j) * ldw, n - j, ldw, k, y + j, ldy);
+}
+
+template <class WT>
+KVB_AVX512 void SmallAvx512(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
+                            float* y, int ldy) {
+  int i = 0;
+  while (i < m) {
+    const int rem = m - i;
+    const float* xi = x + static_cast<int64_t>(i) * ldx;
+    float* yi = y + static_cast<int64_t>(i) * ldy;
+    if (rem >= 8) {
+      ColPairRows<8, 3>(xi, ldx, w, n, ldw, k, yi, ldy);
+      i += 8;
+    } else if (rem >= 4) {
+      ColPairRows<4, 6>(xi, ldx, w, n, ldw, k, yi, ldy);
+      i += 4;
+    } else if (rem >= 2) {
+      ColPairRows<2, 8>(xi, ldx, w, n, ldw, k, yi, ldy);
+      i += 2;
+    } else {
+      ColPairRows<1, 12>(xi, ldx, w, n, ldw, k, yi, ldy);
+      i += 1;
+    }
+  }
+}
+
 constexpr int kMaxBlockChunks = 128;  // K block: a packed 8-column panel is <= 32 KB (L1)
 
 template <class WT>
 KVB_AVX512 void MatMulAvx512(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
                              float* y, int ldy) {
   const int nch = k / 8, k8 = nch * 8;
-  if (m < kBigRows || nch == 0) {
-    if (m >= 8) {
-      YmmDriver<8, 3>(x, m, ldx, w, n, ldw, k, y, ldy);
-    } else if (m >= 4) {
-      YmmDriver<4, 5>(x, m, ldx, w, n, ldw, k, y, ldy);
-    } else {
-      YmmDriver<2, 8>(x, m, ldx, w, n, ldw, k, y, ldy);
-    }
+  if (nch == 0) {
+    YmmDriver<2, 8>(x, m, ldx, w, n, ldw, k, y, ldy);
+    return;
+  }
+  if (m < kBigRows) {
+    SmallAvx512(x, m, ldx, w, n, ldw, k, y, ldy);
     return;
   }
   const int64_t pair_stride = static_cast<int64_t>(nch) * 16;  // floats per packed pair
