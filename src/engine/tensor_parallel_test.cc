@@ -198,8 +198,9 @@ TEST(EngineTensorParallel, RankWeightBytesGauge) {
   config.tensor_parallel_size = 2;
   auto core = MakeCore(config, &metrics);
   ASSERT_NE(core, nullptr);
-  // tiny llama per layer: q 64x64, k/v 32x64, o 64x64, gate/up/down 128x64; 2 layers; halved.
-  const double per_rank = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) * 4.0;
+  // tiny llama per layer: q 64x64, k/v 32x64, o 64x64, gate/up/down 128x64; 2 layers; halved;
+  // resident as stored: bf16, 2 bytes each.
+  const double per_rank = (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) * 2.0;
   const std::string text = metrics.Render();
   EXPECT_EQ(ScrapeMetric(text, "kvbridge_tp_rank_weight_bytes", "rank=\"0\""), per_rank);
   EXPECT_EQ(ScrapeMetric(text, "kvbridge_tp_rank_weight_bytes", "rank=\"1\""), per_rank);
