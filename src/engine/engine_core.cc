@@ -67,16 +67,16 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
   for (int r = 0; r < tp; ++r) {
     const size_t bytes = core->tp_model_->RankWeightBytes(r);
     if (tp > 1) {
-      KVB_LOG_INFO("engine: TP rank {}/{}: {} weight bytes owned ({:.2f} MiB), KV heads [{}, {})",
+      KVB_LOG_INFO("engine: TP rank {}/{}: {} weight bytes ({:.2f} MiB), KV heads [{}, {})",
                    r, tp, bytes, bytes / 1048576.0, core->tp_model_->kv_heads(r).begin,
                    core->tp_model_->kv_heads(r).end);
     }
     if (metrics != nullptr) {
       metrics
           ->AddGauge("kvbridge_tp_rank_weight_bytes",
-                     "Bytes of fp32 weights owned by one tensor-parallel rank (its slices of "
-                     "q/k/v/o and gate/up/down; replicated embeddings, norms and lm_head not "
-                     "counted).",
+                     "Bytes of the weights one tensor-parallel rank computes with (its slices of "
+                     "q/k/v/o and gate/up/down in their resident type, viewed in place in the "
+                     "model's weights; replicated embeddings, norms and lm_head not counted).",
                      "rank=\"" + std::to_string(r) + "\"")
           .Set(static_cast<double>(bytes));
     }
