@@ -2,8 +2,10 @@
 // LoadChatTemplates (where transformers finds a checkpoint's template).
 #include "kvbridge/model/chat_template.h"
 
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <sstream>
 
 #include "model/jinja/ast.h"
@@ -92,6 +94,11 @@ Result<std::string> RenderImpl(const std::shared_ptr<const ChatTemplate::Impl>& 
     return interp.Render(*impl->root, std::move(vars));
   } catch (const jinja::Error& e) {
     return ToStatus(e, impl->origin);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("chat template " + impl->origin + ": out of memory");
+  } catch (const std::exception& e) {
+    // A bug of the interpreter (the fuzz target traps on it); never let it reach the server.
+    return InternalError("chat template " + impl->origin + ": internal error: " + e.what());
   }
 }
 
@@ -135,6 +142,8 @@ Result<ChatTemplate> ChatTemplate::Parse(std::string_view source_text, std::stri
                                       kMaxParseDepth);
   } catch (const jinja::Error& e) {
     return ToStatus(e, impl->origin);
+  } catch (const std::exception& e) {
+    return InternalError("chat template " + impl->origin + ": internal error: " + e.what());
   }
   return ChatTemplate(std::move(impl));
 }

@@ -215,6 +215,13 @@ std::vector<Case> InterpreterSuite() {
       {"loop_cycle", "{% for x in range(5) %}{{ loop.cycle('a','b','c') }}{% endfor %}"},
       {"loop_changed",
        "{% for x in [1, 1, 2, 2, 1] %}{% if loop.changed(x) %}{{ x }}{% endif %}{% endfor %}"},
+      {"recursive_loop",
+       "{% for item in [{'n': 'a', 'c': [{'n': 'b', 'c': [{'n': 'c'}]}, {'n': 'd'}]}, {'n': 'e'}] "
+       "recursive %}{{ loop.depth }}{{ loop.depth0 }}{{ item.n }}{% if item.c %}[{{ loop(item.c) "
+       "}}]{% endif %}{{ loop.index }}{% endfor %}"},
+      {"recursive_loop_filter",
+       "{% for x in [[1, [2, 3]], 4, []] recursive if x != 2 %}{% if x is iterable %}({{ loop(x) "
+       "}}){% else %}{{ x }}{% endif %}{% else %}-{% endfor %}"},
       {"unpack",
        "{% for a, b in [[1,2],[3,4]] %}{{ a }}{{ b }}{% endfor %}{% for (a, b) in [(5, 6)] %}{{ a "
        "+ b }}{% endfor %}"},

@@ -365,6 +365,17 @@ std::string Pad(Interpreter& in, const std::string& s, int64_t width, char32_t f
   return out;
 }
 
+// A run of decimal digits as an int; fails (no exception of the standard library) when too big.
+int64_t DigitsToInt(const std::string& digits) {
+  int64_t v = 0;
+  for (char c : digits) {
+    if (v > (INT64_MAX - 9) / 10)
+      Fail("integer overflow (kvbridge's templates use 64-bit integers)");
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
 const Value& Need(const CallArgs& a, size_t i, const char* name, const char* fn) {
   const Value* v = a.Get(i, name);
   if (v == nullptr) {
@@ -605,7 +616,7 @@ std::string StrFormat(Interpreter& in, const std::string& fmt, const CallArgs& a
       v = a.args[auto_index++];
     } else if (std::all_of(head.begin(), head.end(),
                            [](char ch) { return ch >= '0' && ch <= '9'; })) {
-      size_t idx = std::stoul(head);
+      size_t idx = static_cast<size_t>(DigitsToInt(head));
       if (idx >= a.args.size())
         Fail("Replacement index " + head + " out of range for positional args tuple");
       v = a.args[idx];
@@ -630,7 +641,7 @@ std::string StrFormat(Interpreter& in, const std::string& fmt, const CallArgs& a
         std::string key = field.substr(p + 1, q - p - 1);
         bool digits = !key.empty() && std::all_of(key.begin(), key.end(),
                                                   [](char ch) { return ch >= '0' && ch <= '9'; });
-        v = in.GetItem(v, digits ? Value::Int(std::stoll(key)) : Value::String(key));
+        v = in.GetItem(v, digits ? Value::Int(DigitsToInt(key)) : Value::String(key));
         p = q + 1;
       }
     }
@@ -683,8 +694,8 @@ std::string PercentFormat(Interpreter& in, const std::string& format, const Valu
     std::string width, precision;
     bool has_precision = false;
     if (i < format.size() && format[i] == '*') {
-      width = std::to_string(IntArg(&positional.at(next), 0, "*"));
-      take();
+      Value w = take();
+      width = std::to_string(IntArg(&w, 0, "*"));
       ++i;
     }
     while (i < format.size() && std::isdigit(static_cast<unsigned char>(format[i])))
@@ -948,7 +959,7 @@ Value GetPath(Interpreter& in, const Value& item, const std::string& path) {
         path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
     bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
                                                [](char c) { return c >= '0' && c <= '9'; });
-    v = in.GetItem(v, digits ? Value::Int(std::stoll(part)) : Value::String(part));
+    v = in.GetItem(v, digits ? Value::Int(DigitsToInt(part)) : Value::String(part));
     if (dot == std::string::npos) return v;
     start = dot + 1;
   }

@@ -245,8 +245,13 @@ Interpreter::Flow Interpreter::Exec(const Node& n, std::string& out) {
 }
 
 Interpreter::Flow Interpreter::ExecFor(const Node& n, std::string& out) {
+  return RunLoop(n, Eval(*n.kids[1]), out, 1, scope_);
+}
+
+Interpreter::Flow Interpreter::RunLoop(const Node& n, const Value& iterable, std::string& out,
+                                       int depth, const std::shared_ptr<Scope>& outer) {
   const Node& target = *n.kids[0];
-  ValueList items = Iterate(Eval(*n.kids[1]));
+  ValueList items = Iterate(iterable);
   if (n.kids[2]) {
     ValueList kept;
     for (Value& item : items) {
@@ -282,8 +287,8 @@ Interpreter::Flow Interpreter::ExecFor(const Node& n, std::string& out) {
     attr("first", Value::Bool(i == 0));
     attr("last", Value::Bool(i == length - 1));
     attr("length", Value::Int(length));
-    attr("depth", Value::Int(1));
-    attr("depth0", Value::Int(0));
+    attr("depth", Value::Int(depth));
+    attr("depth0", Value::Int(depth - 1));
     attr("previtem",
          i > 0 ? items[static_cast<size_t>(i - 1)] : Value::Undefined("there is no previous item"));
     attr("nextitem", i + 1 < length ? items[static_cast<size_t>(i + 1)]
@@ -313,7 +318,36 @@ Interpreter::Flow Interpreter::ExecFor(const Node& n, std::string& out) {
     changed_v.kind = Kind::kCallable;
     changed_v.fn = std::move(changed);
     attr("changed", std::move(changed_v));
-    scope_->Set("loop", Value::Object("LoopContext", std::move(loop)));
+    Value loop_v = Value::Object("LoopContext", std::move(loop));
+    if (n.recursive) {
+      // loop(items): the loop body again over `items`, one level deeper, in the loop's scope
+      auto again = std::make_shared<Callable>();
+      again->name = "loop";
+      const Node* node = &n;
+      std::shared_ptr<Scope> loop_scope = outer;
+      again->fn = [node, depth, loop_scope](Interpreter& in, const CallArgs& a) -> Value {
+        if (a.args.size() != 1)
+          Fail("loop() takes exactly one argument (the items to recurse into)");
+        if (depth >= in.limits_.max_depth) {
+          throw Error{"recursive loops nest deeper than " + std::to_string(in.limits_.max_depth), 0,
+                      false, true};
+        }
+        std::shared_ptr<Scope> saved = in.scope_;
+        in.scope_ = loop_scope;
+        std::string text;
+        try {
+          in.RunLoop(*node, a.args[0], text, depth + 1, loop_scope);
+        } catch (...) {
+          in.scope_ = saved;
+          throw;
+        }
+        in.scope_ = saved;
+        return Value::String(std::move(text));
+      };
+      Track(again);
+      loop_v.fn = std::move(again);
+    }
+    scope_->Set("loop", std::move(loop_v));
     Flow f = ExecBody(*n.kids[3], out);
     if (f == Flow::kBreak) break;
   }
@@ -434,7 +468,9 @@ Value Interpreter::MakeMacro(const Node& macro, std::shared_ptr<Scope> closure, 
 
 Value Interpreter::Call(const Value& callee, const CallArgs& args) {
   budget_.Step();
-  if (callee.kind == Kind::kCallable) return callee.fn->fn(*this, args);
+  if (callee.kind == Kind::kCallable || (callee.kind == Kind::kObject && callee.fn)) {
+    return callee.fn->fn(*this, args);
+  }
   if (callee.is_undefined()) FailUndefined(callee);
   Fail("'" + TypeName(callee) + "' object is not callable");
 }

@@ -72,6 +72,8 @@ class Interpreter {
   Flow Exec(const Node& n, std::string& out);
   Flow ExecBody(const Node& body, std::string& out);
   Flow ExecFor(const Node& n, std::string& out);
+  Flow RunLoop(const Node& n, const Value& iterable, std::string& out, int depth,
+               const std::shared_ptr<Scope>& outer);
   Value Eval(const Node& n);
   Value EvalImpl(const Node& n);
   Value EvalBinary(const std::string& op, const Value& a, const Value& b);

@@ -841,7 +841,7 @@ class Parser {
     } else {
       n->kids.push_back(nullptr);
     }
-    if (SkipName("recursive")) Fail("recursive loops are not supported in chat templates", line);
+    n->recursive = SkipName("recursive");
     ExpectBlockEnd();
     ++loop_depth_;
     n->kids.push_back(Body(ParseStatements({"endfor", "else"}), line));
