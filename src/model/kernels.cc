@@ -225,6 +225,17 @@ KVB_AVX2 void WidenColumns(const WT* w, int ldw, int nc, int k, float* out) {
 // AVX2 path: 4 x 3 tiles (12 accumulators + 3 weight vectors + 1 x vector = 16 ymm). With
 // many rows, narrow weights are first widened into an fp32 block of columns reused by every
 // row tile.
+// Blocks of 64 rows: a block of x stays in L2 while the column tiles sweep over it.
+template <class WT>
+KVB_AVX2 void Avx2RowBlocks(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
+                            float* y, int ldy) {
+  constexpr int kRowBlock = 64;
+  for (int i0 = 0; i0 < m; i0 += kRowBlock) {
+    YmmDriver<4, 3>(x + static_cast<int64_t>(i0) * ldx, std::min(kRowBlock, m - i0), ldx, w, n, ldw,
+                    k, y + static_cast<int64_t>(i0) * ldy, ldy);
+  }
+}
+
 template <class WT>
 KVB_AVX2 void MatMulAvx2(const float* x, int m, int ldx, const WT* w, int n, int ldw, int k,
                          float* y, int ldy) {
@@ -232,20 +243,16 @@ KVB_AVX2 void MatMulAvx2(const float* x, int m, int ldx, const WT* w, int n, int
     YmmDriver<2, 4>(x, m, ldx, w, n, ldw, k, y, ldy);
     return;
   }
-  if constexpr (std::is_same_v<WT, float>) {
-    YmmDriver<4, 3>(x, m, ldx, w, n, ldw, k, y, ldy);
-  } else {
-    if (m < 16) {
-      YmmDriver<4, 3>(x, m, ldx, w, n, ldw, k, y, ldy);
-      return;
-    }
-    const int cols = std::max(3, std::min(n, (1 << 17) / std::max(k, 1) / 3 * 3));
-    float* buf = tl_wpack.Get(static_cast<size_t>(cols) * k);
-    for (int j0 = 0; j0 < n; j0 += cols) {
-      const int nc = std::min(cols, n - j0);
-      WidenColumns(w + static_cast<int64_t>(j0) * ldw, ldw, nc, k, buf);
-      YmmDriver<4, 3>(x, m, ldx, buf, nc, k, k, y + j0, ldy);
-    }
+  if (std::is_same_v<WT, float> || m < 16) {
+    Avx2RowBlocks(x, m, ldx, w, n, ldw, k, y, ldy);
+    return;
+  }
+  const int cols = std::max(3, std::min(n, (1 << 17) / std::max(k, 1) / 3 * 3));
+  float* buf = tl_wpack.Get(static_cast<size_t>(cols) * k);
+  for (int j0 = 0; j0 < n; j0 += cols) {
+    const int nc = std::min(cols, n - j0);
+    WidenColumns(w + static_cast<int64_t>(j0) * ldw, ldw, nc, k, buf);
+    Avx2RowBlocks(x, m, ldx, static_cast<const float*>(buf), nc, k, k, y + j0, ldy);
   }
 }
 
