@@ -457,7 +457,8 @@ std::vector<Case> InterpreterSuite() {
       {"err_str_int_concat", "{{ 'a' + 1 }}"},
       {"err_split_empty", "{{ 'a'.split('') }}"},
       {"err_items_non_mapping", "{{ [1] | items | list }}"},
-      {"int_inf", "{{ 'inf' | int }} {{ 'nan' | int(5) }} {{ '-1e400' | float }}"},
+      // ('inf' | int is the default since Jinja2 3.1.5, an OverflowError in Debian 12's 3.1.2)
+      {"int_inf", "{{ 'nan' | int(5) }} {{ '-1e400' | float }}"},
       {"err_int_float_inf", "{{ ('inf' | float) | int }}"},
       // syntax errors
       {"syn_no_endif", "{% if x %}\nabc\n"},
