@@ -1,7 +1,14 @@
-// Benchmarks of the model module (not timed tests). Figures go into docs/model.md:
-//   build/src/model/model_bench   (or build/bin/model_bench)
-// - BM_PeakFma: the machine's single-core fp32 peak, an 8-wide FMA throughput loop;
-// - BM_MatMul: our fixed-order kernel, one thread, in GFLOP/s (compare with BM_PeakFma);
+// Benchmarks of the model module (not timed tests). Figures and the exact command are in
+// docs/model.md "Figures":
+//   OPENBLAS_NUM_THREADS=1 build/bin/model_bench [--benchmark_filter=...]
+// - BM_PeakFma/<threads>/<zmm>: FMA throughput with independent accumulators (1 thread ymm and
+//   zmm, all cores zmm), thread CPU time;
+// - BM_ReadBandwidth/<threads>: STREAM-like read of a 1 GiB buffer (1 thread, all cores);
+// - BM_MatMul/M/N/K/<bf16>: our kernel (default path; KVBRIDGE_KERNEL picks another) vs
+//   OpenBLAS sgemm on the same values, alternating, one thread, with the ratio;
+// - BM_QwenDecode/<batch>/<context>, BM_QwenPrefill/<tokens>: qwen2.5-0.5b shapes (random bf16
+//   weights, resident as stored; KVBRIDGE_BENCH_QWEN_DIR reuses a `make-model` directory), all
+//   cores, decode against the roofline measured in the same run;
 // - BM_Prefill / BM_Decode: the `small` preset, tokens/s, bf16 KV, all cores.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
