@@ -161,6 +161,28 @@ Result<std::string> ChatTemplate::Render(const nlohmann::json& context,
 const std::string& ChatTemplate::source() const { return impl_->source; }
 const std::string& ChatTemplate::origin() const { return impl_->origin; }
 
+nlohmann::ordered_json MakeChatTemplateContext(const ChatTemplates& templates,
+                                               const nlohmann::ordered_json& messages,
+                                               const nlohmann::ordered_json& tools,
+                                               bool add_generation_prompt,
+                                               const nlohmann::ordered_json& chat_template_kwargs) {
+  nlohmann::ordered_json ctx = templates.special_tokens;
+  if (!ctx.is_object()) ctx = nlohmann::ordered_json::object();
+  ctx["messages"] = messages;
+  ctx["tools"] = tools;
+  ctx["documents"] = nullptr;
+  ctx["add_generation_prompt"] = add_generation_prompt;
+  if (chat_template_kwargs.is_object()) {
+    for (auto it = chat_template_kwargs.begin(); it != chat_template_kwargs.end(); ++it) {
+      const std::string& k = it.key();
+      if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt")
+        continue;
+      ctx[k] = it.value();
+    }
+  }
+  return ctx;
+}
+
 const ChatTemplate* ChatTemplates::Select(std::string_view name, bool has_tools) const {
   auto find = [&](std::string_view n) -> const ChatTemplate* {
     for (const auto& [k, t] : templates) {

@@ -552,6 +552,17 @@ TEST(ChatTemplate, LimitsStopRunawayTemplates) {
   EXPECT_EQ(t.status().code(), StatusCode::kResourceExhausted);
 }
 
+TEST(ChatTemplate, ContextIsBuiltAsTransformersDoes) {
+  ChatTemplates t;
+  t.special_tokens = {{"bos_token", "<s>"}, {"eos_token", "</s>"}};
+  Json ctx =
+      MakeChatTemplateContext(t, Json::array(), nullptr, true,
+                              {{"enable_thinking", false}, {"eos_token", "E"}, {"messages", 1}});
+  EXPECT_EQ(ctx.dump(),
+            R"({"bos_token":"<s>","eos_token":"E","messages":[],"tools":null,"documents":null,)"
+            R"("add_generation_prompt":true,"enable_thinking":false})");
+}
+
 TEST(ChatTemplate, KeyOrderOfOrderedJsonIsKept) {
   Result<ChatTemplate> t = ChatTemplate::Parse("{{ tool | tojson }}", "t");
   ASSERT_TRUE(t.ok());
@@ -640,10 +651,10 @@ std::vector<Case> RealTemplateCases(const fs::path& dir, const std::string& mode
   for (const auto& [name, conv] : ConversationTable()) {
     for (bool gen : {false, true}) {
       for (int thinking : {-1, 0, 1}) {
-        Json ctx = loaded->special_tokens;
-        for (auto it = conv.begin(); it != conv.end(); ++it) ctx[it.key()] = it.value();
-        ctx["add_generation_prompt"] = gen;
-        if (thinking >= 0) ctx["enable_thinking"] = thinking == 1;
+        Json kwargs = nullptr;
+        if (thinking >= 0) kwargs = {{"enable_thinking", thinking == 1}};
+        Json ctx = MakeChatTemplateContext(*loaded, conv["messages"], conv.value("tools", Json()),
+                                           gen, kwargs);
         cases.push_back({model + "/" + name + (gen ? "/gen" : "") +
                              (thinking < 0 ? ""
                               : thinking   ? "/think"

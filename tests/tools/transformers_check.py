@@ -53,10 +53,11 @@ def main():
         model = c["name"].split("/")[0]
         ctx = dict(c["context"])
         kwargs = {k: v for k, v in ctx.items()
-                  if k not in ("messages", "tools", "add_generation_prompt") and k not in SPECIAL}
+                  if k not in ("messages", "tools", "documents", "add_generation_prompt")
+                  and k not in SPECIAL}
         try:
             hf = tokenizers[model].apply_chat_template(
-                ctx["messages"], tools=ctx.get("tools"), tokenize=False,
+                ctx["messages"], tools=ctx.get("tools"), documents=ctx.get("documents"), tokenize=False,
                 add_generation_prompt=ctx["add_generation_prompt"], **kwargs)
             hf_ok = True
         except Exception as e:  # noqa: BLE001

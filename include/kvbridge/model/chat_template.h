@@ -10,10 +10,11 @@
 //   ASSIGN_OR_RETURN(ChatTemplates templates, LoadChatTemplates(model_dir, flag_chat_template));
 //   const ChatTemplate* t = templates.Select("", /*has_tools=*/false);
 //   if (t == nullptr) { ... the model has no template: keep the plain format ... }
-//   nlohmann::ordered_json ctx = templates.special_tokens;   // bos_token, eos_token, ...
-//   ctx["messages"] = request["messages"];                   // ordered_json keeps key order
-//   ctx["add_generation_prompt"] = true;
-//   for (auto& [k, v] : request["chat_template_kwargs"].items()) ctx[k] = v;
+//   // request: nlohmann::ordered_json (keeps the client's key order, which tojson shows)
+//   auto ctx = MakeChatTemplateContext(templates, request["messages"], request.value("tools",
+//   nullptr),
+//                                      /*add_generation_prompt=*/true,
+//                                      request.value("chat_template_kwargs", nullptr));
 //   Result<std::string> prompt = t->Render(ctx);
 //   if (IsChatTemplateRejection(prompt.status())) ... HTTP 400 with ChatTemplateRejectionMessage
 //
@@ -100,6 +101,15 @@ struct ChatTemplates {
   /// request has tools and such a template exists; else "default"; nullptr when none.
   const ChatTemplate* Select(std::string_view name, bool has_tools) const;
 };
+
+/// The context transformers' apply_chat_template renders with: `templates.special_tokens`, then
+/// `messages`, `tools` (null when the request has none, as transformers passes tools=None),
+/// `documents` (null), `add_generation_prompt`, then the request's `chat_template_kwargs` (an
+/// object or null; its keys override special tokens but never the four above).
+nlohmann::ordered_json MakeChatTemplateContext(
+    const ChatTemplates& templates, const nlohmann::ordered_json& messages,
+    const nlohmann::ordered_json& tools, bool add_generation_prompt,
+    const nlohmann::ordered_json& chat_template_kwargs = nullptr);
 
 /// Loads the chat templates of the Hugging Face model directory `model_dir`, in transformers'
 /// order of precedence: `override_template` (vLLM's --chat-template: a file path, or, when no
