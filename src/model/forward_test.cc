@@ -1,8 +1,11 @@
 // Forward pass: against a double-precision reference, and the invariance property
 // (DESIGN.md "The model and its numerics") for every KV dtype.
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -456,6 +459,63 @@ INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest,
                                   (std::get<1>(info.param) == WeightDtype::kFloat32 ? "_fp32w"
                                                                                     : "_bf16w");
                          });
+
+// The fingerprint is XXH3-128 over the canonical config and, in name order, each tensor's name
+// (with its NUL), shape and fp32 values — computed here the direct way (whole tensors read as
+// fp32) and equal to the streamed hash of the bf16-resident and the fp32-converted model.
+TEST(ModelLoad, FingerprintIsOverTheStoredFp32Values) {
+  TempDir dir;
+  auto stored = MakeAndLoad(dir.path(), "tiny", ModelArch::kQwen3, 4);
+  ASSERT_NE(stored, nullptr);
+  auto fp32 = Model::Load(dir.path(), {.num_threads = 1, .dtype = WeightDtype::kFloat32});
+  ASSERT_TRUE(fp32.ok());
+  auto store = TensorStore::OpenDir(dir.path());
+  ASSERT_TRUE(store.ok());
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_128bits_reset(st);
+  const std::string canonical = stored->config().ToJson("").dump();
+  XXH3_128bits_update(st, canonical.data(), canonical.size());
+  model_internal::Weights unused;
+  auto slots = model_internal::TensorSlots(stored->config(), &unused);
+  std::sort(slots.begin(), slots.end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
+  for (const auto& slot : slots) {
+    auto values = store->ReadFloat32(slot.name, slot.shape);
+    ASSERT_TRUE(values.ok()) << slot.name;
+    XXH3_128bits_update(st, slot.name.data(), slot.name.size() + 1);
+    XXH3_128bits_update(st, slot.shape.data(), slot.shape.size() * sizeof(int64_t));
+    XXH3_128bits_update(st, values->data(), values->size() * sizeof(float));
+  }
+  const XXH128_hash_t d = XXH3_128bits_digest(st);
+  XXH3_freeState(st);
+  char hex[33];
+  std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(d.high64),
+                static_cast<unsigned long long>(d.low64));
+  EXPECT_EQ(stored->fingerprint(), hex);
+  EXPECT_EQ((*fp32)->fingerprint(), hex);
+}
+
+// The weights are views of the memory-mapped file: the model owns the mapping, so it keeps
+// computing the same logits after its directory is deleted.
+TEST(ModelLoad, MappedWeightsOutliveTheirDirectory) {
+  auto dir = std::make_unique<TempDir>();
+  auto model = MakeAndLoad(dir->path(), "tiny", ModelArch::kLlama, 2);
+  ASSERT_NE(model, nullptr);
+  const auto tokens = Prompt(9, 3);
+  auto run = [&] {
+    std::vector<float> ks, vs, logits;
+    model->KvScales(KvDtype::kFp32, &ks, &vs);
+    LocalKvCache kv(model->KvLayout(1, 16, KvDtype::kFp32), ks, vs);
+    std::vector<int32_t> table = {0};
+    ForwardBatch b;
+    b.sequences.push_back({tokens.data(), 9, 0, table.data(), 1, true});
+    EXPECT_TRUE(model->Forward(b, kv.view(), &logits).ok());
+    return logits;
+  };
+  const auto before = run();
+  dir.reset();  // unlinks model.safetensors
+  EXPECT_TRUE(BitEqual(run(), before));
+}
 
 // Weights resident as stored (bf16) and converted to fp32 hold the same values: every logit is
 // bitwise equal, the fingerprint is the same, and the resident bytes are what each type needs.
