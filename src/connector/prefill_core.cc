@@ -170,7 +170,12 @@ void PrefillCore::Reply(const ReadDoneMsg& msg, uint64_t reply_token, bool valid
                  .decode_rank = msg.decode_rank,
                  .hold_valid = valid,
                  .reason = std::move(reason)};
-  actions_.push_back(SendMessageAction{.to = {}, .msg = r, .reply_token = reply_token});
+  // Member by member: GCC 12 at -O3 reports a false -Wmaybe-uninitialized for the empty
+  // PeerEndpoint of a designated-initializer temporary here.
+  SendMessageAction reply;
+  reply.msg = std::move(r);
+  reply.reply_token = reply_token;
+  actions_.push_back(std::move(reply));
 }
 
 void PrefillCore::ApplyReadDone(Transfer& t, const std::string& transfer_id, const ReadDoneMsg& msg,

@@ -87,11 +87,16 @@ std::string GetStr(const nlohmann::json& j, const char* key) {
 }  // namespace
 
 uint64_t ComputeCompatHash(const AgentMetadata& m) {
-  std::string s = "v" + std::to_string(m.version) + "|fp=" + m.model_fingerprint +
-                  "|dt=" + DtypeStr(m.layout.dtype) + "|hd=" + std::to_string(m.layout.head_dim) +
-                  "|bs=" + std::to_string(m.layout.block_size) +
-                  "|nl=" + std::to_string(m.layout.num_layers) +
-                  "|mk=" + std::string(MemoryKindName(m.memory_kind));
+  // Appended piece by piece: GCC 12 at -O3 reports a false -Werror=restrict inside the inlined
+  // std::string operator+ chain (GCC bug 105329).
+  std::string s = "v";
+  s.append(std::to_string(m.version));
+  s.append("|fp=").append(m.model_fingerprint);
+  s.append("|dt=").append(DtypeStr(m.layout.dtype));
+  s.append("|hd=").append(std::to_string(m.layout.head_dim));
+  s.append("|bs=").append(std::to_string(m.layout.block_size));
+  s.append("|nl=").append(std::to_string(m.layout.num_layers));
+  s.append("|mk=").append(MemoryKindName(m.memory_kind));
   return XXH64(s.data(), s.size(), 0x6b76627269646765ULL);
 }
 

@@ -136,7 +136,7 @@ class UcxBackend : public Backend {
       size_t rk_len;
       s = ucp_rkey_pack(context_, memh, &rk, &rk_len);
       if (s != UCS_OK) return UcsError(s, "ucp_rkey_pack");
-      blob_ += ";" + Hex(rk, rk_len) + "," + std::to_string(r.bytes);
+      blob_.append(";").append(Hex(rk, rk_len)).append(",").append(std::to_string(r.bytes));
       ucp_rkey_buffer_release(rk);
     }
     return std::string("ucp");
