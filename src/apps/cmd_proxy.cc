@@ -24,7 +24,7 @@ struct ProxyCliOptions {
 };
 
 int RunProxy(ProxyCliOptions& cli) {
-  auto mode = kvbridge::proxy::ParseKvMode(cli.mode);
+  auto mode = kvbridge::ParseKvTransferMode(cli.mode);
   auto routing = kvbridge::proxy::ParseRoutingPolicy(cli.routing);
   if (!mode.ok() || !routing.ok()) {
     std::fprintf(stderr, "error: %s\n",

@@ -164,8 +164,7 @@ int RunServe(const ServeOptions& o) {
     ro.proxy = o.proxy;
     ro.cluster_token = o.cluster_token;
     ro.info.role = kv_cfg.role == KvRole::kProducer ? proxy::Role::kPrefill : proxy::Role::kDecode;
-    ro.info.mode =
-        kv_cfg.mode == KvTransferMode::kWrite ? proxy::KvMode::kWrite : proxy::KvMode::kRead;
+    ro.info.mode = kv_cfg.mode;
     ro.info.url = "http://" + (o.advertise_host.empty() ? o.host : o.advertise_host) + ":" +
                   std::to_string((*srv)->port());
     ro.info.engine_id = kv->engine_id();

@@ -38,7 +38,7 @@ int RunSim(const SimFlags& f) {
   kvbridge::sim::SimOptions opts;
   opts.workload = *w;
   if (!f.mode.empty()) {
-    auto m = kvbridge::sim::ParseTransferMode(f.mode);
+    auto m = kvbridge::ParseKvTransferMode(f.mode);
     if (!m.ok()) {
       std::fprintf(stderr, "kvbridge sim: %s\n", m.status().ToString().c_str());
       return 2;

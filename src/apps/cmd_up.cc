@@ -264,7 +264,7 @@ int RunUp(UpOptions o) {
     Usage("--prefill-tp and --decode-tp must be in [1, 64]");
     return 2;
   }
-  if (!kvbridge::proxy::ParseKvMode(o.mode).ok()) {
+  if (!kvbridge::ParseKvTransferMode(o.mode).ok()) {
     Usage("--mode must be read|write");
     return 2;
   }

@@ -55,9 +55,6 @@ std::string_view KvRoleName(KvRole r) {
   }
   return "kv_both";
 }
-std::string_view KvTransferModeName(KvTransferMode m) {
-  return m == KvTransferMode::kWrite ? "write" : "read";
-}
 std::string_view KvTransportName(KvTransport t) {
   switch (t) {
     case KvTransport::kAuto:

@@ -1,12 +1,13 @@
 // WritePrefillCore and WriteDecodeCore wired through an in-test message pipe: WRITE mode's parked
 // messages (block ids first / request first), duplicates, both abort paths, the lease, and the
 // wire form of the WRITE messages. Every test ends with all tables empty.
-#include "kvbridge/connector/write_core.h"
-
 #include <gtest/gtest.h>
 
 #include <map>
 #include <optional>
+
+#include "kvbridge/connector/write_decode_core.h"
+#include "kvbridge/connector/write_prefill_core.h"
 
 namespace kvbridge {
 namespace {

@@ -22,14 +22,6 @@ constexpr const char* kJson = "application/json";
 
 }  // namespace
 
-std::string_view KvModeName(KvMode mode) { return mode == KvMode::kRead ? "read" : "write"; }
-
-Result<KvMode> ParseKvMode(std::string_view text) {
-  if (text == "read") return KvMode::kRead;
-  if (text == "write") return KvMode::kWrite;
-  return InvalidArgumentError("unknown KV mode '" + std::string(text) + "' (read|write)");
-}
-
 std::string_view RoleName(Role role) { return role == Role::kPrefill ? "prefill" : "decode"; }
 
 Result<Role> ParseRole(std::string_view text) {
@@ -237,7 +229,7 @@ bool PdFlow::SendDecode(TimePoint now, std::vector<Action>& out) {
     return true;
   }
   std::string params = prefill_kv_params_;  // READ: ready-made in OnPrefillDone
-  if (options_.mode == KvMode::kWrite) {
+  if (options_.mode == KvTransferMode::kWrite) {
     params = json{{"do_remote_prefill", true},
                   {"transfer_id", transfer_id_},
                   {"mode", "write"},
@@ -324,7 +316,7 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
   client_body_ = raw_ok ? raw : j.dump();
   if (!options_.colocated) {
     json prefill_params = {{"do_remote_decode", true}, {"transfer_id", transfer_id_}};
-    if (options_.mode == KvMode::kWrite) prefill_params["mode"] = "write";
+    if (options_.mode == KvTransferMode::kWrite) prefill_params["mode"] = "write";
     prefill_body_ =
         ShapePrefillJson(std::move(j), options_.prefill_forward_n, std::move(prefill_params))
             .dump();
@@ -336,7 +328,7 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
     return out;
   }
 
-  if (options_.mode == KvMode::kRead) {
+  if (options_.mode == KvTransferMode::kRead) {
     if (!SendPrefill(now, out)) {
       FailWithError(Outcome::kNoInstance, 503, "service_unavailable",
                     "no prefill instance available", out);
@@ -420,7 +412,7 @@ std::vector<Action> PdFlow::OnLegDone(int leg_id, TimePoint now) {
 void PdFlow::OnPrefillDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
   if (client_done_) return;
   int status = leg.record.status;
-  if (options_.mode == KvMode::kWrite) {
+  if (options_.mode == KvTransferMode::kWrite) {
     if (Is2xx(status)) return;  // the decode leg carries the answer
     CancelAll(out);
     Fail(Outcome::kPrefillError, status, leg.content_type, std::move(leg.body), out);
@@ -503,7 +495,7 @@ std::vector<Action> PdFlow::OnLegError(int leg_id, LegFailure failure, const Sta
   std::string what =
       std::string(RoleName(leg->record.role)) + " " + leg->instance.url + ": " + error.ToString();
   if (leg->record.role == Role::kPrefill) {
-    if (options_.mode == KvMode::kRead && failure == LegFailure::kUnreachable) {
+    if (options_.mode == KvTransferMode::kRead && failure == LegFailure::kUnreachable) {
       hold_prefill_.reset();  // the request never reached it
       if (SendPrefill(now, out)) return out;
       FailWithError(Outcome::kUnreachable, 502, "bad_gateway", "no prefill reachable: " + what,

@@ -438,7 +438,7 @@ TEST(PdFlowRead, DoneWithoutStatusIsBrokenLeg) {
 
 TEST(PdFlowWrite, BothLegsTogetherDecodeNamesPrefill) {
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   ASSERT_EQ(a.size(), 2u);
@@ -472,7 +472,7 @@ TEST(PdFlowWrite, DecodeLegNamesThePickedPrefillsTpSize) {
   // The decode leg is built before the prefill answers, so the prefill's TP comes from its
   // registration (Endpoint::tp_size); a decode retried after an unreachable one names it too.
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Endpoint p1 = Ep("p1");
   p1.tp_size = 2;
   Endpoint p2 = Ep("p2");
@@ -511,7 +511,7 @@ TEST(PdFlowWrite, DecodeLegNamesThePickedPrefillsTpSize) {
 
 TEST(PdFlowWrite, DecodeSucceedsBeforePrefillLegEnds) {
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
@@ -525,7 +525,7 @@ TEST(PdFlowWrite, DecodeSucceedsBeforePrefillLegEnds) {
 
 TEST(PdFlowWrite, PrefillErrorCancelsDecodeAndIsForwarded) {
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
@@ -539,7 +539,7 @@ TEST(PdFlowWrite, PrefillErrorCancelsDecodeAndIsForwarded) {
 
 TEST(PdFlowWrite, DecodeErrorReleasesPrefill) {
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   int dleg = As<SendLeg>(a[0]).leg_id;
@@ -551,7 +551,7 @@ TEST(PdFlowWrite, DecodeErrorReleasesPrefill) {
 
 TEST(PdFlowWrite, PrefillUnreachableIsNotRetried) {
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
@@ -564,7 +564,7 @@ TEST(PdFlowWrite, PrefillUnreachableIsNotRetried) {
 
 TEST(PdFlowWrite, ClientDisconnectCancelsBothAndReleases) {
   FlowOptions o;
-  o.mode = KvMode::kWrite;
+  o.mode = KvTransferMode::kWrite;
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   a = h.flow.OnClientDisconnect(1);

@@ -275,7 +275,7 @@ struct ProxyServer::Impl {
       list.push_back({{"id", st.info.id},
                       {"role", RoleName(st.info.role)},
                       {"url", st.info.url},
-                      {"mode", KvModeName(st.info.mode)},
+                      {"mode", KvTransferModeName(st.info.mode)},
                       {"healthy", st.healthy},
                       {"static", st.is_static},
                       {"engine_id", st.info.engine_id},
@@ -287,7 +287,7 @@ struct ProxyServer::Impl {
                         {"waiting", st.load.waiting},
                         {"kv_usage", st.load.kv_usage}}}});
     }
-    return json{{"mode", KvModeName(options.mode)}, {"instances", list}};
+    return json{{"mode", KvTransferModeName(options.mode)}, {"instances", list}};
   }
 
   bool TokenOk(const http::request<http::string_body>& req) {

@@ -99,10 +99,10 @@ Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& l
   }
   if (info.id.empty()) info.id = info.url;
   if (info.mode != options_.mode) {
-    return FailedPreconditionError("instance " + info.id + " runs KV mode " +
-                                   std::string(KvModeName(info.mode)) + " but this proxy runs " +
-                                   std::string(KvModeName(options_.mode)) +
-                                   "; mixed READ/WRITE instances are refused");
+    return FailedPreconditionError(
+        "instance " + info.id + " runs KV mode " + std::string(KvTransferModeName(info.mode)) +
+        " but this proxy runs " + std::string(KvTransferModeName(options_.mode)) +
+        "; mixed READ/WRITE instances are refused");
   }
   auto it = instances_.find(info.id);
   if (it != instances_.end() && it->second.is_static) {
@@ -255,7 +255,7 @@ Result<std::pair<InstanceInfo, InstanceLoad>> ParseRegistration(std::string_view
   RETURN_IF_ERROR(str("mode", false, mode));
   RETURN_IF_ERROR(str("engine_id", false, info.engine_id));
   ASSIGN_OR_RETURN(info.role, ParseRole(role));
-  ASSIGN_OR_RETURN(info.mode, ParseKvMode(mode));
+  ASSIGN_OR_RETURN(info.mode, ParseKvTransferMode(mode));
   if (auto it = j.find("transfer_endpoints"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return InvalidArgumentError("'transfer_endpoints' must be an array");
     for (const json& e : *it) {
@@ -281,7 +281,7 @@ std::string RegistrationJson(const InstanceInfo& info, const InstanceLoad& load)
   json j = {{"instance_id", info.id},
             {"role", RoleName(info.role)},
             {"url", info.url},
-            {"mode", KvModeName(info.mode)},
+            {"mode", KvTransferModeName(info.mode)},
             {"engine_id", info.engine_id},
             {"transfer_endpoints", info.transfer_endpoints},
             {"tp_size", info.tp_size},

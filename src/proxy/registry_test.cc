@@ -5,7 +5,7 @@
 namespace kvbridge::proxy {
 namespace {
 
-InstanceInfo Info(const std::string& id, Role role, KvMode mode = KvMode::kRead) {
+InstanceInfo Info(const std::string& id, Role role, KvTransferMode mode = KvTransferMode::kRead) {
   InstanceInfo i;
   i.id = id;
   i.role = role;
@@ -38,8 +38,8 @@ TEST(InstanceRegistry, StaticInstancesValidated) {
 }
 
 TEST(InstanceRegistry, MixedModeRefusedWithReason) {
-  InstanceRegistry reg({.mode = KvMode::kRead});
-  Status s = reg.Register(Info("w", Role::kDecode, KvMode::kWrite), {}, 0);
+  InstanceRegistry reg({.mode = KvTransferMode::kRead});
+  Status s = reg.Register(Info("w", Role::kDecode, KvTransferMode::kWrite), {}, 0);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("mixed READ/WRITE"), std::string::npos);
   EXPECT_TRUE(reg.List().empty());
@@ -96,12 +96,12 @@ TEST(InstanceRegistry, EndpointCarriesTransferAddress) {
 }
 
 TEST(Registration, JsonRoundTripAndErrors) {
-  InstanceInfo i = Info("x", Role::kPrefill, KvMode::kWrite);
+  InstanceInfo i = Info("x", Role::kPrefill, KvTransferMode::kWrite);
   auto r = ParseRegistration(RegistrationJson(i, {3, 4, 0.25}));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->first.id, "x");
   EXPECT_EQ(r->first.role, Role::kPrefill);
-  EXPECT_EQ(r->first.mode, KvMode::kWrite);
+  EXPECT_EQ(r->first.mode, KvTransferMode::kWrite);
   EXPECT_EQ(r->first.url, i.url);
   EXPECT_EQ(r->first.transfer_endpoints, i.transfer_endpoints);
   EXPECT_EQ(r->first.tp_size, 1);
@@ -120,14 +120,14 @@ TEST(Registration, JsonRoundTripAndErrors) {
 }
 
 TEST(Registration, TpSizeIsRegisteredAndReachesTheEndpoint) {
-  InstanceInfo i = Info("p", Role::kPrefill, KvMode::kWrite);
+  InstanceInfo i = Info("p", Role::kPrefill, KvTransferMode::kWrite);
   i.tp_size = 2;
   const std::string text = RegistrationJson(i, {});
   EXPECT_NE(text.find(R"("tp_size":2)"), std::string::npos) << text;
   auto r = ParseRegistration(text);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->first.tp_size, 2);
-  InstanceRegistry reg({.mode = KvMode::kWrite});
+  InstanceRegistry reg({.mode = KvTransferMode::kWrite});
   ASSERT_TRUE(reg.Register(r->first, {}, 0).ok());
   EXPECT_EQ(reg.Pick(Role::kPrefill, {})->tp_size, 2);
   EXPECT_EQ(reg.Get("p")->info.tp_size, 2);

@@ -30,7 +30,8 @@
 #include "kvbridge/connector/messages.h"
 #include "kvbridge/connector/prefill_core.h"
 #include "kvbridge/connector/tp_plan.h"
-#include "kvbridge/connector/write_core.h"
+#include "kvbridge/connector/write_decode_core.h"
+#include "kvbridge/connector/write_prefill_core.h"
 #include "kvbridge/engine/block_pool.h"
 #include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/engine/scheduler.h"
@@ -98,16 +99,6 @@ Result<Workload> ParseWorkload(std::string_view name) {
                               "' (mixed|clean|faults|prefill-n|early-race|lease-read|abort-load)");
 }
 
-std::string_view TransferModeName(TransferMode m) {
-  return m == TransferMode::kWrite ? "write" : "read";
-}
-
-Result<TransferMode> ParseTransferMode(std::string_view name) {
-  if (name == "read") return TransferMode::kRead;
-  if (name == "write") return TransferMode::kWrite;
-  return InvalidArgumentError("unknown transfer mode '" + std::string(name) + "' (read|write)");
-}
-
 std::string SimResult::Summary() const {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
@@ -115,8 +106,8 @@ std::string SimResult::Summary() const {
                 "writes=%d crashes=%d lease_expired=%d events=%lld t=%.3fs",
                 static_cast<unsigned long long>(seed), ok ? "PASS" : "FAIL ",
                 ok ? "" : std::string(ViolationKindName(violation)).c_str(), ok ? "" : ":",
-                std::string(TransferModeName(mode)).c_str(), faults ? 1 : 0, requests, answered_ok,
-                client_aborts, reads, writes, crashes, lease_expired,
+                std::string(KvTransferModeName(mode)).c_str(), faults ? 1 : 0, requests,
+                answered_ok, client_aborts, reads, writes, crashes, lease_expired,
                 static_cast<long long>(events), static_cast<double>(at) / kSecond);
   std::string s = buf;
   if (!ok) s += " — " + message;
@@ -768,7 +759,7 @@ void Sim::DrawModeKnobs() {
   const bool draw_write = mode_rng() % 2 == 1;
   k_.num_layers = 1 + static_cast<int>(mode_rng() % 4);
   if (opts_.mode) {
-    k_.write_mode = *opts_.mode == TransferMode::kWrite;
+    k_.write_mode = *opts_.mode == KvTransferMode::kWrite;
   } else {
     k_.write_mode = draw_write && opts_.workload != Workload::kPrefillN;
   }
@@ -1075,7 +1066,7 @@ void Sim::StartFlow(int fid) {
   minted_.push_back(tid);
   proxy::FlowOptions fo;
   fo.prefill_forward_n = k_.prefill_forward_n;
-  fo.mode = k_.write_mode ? proxy::KvMode::kWrite : proxy::KvMode::kRead;
+  fo.mode = k_.write_mode ? KvTransferMode::kWrite : KvTransferMode::kRead;
   proxy::InstancePicker picker =
       [this](proxy::Role role,
              const std::vector<std::string>& exclude) -> std::optional<proxy::Endpoint> {
@@ -1909,7 +1900,7 @@ SimResult Sim::Run() {
   result_.seed = seed_;
   DrawKnobs();
   result_.faults = k_.faults;
-  result_.mode = k_.write_mode ? TransferMode::kWrite : TransferMode::kRead;
+  result_.mode = k_.write_mode ? KvTransferMode::kWrite : KvTransferMode::kRead;
   Trace(
       "seed %llu workload %s: %d prefill + %d decode, block_size %d, faults %s, "
       "prefill_forward_n %d, %d requests",

@@ -451,7 +451,7 @@ TEST(ProxyFakeEngines, RegistrationHeartbeatExpiryAndMixedModeRefused) {
   bad.cluster_token = "nope";
   EXPECT_EQ(RegisterWithProxy(bad, {}).code(), StatusCode::kUnauthenticated);
   RegistrationOptions write = rd;
-  write.info.mode = KvMode::kWrite;
+  write.info.mode = KvTransferMode::kWrite;
   write.info.url = "http://127.0.0.1:1";
   Status refused = RegisterWithProxy(write, {});
   EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);

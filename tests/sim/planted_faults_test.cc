@@ -29,7 +29,7 @@ struct Case {
   Workload workload;
   std::set<ViolationKind> expected;
   uint64_t max_seeds;
-  TransferMode mode = TransferMode::kRead;
+  KvTransferMode mode = KvTransferMode::kRead;
 };
 
 void ExpectFound(const Case& c) {
@@ -115,7 +115,7 @@ TEST(PlantedFaults, FreeingDecodeBlocksOnAbortDuringAWriteIsAWriteIntoAReusedBlo
                Workload::kAbortLoad,
                {ViolationKind::kWriteIntoReusedBlock},
                400,
-               TransferMode::kWrite});
+               KvTransferMode::kWrite});
 }
 
 // WRITE: a prefill rank's writes land but it never sends WriteDone(ok). The decode waits for it
@@ -127,7 +127,7 @@ TEST(PlantedFaults, APrefillRankThatNeverSendsWriteDoneIsCaught) {
                Workload::kClean,
                {ViolationKind::kLoadFailed},
                50,
-               TransferMode::kWrite});
+               KvTransferMode::kWrite});
 }
 
 // The hook mapping itself (ConnectorLogic, shared by the runtime and the simulator): a

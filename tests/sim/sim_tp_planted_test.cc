@@ -45,7 +45,7 @@ void ExpectFound(const char* name, const std::function<void(PlantedFaults&)>& pl
   EXPECT_TRUE(clean.ok) << clean.Summary();
 }
 
-SimOptions Tp(int p, int d, int heads, TransferMode mode = TransferMode::kRead) {
+SimOptions Tp(int p, int d, int heads, KvTransferMode mode = KvTransferMode::kRead) {
   SimOptions o;
   o.workload = Workload::kClean;
   o.mode = mode;
@@ -97,7 +97,7 @@ TEST(PlantedTpFaults, ProceedingBeforeEveryWriteDoneIsCaught) {
   ExpectFound(
       "decode proceeds at the first write_done",
       [](PlantedFaults& p) { p.decode_proceeds_at_first_write_done = true; },
-      Tp(1, 2, 2, TransferMode::kWrite), {ViolationKind::kUsedBeforeWriteDone}, 50);
+      Tp(1, 2, 2, KvTransferMode::kWrite), {ViolationKind::kUsedBeforeWriteDone}, 50);
 }
 
 // WRITE with TP: the last prefill rank never sends its WriteDone(ok); the decode waits for that
@@ -106,7 +106,7 @@ TEST(PlantedTpFaults, MissingPrefillRankWriteDoneIsCaught) {
   ExpectFound(
       "prefill rank never sends write_done",
       [](PlantedFaults& p) { p.prefill_rank_never_sends_write_done = true; },
-      Tp(2, 2, 2, TransferMode::kWrite), {ViolationKind::kLoadFailed}, 50);
+      Tp(2, 2, 2, KvTransferMode::kWrite), {ViolationKind::kLoadFailed}, 50);
 }
 
 }  // namespace

@@ -21,27 +21,24 @@ const bool kQuiet = SetLogLevel("off");
 // (prefill TP, decode TP, KV heads)
 using Topo = std::tuple<int, int, int>;
 
-void RunTopology(Workload w, Topo t, uint64_t first, uint64_t count, double max_seconds,
-                 TransferMode mode = TransferMode::kRead) {
+void RunTopology(Workload w, Topo t, uint64_t first, uint64_t count,
+                 KvTransferMode mode = KvTransferMode::kRead) {
   SimOptions opts;
   opts.workload = w;
   opts.mode = mode;
   opts.prefill_tp = std::get<0>(t);
   opts.decode_tp = std::get<1>(t);
   opts.num_kv_heads = std::get<2>(t);
-  const auto t0 = std::chrono::steady_clock::now();
   uint64_t ran = 0, moved = 0, ok = 0;
   for (uint64_t s = first; s < first + count; ++s) {
     SimResult r = RunSimulation(s, opts);
     ++ran;
-    moved += static_cast<uint64_t>(mode == TransferMode::kRead ? r.reads : r.writes);
+    moved += static_cast<uint64_t>(mode == KvTransferMode::kRead ? r.reads : r.writes);
     ok += static_cast<uint64_t>(r.answered_ok);
     ASSERT_TRUE(r.ok) << r.Summary() << "\n  topology p" << std::get<0>(t) << " d" << std::get<1>(t)
                       << " heads " << std::get<2>(t);
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > max_seconds)
-      break;
   }
-  EXPECT_GE(ran, 10u);
+  EXPECT_EQ(ran, count);  // a fixed set of seeds, however slow the machine
   EXPECT_GT(moved, 0u);
   EXPECT_GT(ok, 0u);
 }
@@ -50,28 +47,28 @@ const Topo kTopologies[] = {{1, 1, 2}, {2, 2, 2}, {2, 1, 2}, {1, 2, 2}, {4, 2, 8
                             {2, 4, 8}, {4, 1, 2}, {1, 4, 1}, {4, 4, 2}};
 
 TEST(SimTp, CleanSeedsKeepEveryInvariantAtEveryTopology) {
-  for (const Topo& t : kTopologies) RunTopology(Workload::kClean, t, 700001, 60, 8);
+  for (const Topo& t : kTopologies) RunTopology(Workload::kClean, t, 700001, 60);
 }
 
 TEST(SimTp, FaultSeedsKeepEveryInvariantAtEveryTopology) {
-  for (const Topo& t : kTopologies) RunTopology(Workload::kFaults, t, 710001, 40, 8);
+  for (const Topo& t : kTopologies) RunTopology(Workload::kFaults, t, 710001, 40);
 }
 
 TEST(SimTp, AbortsDuringLoadsAtEveryTopology) {
-  for (const Topo& t : kTopologies) RunTopology(Workload::kAbortLoad, t, 720001, 30, 6);
+  for (const Topo& t : kTopologies) RunTopology(Workload::kAbortLoad, t, 720001, 30);
 }
 
 // WRITE: each prefill rank writes the decode ranks the TP plan pairs it with (replicated KV
 // heads included: an unpaired prefill rank is told to skip).
 TEST(SimTp, WriteCleanSeedsAtEveryTopology) {
   for (const Topo& t : kTopologies)
-    RunTopology(Workload::kClean, t, 740001, 30, 6, TransferMode::kWrite);
+    RunTopology(Workload::kClean, t, 740001, 30, KvTransferMode::kWrite);
 }
 
 TEST(SimTp, WriteFaultSeedsAndAbortsAtEveryTopology) {
   for (const Topo& t : kTopologies) {
-    RunTopology(Workload::kFaults, t, 750001, 20, 5, TransferMode::kWrite);
-    RunTopology(Workload::kAbortLoad, t, 760001, 20, 5, TransferMode::kWrite);
+    RunTopology(Workload::kFaults, t, 750001, 20, KvTransferMode::kWrite);
+    RunTopology(Workload::kAbortLoad, t, 760001, 20, KvTransferMode::kWrite);
   }
 }
 

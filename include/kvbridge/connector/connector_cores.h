@@ -21,7 +21,8 @@
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/kv_transfer_config.h"
 #include "kvbridge/connector/prefill_core.h"
-#include "kvbridge/connector/write_core.h"
+#include "kvbridge/connector/write_decode_core.h"
+#include "kvbridge/connector/write_prefill_core.h"
 
 namespace kvbridge {
 

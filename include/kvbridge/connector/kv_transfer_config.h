@@ -25,19 +25,17 @@
 #include <vector>
 
 #include "kvbridge/common/clock.h"
+#include "kvbridge/common/kv_transfer_mode.h"
 #include "kvbridge/common/status.h"
 
 namespace kvbridge {
 
 enum class KvRole : uint8_t { kProducer = 0, kConsumer = 1, kBoth = 2 };
-enum class KvTransferMode : uint8_t { kRead = 0, kWrite = 1 };
 enum class KvTransport : uint8_t { kAuto = 0, kShm = 1, kTcp = 2, kUcx = 3 };
 enum class LoadFailurePolicy : uint8_t { kRecompute = 0, kFail = 1 };
 
 /// "kv_producer" | "kv_consumer" | "kv_both".
 std::string_view KvRoleName(KvRole r);
-/// "read" | "write".
-std::string_view KvTransferModeName(KvTransferMode m);
 /// "auto" | "shm" | "tcp" | "ucx".
 std::string_view KvTransportName(KvTransport t);
 /// "recompute" | "fail".

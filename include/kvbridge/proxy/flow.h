@@ -40,15 +40,12 @@
 #include <vector>
 
 #include "kvbridge/common/clock.h"
+#include "kvbridge/common/kv_transfer_mode.h"
 #include "kvbridge/common/status.h"
 
 namespace kvbridge::proxy {
 
 /// How KV moves from prefill to decode (DESIGN.md): READ = decode pulls, WRITE = prefill pushes.
-enum class KvMode { kRead, kWrite };
-std::string_view KvModeName(KvMode mode);  // "read" / "write"
-/// Parses "read" / "write" (case-sensitive); InvalidArgument otherwise.
-Result<KvMode> ParseKvMode(std::string_view text);
 
 enum class Role { kPrefill, kDecode };
 std::string_view RoleName(Role role);  // "prefill" / "decode"
@@ -75,7 +72,7 @@ using InstancePicker =
     std::function<std::optional<Endpoint>(Role role, const std::vector<std::string>& exclude)>;
 
 struct FlowOptions {
-  KvMode mode = KvMode::kRead;
+  KvTransferMode mode = KvTransferMode::kRead;
   /// Send the client's `n` to the prefill leg (exercises the prefill's 1:many sibling path);
   /// default sends n=1 since every sibling shares the prompt's KV.
   bool prefill_forward_n = false;

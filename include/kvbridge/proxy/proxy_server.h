@@ -56,7 +56,7 @@ struct ProxyOptions {
   int port = 10001;                       // 0 = an ephemeral port (see port())
   std::vector<std::string> prefill_urls;  // static instances, http://HOST:PORT
   std::vector<std::string> decode_urls;
-  KvMode mode = KvMode::kRead;
+  KvTransferMode mode = KvTransferMode::kRead;
   RoutingPolicy routing = RoutingPolicy::kLeastLoaded;
   bool prefill_forward_n = false;
   /// No P/D (FlowOptions::colocated): each request goes whole to one decode-role instance.

@@ -8,7 +8,7 @@
 //   RegistrationOptions o;
 //   o.proxy = "127.0.0.1:10001";
 //   o.info = {.id = "", .role = Role::kDecode, .url = "http://127.0.0.1:8200",
-//             .mode = KvMode::kRead, .engine_id = engine_id,
+//             .mode = KvTransferMode::kRead, .engine_id = engine_id,
 //             .transfer_endpoints = {"tcp://127.0.0.1:9200"}};
 //   o.cluster_token = token;
 //   auto client = RegistrationClient::Start(o, [&] { return CurrentLoad(); });  // thread

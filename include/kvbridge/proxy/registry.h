@@ -6,7 +6,7 @@
 // no heartbeat came for `heartbeat_timeout`). All instances share the proxy's KV mode: a
 // registration in another mode is refused (FailedPrecondition, with the reason).
 //
-//   InstanceRegistry reg({.mode = KvMode::kRead, .heartbeat_timeout = 3 * kSecond});
+//   InstanceRegistry reg({.mode = KvTransferMode::kRead, .heartbeat_timeout = 3 * kSecond});
 //   RETURN_IF_ERROR(reg.AddStatic(Role::kPrefill, "http://127.0.0.1:8100"));
 //   RETURN_IF_ERROR(reg.Register(info, load, now));
 //   reg.Heartbeat(info.id, load, now);
@@ -54,7 +54,7 @@ struct InstanceInfo {
   std::string id;
   Role role = Role::kPrefill;
   std::string url;
-  KvMode mode = KvMode::kRead;
+  KvTransferMode mode = KvTransferMode::kRead;
   std::string engine_id;
   std::vector<std::string> transfer_endpoints;
   int tp_size = 1;
@@ -71,7 +71,7 @@ struct InstanceState {
 };
 
 struct RegistryOptions {
-  KvMode mode = KvMode::kRead;
+  KvTransferMode mode = KvTransferMode::kRead;
   DurationUs heartbeat_timeout = 3 * kSecond;
   RoutingPolicy policy = RoutingPolicy::kLeastLoaded;
 };

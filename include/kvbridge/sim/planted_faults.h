@@ -11,8 +11,8 @@
 //   #endif
 //
 // Each switch mirrors one of DESIGN.md's known failure modes; the hook sites are one-line
-// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in src/connector/{prefill,decode,write}_core.cc and
-// connector_logic.cc.
+// `#ifdef KVBRIDGE_PLANTED_FAULTS` blocks in
+// src/connector/{prefill,decode,write_prefill,write_decode}_core.cc and connector_logic.cc.
 //
 // Thread-safety: thread_local; each test thread sets its own.
 #pragma once

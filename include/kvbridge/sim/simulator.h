@@ -33,6 +33,7 @@
 #include <string_view>
 
 #include "kvbridge/common/clock.h"
+#include "kvbridge/common/kv_transfer_mode.h"
 #include "kvbridge/common/status.h"
 
 namespace kvbridge::sim {
@@ -77,11 +78,6 @@ enum class Workload : uint8_t {
 std::string_view WorkloadName(Workload w);
 
 /// How KV moves in a run (DESIGN.md): the decode READs (pull) or the prefill WRITEs (push).
-enum class TransferMode : uint8_t { kRead = 0, kWrite };
-/// "read" / "write".
-std::string_view TransferModeName(TransferMode m);
-/// Parses "read" / "write"; InvalidArgument otherwise.
-Result<TransferMode> ParseTransferMode(std::string_view name);
 /// Parses "mixed", "clean", "faults", "prefill-n", "early-race", "lease-read", "abort-load".
 Result<Workload> ParseWorkload(std::string_view name);
 
@@ -100,7 +96,7 @@ struct SimOptions {
   /// READ or WRITE for every engine and flow of the run; unset: half the seeds (a random stream
   /// of their own) run WRITE, except the prefill-n workload (always READ: a WRITE prefill leg
   /// has n = 1).
-  std::optional<TransferMode> mode;
+  std::optional<KvTransferMode> mode;
 };
 
 struct SimResult {
@@ -115,7 +111,7 @@ struct SimResult {
   int requests = 0;     ///< client requests
   int answered_ok = 0;  ///< answered 200
   int client_aborts = 0;
-  TransferMode mode = TransferMode::kRead;
+  KvTransferMode mode = KvTransferMode::kRead;
   int reads = 0;   ///< READs posted
   int writes = 0;  ///< WRITEs posted (WRITE mode)
   int crashes = 0;
