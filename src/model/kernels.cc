@@ -372,7 +372,18 @@ KVB_AVX512 KVB_INLINE void ColPairTile(const float* x, int ldx, const WT* w, int
 #pragma GCC unroll 32
   for (int q = 0; q < kPad; ++q) acc[q] = _mm512_setzero_ps();
   const int k8 = k & ~7;
+  // Decode streams these weights from memory: prefetch each row 2 KB ahead (measured: decode
+  // of qwen2.5-0.5b 0.73 -> 0.9 of the roofline at batch 1, 0.48 -> 0.58 at batch 8).
+  constexpr int kLine = 64 / static_cast<int>(sizeof(WT));
+  constexpr int kAhead = 2048 / static_cast<int>(sizeof(WT));
   for (int p = 0; p < k8; p += 8) {
+    if (p % kLine == 0) {
+#pragma GCC unroll 32
+      for (int c = 0; c < 2 * CP; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + static_cast<int64_t>(c) * ldw + p + kAhead),
+                     _MM_HINT_T0);
+      }
+    }
     __m512 wv[CP];
 #pragma GCC unroll 16
     for (int q = 0; q < CP; ++q) {
