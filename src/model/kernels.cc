@@ -351,10 +351,13 @@ KVB_AVX512 KVB_INLINE __m512 Load16(const float* a, const float* b) {
 }
 template <>
 KVB_AVX512 KVB_INLINE __m512 Load16(const Bf16* a, const Bf16* b) {
-  const __m256i h = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  // One word permute (vpermt2w) joins and widens: dword t gets a's word t (t < 8) or b's word
+  // t - 8 as its high half, zero as its low half — bf16 << 16, exactly the fp32 value.
+  const __m512i idx = _mm512_set_epi16(39, 0, 38, 0, 37, 0, 36, 0, 35, 0, 34, 0, 33, 0, 32, 0, 7, 0,
+                                       6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  const __m512i va = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  const __m512i vb = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi16(0xAAAAAAAAu, va, idx, vb));
 }
 template <>
 KVB_AVX512 KVB_INLINE __m512 Load16(const Fp16* a, const Fp16* b) {
