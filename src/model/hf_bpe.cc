@@ -89,6 +89,13 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Parse(const JsonCtx& ctx, const Json
   if (max_id >= 16 * 1024 * 1024) return ctx.Invalid(path + ".vocab", "ids above 2^24");
   m->id_to_token_.assign(static_cast<size_t>(max_id + 1), std::string());
   for (const auto& [tok, id] : m->vocab_) m->id_to_token_[static_cast<size_t>(id)] = tok;
+  m->char_ids_.assign(0x10000, -1);
+  for (const auto& [tok, id] : m->vocab_) {
+    if (tok.empty() || !IsValidUtf8(tok)) continue;
+    int len = 0;
+    const char32_t c = DecodeUtf8(tok, 0, &len);
+    if (static_cast<size_t>(len) == tok.size() && c < 0x10000) m->char_ids_[c] = id;
+  }
   if (!unk.empty()) {
     auto it = m->vocab_.find(unk);
     // Rust only fails when the unk token is needed; it is then an error too.
@@ -175,6 +182,22 @@ Status BpeModel::InitialSymbols(std::string_view w, std::vector<int32_t>* ids,
       s = buf;
     }
     i += clen;
+    if (s.size() == clen && clen <= 3) {
+      // Fast path: a plain character (no prefix/suffix) of the BMP.
+      int len = 0;
+      const char32_t c = DecodeUtf8(s, 0, &len);
+      const int32_t id = c < char_ids_.size() ? char_ids_[c] : -1;
+      if (id >= 0) {
+        if (pending_unk >= 0) {
+          ids->push_back(pending_unk);
+          lens->push_back(pending_unk_len);
+          pending_unk = -1;
+        }
+        ids->push_back(id);
+        lens->push_back(static_cast<uint32_t>(clen));
+        continue;
+      }
+    }
     auto it = vocab_.find(s);
     if (it != vocab_.end()) {
       if (pending_unk >= 0) {
@@ -227,54 +250,50 @@ Status BpeModel::InitialSymbols(std::string_view w, std::vector<int32_t>* ids,
 }
 
 void BpeModel::MergeWord(std::string_view, std::vector<int32_t>* ids) const {
-  // Word::merge_all: a min-heap of (rank, pos); stale entries are skipped when the pair at pos
-  // no longer yields the entry's new id.
+  // Word::merge_all: a min-heap of (rank, pos); an entry is stale when the pair now at pos has
+  // another rank (ranks are unique per pair, so an equal rank means the same merge).
   const int n = static_cast<int>(ids->size());
   if (n < 2) return;
   struct Sym {
     int32_t c;
     int prev, next;
-    bool alive;
-  };
-  struct Entry {
-    uint32_t rank;
-    int pos;
-    int32_t new_id;
-    bool operator>(const Entry& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
   std::vector<Sym> sym(static_cast<size_t>(n));
-  for (int k = 0; k < n; ++k) sym[k] = Sym{(*ids)[k], k - 1, k + 1 < n ? k + 1 : -1, true};
-  std::vector<Entry> heap;
+  for (int k = 0; k < n; ++k) sym[k] = Sym{(*ids)[k], k - 1, k + 1 < n ? k + 1 : -1};
+  std::vector<uint64_t> heap;  // rank << 32 | pos, smallest first
   heap.reserve(static_cast<size_t>(n) * 2);
+  auto entry = [](uint32_t rank, int pos) {
+    return (static_cast<uint64_t>(rank) << 32) | static_cast<uint32_t>(pos);
+  };
   for (int k = 0; k + 1 < n; ++k) {
-    if (const MergeValue* mv = FindMerge(sym[k].c, sym[k + 1].c)) {
-      heap.push_back(Entry{mv->rank, k, mv->new_id});
-    }
+    if (const MergeValue* mv = FindMerge(sym[k].c, sym[k + 1].c)) heap.push_back(entry(mv->rank, k));
   }
-  auto cmp = [](const Entry& a, const Entry& b) { return a > b; };
+  std::greater<uint64_t> cmp;
   std::make_heap(heap.begin(), heap.end(), cmp);
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), cmp);
-    const Entry top = heap.back();
+    const uint64_t top = heap.back();
     heap.pop_back();
-    Sym& cur = sym[top.pos];
-    if (!cur.alive || cur.next < 0) continue;
+    const uint32_t rank = static_cast<uint32_t>(top >> 32);
+    const int pos = static_cast<int>(static_cast<uint32_t>(top));
+    Sym& cur = sym[pos];
+    if (cur.c < 0 || cur.next < 0) continue;  // removed, or the last symbol
     const int next_pos = cur.next;
     const MergeValue* mv = FindMerge(cur.c, sym[next_pos].c);
-    if (mv == nullptr || mv->new_id != top.new_id) continue;
-    cur.c = top.new_id;
-    sym[next_pos].alive = false;
+    if (mv == nullptr || mv->rank != rank) continue;
+    cur.c = mv->new_id;
+    sym[next_pos].c = -1;
     cur.next = sym[next_pos].next;
-    if (cur.next >= 0) sym[cur.next].prev = top.pos;
+    if (cur.next >= 0) sym[cur.next].prev = pos;
     if (cur.prev >= 0) {
       if (const MergeValue* pm = FindMerge(sym[cur.prev].c, cur.c)) {
-        heap.push_back(Entry{pm->rank, cur.prev, pm->new_id});
+        heap.push_back(entry(pm->rank, cur.prev));
         std::push_heap(heap.begin(), heap.end(), cmp);
       }
     }
     if (cur.next >= 0) {
       if (const MergeValue* nm = FindMerge(cur.c, sym[cur.next].c)) {
-        heap.push_back(Entry{nm->rank, top.pos, nm->new_id});
+        heap.push_back(entry(nm->rank, pos));
         std::push_heap(heap.begin(), heap.end(), cmp);
       }
     }

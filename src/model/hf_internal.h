@@ -191,6 +191,7 @@ class BpeModel {
 
   Vocab vocab_;
   std::vector<std::string> id_to_token_;
+  std::vector<int32_t> char_ids_;  // BMP code point -> id of the one-character token, or -1
   // Open-addressing map (a << 32 | b) -> merge; keys_ of 0xFFFFFFFFFFFFFFFF are empty.
   std::vector<uint64_t> merge_keys_;
   std::vector<MergeValue> merge_values_;

@@ -1,4 +1,5 @@
 // Pre-tokenizers of tokenizer.json, as Hugging Face tokenizers' pre_tokenizers module.
+#include <array>
 #include <functional>
 
 #include "model/hf_internal.h"
@@ -222,11 +223,27 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
         EmitSpans(std::move(p), CoverWithMatches(p.text.size(), matches, false), out);
       });
     }
-    const auto& chars = ByteLevelChars();
+    // Every byte becomes its ByteLevel character (1 or 2 UTF-8 bytes: all are below U+0800).
+    static const auto table = [] {
+      std::array<std::array<char, 3>, 256> t{};  // [0..1] bytes, [2] length
+      const auto& chars = ByteLevelChars();
+      for (int b = 0; b < 256; ++b) {
+        t[b][2] = static_cast<char>(chars[b].size());
+        for (size_t k = 0; k < chars[b].size(); ++k) t[b][k] = chars[b][k];
+      }
+      return t;
+    }();
     std::string mapped;
     for (Piece& p : *pieces) {
-      mapped.clear();
-      for (char c : p.text) mapped += chars[static_cast<uint8_t>(c)];
+      mapped.resize(p.text.size() * 2);
+      char* out = mapped.data();
+      for (char c : p.text) {
+        const auto& e = table[static_cast<uint8_t>(c)];
+        out[0] = e[0];
+        out[1] = e[1];
+        out += e[2];
+      }
+      mapped.resize(static_cast<size_t>(out - mapped.data()));
       p.text.swap(mapped);
     }
   }

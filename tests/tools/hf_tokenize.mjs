@@ -15,7 +15,7 @@ import path from "node:path";
 import { pathToFileURL, fileURLToPath } from "node:url";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
-const roots = [process.env.KVBRIDGE_NPM_TOOLS, here].filter(Boolean);
+const roots = [process.env.KVBRIDGE_NPM_TOOLS, here].filter(Boolean).map((r) => path.resolve(r));
 let mod = null;
 for (const root of roots) {
   const req = createRequire(path.join(root, "package.json"));
