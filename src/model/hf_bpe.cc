@@ -41,13 +41,13 @@ inline uint64_t MixKey(uint64_t k) {
 }  // namespace
 
 const BpeModel::MergeValue* BpeModel::FindMerge(int32_t a, int32_t b) const {
-  if (merge_keys_.empty()) return nullptr;
+  if (merge_slots_.empty()) return nullptr;
   const uint64_t key = PairKey(a, b);
   uint64_t i = MixKey(key) & merge_mask_;
   while (true) {
-    const uint64_t k = merge_keys_[i];
-    if (k == key) return &merge_values_[i];
-    if (k == kEmptyKey) return nullptr;
+    const MergeSlot& slot = merge_slots_[i];
+    if (slot.key == key) return &slot.value;
+    if (slot.key == kEmptyKey) return nullptr;
     i = (i + 1) & merge_mask_;
   }
 }
@@ -107,8 +107,7 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Parse(const JsonCtx& ctx, const Json
   if (!merges->is_array()) return ctx.Invalid(mpath, "expected an array");
   size_t cap = 16;
   while (cap < merges->size() * 2 + 2) cap <<= 1;
-  m->merge_keys_.assign(cap, kEmptyKey);
-  m->merge_values_.assign(cap, MergeValue{0, 0});
+  m->merge_slots_.assign(cap, MergeSlot{kEmptyKey, MergeValue{0, 0}});
   m->merge_mask_ = cap - 1;
   const size_t prefix_len = m->continuing_subword_prefix_.size();
   std::string joined;
@@ -152,11 +151,10 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Parse(const JsonCtx& ctx, const Json
     // Later duplicates overwrite earlier ones (Rust collects the merges into a HashMap).
     const uint64_t key = PairKey(ia->second, ib->second);
     uint64_t i = MixKey(key) & m->merge_mask_;
-    while (m->merge_keys_[i] != kEmptyKey && m->merge_keys_[i] != key) {
+    while (m->merge_slots_[i].key != kEmptyKey && m->merge_slots_[i].key != key) {
       i = (i + 1) & m->merge_mask_;
     }
-    m->merge_keys_[i] = key;
-    m->merge_values_[i] = MergeValue{static_cast<uint32_t>(r), inew->second};
+    m->merge_slots_[i] = MergeSlot{key, MergeValue{static_cast<uint32_t>(r), inew->second}};
   }
   return m;
 }
@@ -250,26 +248,48 @@ Status BpeModel::InitialSymbols(std::string_view w, std::vector<int32_t>* ids,
 }
 
 void BpeModel::MergeWord(std::string_view, std::vector<int32_t>* ids) const {
-  // Word::merge_all: a min-heap of (rank, pos); an entry is stale when the pair now at pos has
-  // another rank (ranks are unique per pair, so an equal rank means the same merge).
+  // Word::merge_all: a min-heap of (rank, pos), lowest rank first, leftmost on ties. Each
+  // position remembers the merge of the pair it starts (rank, new id), refreshed whenever the
+  // pair changes; a heap entry whose rank is no longer its position's is stale (ranks are
+  // unique per pair).
   const int n = static_cast<int>(ids->size());
   if (n < 2) return;
   struct Sym {
     int32_t c;
     int prev, next;
+    uint32_t rank;  // of the pair (this, next); kNone when it has no merge
+    int32_t new_id;
   };
-  std::vector<Sym> sym(static_cast<size_t>(n));
-  for (int k = 0; k < n; ++k) sym[k] = Sym{(*ids)[k], k - 1, k + 1 < n ? k + 1 : -1};
-  std::vector<uint64_t> heap;  // rank << 32 | pos, smallest first
-  heap.reserve(static_cast<size_t>(n) * 2);
+  static constexpr uint32_t kNone = ~0u;
+  thread_local std::vector<Sym> sym;
+  thread_local std::vector<uint64_t> heap;  // rank << 32 | pos, smallest first
+  sym.resize(static_cast<size_t>(n));
+  heap.clear();
   auto entry = [](uint32_t rank, int pos) {
     return (static_cast<uint64_t>(rank) << 32) | static_cast<uint32_t>(pos);
   };
+  for (int k = 0; k < n; ++k) sym[k] = Sym{(*ids)[k], k - 1, k + 1 < n ? k + 1 : -1, kNone, 0};
   for (int k = 0; k + 1 < n; ++k) {
-    if (const MergeValue* mv = FindMerge(sym[k].c, sym[k + 1].c)) heap.push_back(entry(mv->rank, k));
+    if (const MergeValue* mv = FindMerge(sym[k].c, sym[k + 1].c)) {
+      sym[k].rank = mv->rank;
+      sym[k].new_id = mv->new_id;
+      heap.push_back(entry(mv->rank, k));
+    }
   }
   std::greater<uint64_t> cmp;
   std::make_heap(heap.begin(), heap.end(), cmp);
+  auto refresh = [&](int pos) {  // the pair starting at pos changed
+    Sym& s = sym[pos];
+    const MergeValue* mv = s.next >= 0 ? FindMerge(s.c, sym[s.next].c) : nullptr;
+    if (mv == nullptr) {
+      s.rank = kNone;
+      return;
+    }
+    s.rank = mv->rank;
+    s.new_id = mv->new_id;
+    heap.push_back(entry(mv->rank, pos));
+    std::push_heap(heap.begin(), heap.end(), cmp);
+  };
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), cmp);
     const uint64_t top = heap.back();
@@ -277,26 +297,14 @@ void BpeModel::MergeWord(std::string_view, std::vector<int32_t>* ids) const {
     const uint32_t rank = static_cast<uint32_t>(top >> 32);
     const int pos = static_cast<int>(static_cast<uint32_t>(top));
     Sym& cur = sym[pos];
-    if (cur.c < 0 || cur.next < 0) continue;  // removed, or the last symbol
+    if (cur.c < 0 || cur.next < 0 || cur.rank != rank) continue;  // removed or stale
     const int next_pos = cur.next;
-    const MergeValue* mv = FindMerge(cur.c, sym[next_pos].c);
-    if (mv == nullptr || mv->rank != rank) continue;
-    cur.c = mv->new_id;
+    cur.c = cur.new_id;
     sym[next_pos].c = -1;
     cur.next = sym[next_pos].next;
     if (cur.next >= 0) sym[cur.next].prev = pos;
-    if (cur.prev >= 0) {
-      if (const MergeValue* pm = FindMerge(sym[cur.prev].c, cur.c)) {
-        heap.push_back(entry(pm->rank, cur.prev));
-        std::push_heap(heap.begin(), heap.end(), cmp);
-      }
-    }
-    if (cur.next >= 0) {
-      if (const MergeValue* nm = FindMerge(cur.c, sym[cur.next].c)) {
-        heap.push_back(entry(nm->rank, pos));
-        std::push_heap(heap.begin(), heap.end(), cmp);
-      }
-    }
+    if (cur.prev >= 0) refresh(cur.prev);
+    refresh(pos);
   }
   ids->clear();
   for (int k = 0; k >= 0; k = sym[k].next) ids->push_back(sym[k].c);

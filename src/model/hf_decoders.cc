@@ -151,21 +151,22 @@ class MetaspaceDecoder final : public Decoder {
     AppendUtf8(replacement, &rep_);
   }
   Tokens DecodeChain(Tokens tokens) const override {
+    // Rust: every replacement becomes a space, except in the first token (when a prefix is
+    // prepended), where every replacement is dropped.
     for (size_t i = 0; i < tokens.size(); ++i) {
+      const bool drop = i == 0 && prepend_;
       std::string out;
       const std::string& t = tokens[i];
       size_t k = 0;
       while (k < t.size()) {
         if (t.compare(k, rep_.size(), rep_) == 0) {
-          out.push_back(' ');
+          if (!drop) out.push_back(' ');
           k += rep_.size();
         } else {
           out.push_back(t[k]);
           ++k;
         }
       }
-      // The first token loses the space its prepended replacement became.
-      if (i == 0 && prepend_ && out.starts_with(' ')) out.erase(0, 1);
       tokens[i] = std::move(out);
     }
     return tokens;

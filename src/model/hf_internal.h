@@ -40,6 +40,7 @@ bool IsWhitespace(char32_t c);    // char::is_whitespace (White_Space)
 bool IsNumeric(char32_t c);       // char::is_numeric (Nd, Nl, No)
 bool IsAlphanumeric(char32_t c);  // char::is_alphanumeric (Alphabetic or numeric)
 bool IsPunctuation(char32_t c);   // is_ascii_punctuation or general category P*
+bool IsRustWordChar(char32_t c);  // Rust regex \w: Alphabetic, M*, Nd, Pc, Join_Control
 
 enum class NormForm { kNfc, kNfd, kNfkc, kNfkd };
 /// Unicode normalization (ICU normalizer2) of valid UTF-8.
@@ -192,9 +193,13 @@ class BpeModel {
   Vocab vocab_;
   std::vector<std::string> id_to_token_;
   std::vector<int32_t> char_ids_;  // BMP code point -> id of the one-character token, or -1
-  // Open-addressing map (a << 32 | b) -> merge; keys_ of 0xFFFFFFFFFFFFFFFF are empty.
-  std::vector<uint64_t> merge_keys_;
-  std::vector<MergeValue> merge_values_;
+  // Open-addressing map (a << 32 | b) -> merge, key and value in one slot (one cache line per
+  // probe); a key of 0xFFFFFFFFFFFFFFFF is an empty slot.
+  struct MergeSlot {
+    uint64_t key;
+    MergeValue value;
+  };
+  std::vector<MergeSlot> merge_slots_;
   uint64_t merge_mask_ = 0;
   std::string continuing_subword_prefix_;
   std::string end_of_word_suffix_;

@@ -2,6 +2,7 @@
 // `tokenizers` runs them (Tokenizer::encode / decode), the added vocabulary, the
 // post-processor and the tokenizer_config.json special tokens.
 #include <algorithm>
+#include <unordered_set>
 
 #include "model/hf_internal.h"
 #include "model/tokenizer_backend.h"
@@ -92,7 +93,8 @@ class TokenTrie {
   bool empty_ = true;
 };
 
-bool IsWordChar(char32_t c) { return hf::IsAlphanumeric(c) || c == U'_'; }
+// Rust regex's \w (single_word's word boundaries).
+bool IsWordChar(char32_t c) { return hf::IsRustWordChar(c); }
 
 char32_t LastChar(std::string_view s) {
   size_t k = s.size() - 1;
@@ -121,6 +123,12 @@ class HfBackend final : public TokenizerBackend {
   std::vector<AddedToken> added;
   std::unordered_map<int32_t, size_t> added_by_id;
   std::unordered_map<std::string, size_t> added_by_content;
+  // Rust's normalized_cache: what a normalized added token decodes as (its normalized form,
+  // when that differs from its content).
+  std::unordered_map<int32_t, std::string> normalized_content;
+  // Contents of the special added tokens: decode with skip_special_tokens drops every token
+  // whose string is one of them (Rust's is_special_token).
+  std::unordered_set<std::string> special_contents;
   TokenTrie raw_trie, normalized_trie;  // values: index into `added`
 
   Tokenizer::Kind kind() const override { return Tokenizer::Kind::kHuggingFace; }
@@ -230,7 +238,10 @@ class HfBackend final : public TokenizerBackend {
 
   const std::string* TokenOf(int32_t id) const {
     auto it = added_by_id.find(id);
-    if (it != added_by_id.end()) return &added[it->second].content;
+    if (it != added_by_id.end()) {
+      auto n = normalized_content.find(id);
+      return n != normalized_content.end() ? &n->second : &added[it->second].content;
+    }
     const auto& table = model->id_to_token();
     if (id < 0 || static_cast<size_t>(id) >= table.size() || table[id].empty()) return nullptr;
     return &table[id];
@@ -242,7 +253,7 @@ class HfBackend final : public TokenizerBackend {
     for (int32_t id : ids) {
       const std::string* t = TokenOf(id);
       if (t == nullptr) continue;
-      if (skip_special_tokens && IsSpecial(id)) continue;
+      if (skip_special_tokens && special_contents.contains(*t)) continue;
       tokens.push_back(*t);
     }
     if (!decoder) {
@@ -460,23 +471,54 @@ Result<std::shared_ptr<const TokenizerBackend>> MakeHuggingFaceBackend(
   if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
     const Json& list = j["added_tokens"];
     if (!list.is_array()) return ctx.Invalid("added_tokens", "expected an array");
+    // Ids as Rust's AddedVocabulary::add_tokens gives them (the file's ids are only checked
+    // there, with a warning): an added token already in the vocab (or added before) keeps that
+    // id, a new one gets the next id past the model's vocab (its entry count) and the added
+    // ones. Well-formed files list the same ids.
+    const int64_t model_size = static_cast<int64_t>(b.model->vocab().size());
+    int64_t max_added = -1;
     for (size_t i = 0; i < list.size(); ++i) {
       ASSIGN_OR_RETURN(AddedToken t,
                        ParseAddedToken(ctx, list[i], "added_tokens[" + std::to_string(i) + "]"));
       if (t.content.empty()) continue;  // Rust ignores empty added tokens
-      if (b.added_by_content.contains(t.content)) continue;
-      const size_t index = b.added.size();
+      auto existing = b.added_by_content.find(t.content);
+      if (existing != b.added_by_content.end()) {
+        t.id = b.added[existing->second].id;
+        b.added[existing->second] = std::move(t);  // same content: the later flags win
+        continue;
+      }
+      auto in_vocab = b.model->vocab().find(t.content);
+      if (in_vocab != b.model->vocab().end()) {
+        t.id = in_vocab->second;
+      } else {
+        t.id = static_cast<int32_t>(max_added < 0                ? model_size
+                                    : max_added >= model_size   ? max_added + 1
+                                                                : model_size);
+      }
+      if (t.id >= 16 * 1024 * 1024) return ctx.Invalid("added_tokens", "more than 2^24 ids");
+      max_added = std::max<int64_t>(max_added, t.id);
       max_id = std::max<int64_t>(max_id, t.id);
+      const size_t index = b.added.size();
+      if (auto old = b.added_by_id.find(t.id); old != b.added_by_id.end()) {
+        b.added_by_content.erase(b.added[old->second].content);  // the id is taken over
+      }
       b.added_by_id[t.id] = index;
       b.added_by_content[t.content] = index;
+      b.added.push_back(std::move(t));
+    }
+    for (size_t index = 0; index < b.added.size(); ++index) {
+      const AddedToken& t = b.added[index];
+      if (b.added_by_id.at(t.id) != index) continue;  // an id taken over by a later token
+      if (t.special) b.special_contents.insert(t.content);
       if (t.normalized && b.normalizer) {
-        b.normalized_trie.Add(b.normalizer->Apply(t.content), static_cast<int>(index));
+        std::string normalized = b.normalizer->Apply(t.content);
+        if (normalized != t.content) b.normalized_content[t.id] = normalized;
+        b.normalized_trie.Add(normalized, static_cast<int>(index));
       } else if (t.normalized) {
         b.normalized_trie.Add(t.content, static_cast<int>(index));
       } else {
         b.raw_trie.Add(t.content, static_cast<int>(index));
       }
-      b.added.push_back(std::move(t));
     }
   }
 

@@ -64,66 +64,25 @@ std::vector<std::string> MtBenchPrompts() {
   return out;
 }
 
+Json ReadJson(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return Json::parse(ss.str());
+}
+
+// tests/data/tokenizer_cases.json: the hard cases (texts, then the repeats expanded).
+Json CasesJson() { return ReadJson(SourceDir() / "tests" / "data" / "tokenizer_cases.json"); }
+
 std::vector<std::string> HardCases() {
-  std::vector<std::string> t = {
-      "",
-      " ",
-      "Hello world",
-      "Hello, world! How are you?",
-      "  leading spaces",
-      "trailing spaces   ",
-      "multiple     spaces    inside",
-      "\t\ttabs\tand\t spaces \t",
-      "line1\r\nline2\r\n\r\nline3\r",
-      "\n\n\nthree newlines then text\n",
-      " \n \n  \n",
-      "a\u00a0b\u00a0\u00a0c",
-      "zero\u200bwidth\u200cjoiner\u200dhere",
-      "\ufeffBOM at the start",
-      "mid\ufeffBOM",
-      "NEL\u0085line\u2028sep\u2029para\u3000ideo",
-      "1234567890",
-      "3.14159 and 2,718,281,828 and 1e-10",
-      "x=12345678901234567890123",
-      "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3067\u3059\u3002",
-      "\u4e2d\u6587\u6d4b\u8bd5\uff0c\u5305\u62ec\u6807\u70b9\u7b26\u53f7\uff01",
-      "\ud55c\uad6d\uc5b4 \ud14d\uc2a4\ud2b8",
-      "\U0001F468\u200D\U0001F469\u200D\U0001F467\u200D\U0001F466 family",
-      "\U0001F44D\U0001F3FD thumbs \U0001F1FA\U0001F1F8 flag \U0001F600\U0001F600",
-      "e\u0301 vs \u00e9, A\u030a vs \u00c5",
-      "\ufb01 ligature \uff26\uff35\uff2c\uff2c width \u2460 \u00bd",
-      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-      "<|endoftext|>",
-      "<s>hello</s> <s> x</s>",
-      "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
-      "<think>\nhmm\n</think>\n\nanswer",
-      "<|im_start",
-      "<<|im_end|>>",
-      "a<|im_end|>b <|im_end|> c",
-      "I'm sure don't they'll we've she'd IT'S You'RE it'\u017f",
-      "def f(x):\n    return x**2  # comment\n\n\tpass\n",
-      "!!!???...,,,;;; --- ___ ***",
-      "\u00abquotes\u00bb \u201csmart\u201d \u2018single\u2019 \u2014 dash \u2013 en",
-      "\u039f\u0394\u039f\u03a3 \u03bf\u03b4\u03bf\u03c2",
-      "ctrl\x01\x02\x7f chars",
-      "\U0001D518\U0001D52B\U0001D526\U0001D520\U0001D52C\U0001D521\U0001D522 math",
-      "\U00013000 hieroglyph \U0001F9EC",
-      "https://example.com/path?q=1&r=two#frag",
-      "email@example.com +1 (555) 123-4567",
-      "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber stra\u00dfe",
-      "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd "
-      "\u0928\u092e\u0938\u094d\u0924\u0947",
-  };
-  t.push_back(std::string(5000, 'a'));
-  std::string word;
-  for (int i = 0; i < 20; ++i) word += "supercalifragilisticexpialidocious";
-  t.push_back(word);
-  t.push_back(std::string(1000, ' ') + "x");
-  t.push_back(std::string(1000, '9'));
-  t.push_back(std::string(300, '\n'));
-  std::string cjk;
-  for (int i = 0; i < 300; ++i) cjk += "\u6f22";
-  t.push_back(cjk);
+  const Json cases = CasesJson();
+  std::vector<std::string> t = cases["texts"].get<std::vector<std::string>>();
+  for (const auto& r : cases["repeats"]) {
+    std::string s;
+    for (int i = 0; i < r[1].get<int>(); ++i) s += r[0].get<std::string>();
+    if (r.size() > 2) s += r[2].get<std::string>();
+    t.push_back(s);
+  }
   return t;
 }
 
@@ -141,25 +100,23 @@ fs::path NpmToolsDir() {
   return SourceDir() / "build" / "npm-tools";
 }
 
-// Runs tests/tools/hf_tokenize.mjs on `texts` and `decode` for tokenizer `name`.
-Reference RunReference(const std::string& name, const std::vector<std::string>& texts,
-                       const std::vector<std::vector<int32_t>>& decode) {
-  Reference ref;
-  Json req = {{"dir", TokenizerDir(name).string()}, {"texts", texts}, {"decode", decode}};
+// Runs tests/tools/hf_tokenize.mjs on a request; a null Json (and a test failure) when it
+// cannot run.
+Json RunNode(const Json& req, const std::string& tag) {
   const fs::path tmp = fs::temp_directory_path() /
-                       ("kvb_hf_req_" + std::to_string(::getpid()) + "_" + name + ".json");
+                       ("kvb_hf_req_" + std::to_string(::getpid()) + "_" + tag + ".json");
   {
     std::ofstream out(tmp, std::ios::binary);
     out << req.dump();
   }
   const std::string cmd = "KVBRIDGE_NPM_TOOLS='" + NpmToolsDir().string() + "' node '" +
-                          (SourceDir() / "tests" / "tools" / "hf_tokenize.mjs").string() + "' < '" +
-                          tmp.string() + "' 2>&1";
+                          (SourceDir() / "tests" / "tools" / "hf_tokenize.mjs").string() +
+                          "' < '" + tmp.string() + "' 2>&1";
   std::string output;
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) {
     ADD_FAILURE() << "cannot run: " << cmd;
-    return ref;
+    return Json();
   }
   char buf[65536];
   size_t n;
@@ -172,13 +129,19 @@ Reference RunReference(const std::string& name, const std::vector<std::string>& 
                      "`npm ci --prefix build/npm-tools`): "
                   << cmd << "\n"
                   << output.substr(0, 2000);
-    return ref;
+    return Json();
   }
   Json ans = Json::parse(output, nullptr, false);
   if (ans.is_discarded()) {
     ADD_FAILURE() << "reference output is not JSON: " << output.substr(0, 2000);
-    return ref;
+    return Json();
   }
+  return ans;
+}
+
+Reference ToReference(const Json& ans) {
+  Reference ref;
+  if (!ans.is_object()) return ref;
   for (const auto& e : ans["encode"]) {
     ref.with.push_back(e["with"].get<std::vector<int32_t>>());
     ref.without.push_back(e["without"].get<std::vector<int32_t>>());
@@ -188,6 +151,18 @@ Reference RunReference(const std::string& name, const std::vector<std::string>& 
     ref.keep.push_back(d["keep"].get<std::string>());
   }
   return ref;
+}
+
+// The reference's ids of `texts` and decode of `decode` for tokenizer directory `dir`.
+Reference RunReference(const fs::path& dir, const std::vector<std::string>& texts,
+                       const std::vector<std::vector<int32_t>>& decode) {
+  Json req = {{"dir", dir.string()}, {"texts", texts}, {"decode", decode}};
+  return ToReference(RunNode(req, dir.filename().string()));
+}
+
+Reference RunReference(const std::string& name, const std::vector<std::string>& texts,
+                       const std::vector<std::vector<int32_t>>& decode) {
+  return RunReference(TokenizerDir(name), texts, decode);
 }
 
 std::string Printable(const std::string& s) {
@@ -321,6 +296,181 @@ TEST_P(HfTokenizerRef, StreamingDeltasConcatenateToDecode) {
       text += stream.Finish();
       EXPECT_EQ(text, tok.Decode(seqs[i], skip)) << "sequence #" << i << " skip " << skip;
     }
+  }
+}
+
+// ---- Variants: the shared files with other components (tests/data/tokenizer_variants.json) ----
+
+struct Variant {
+  std::string name, base;
+  std::string json;         // the variant's tokenizer.json text
+  std::string config_json;  // the base's tokenizer_config.json text
+};
+
+std::vector<Variant> Variants() {
+  const Json v = ReadJson(SourceDir() / "tests" / "data" / "tokenizer_variants.json");
+  static std::map<std::string, Json> bases;
+  std::vector<Variant> out;
+  for (const auto& e : v["variants"]) {
+    const std::string base = e["base"].get<std::string>();
+    if (!bases.contains(base)) bases[base] = ReadJson(TokenizerDir(base) / "tokenizer.json");
+    Json j = bases[base];
+    for (const auto& [k, val] : e["patch"].items()) {
+      if (k == "model") {
+        for (const auto& [mk, mv] : val.items()) j["model"][mk] = mv;
+      } else if (k == "added_tokens_extra") {
+        for (const auto& t : val) j["added_tokens"].push_back(t);
+      } else {
+        j[k] = val;
+      }
+    }
+    std::ifstream cfg(TokenizerDir(base) / "tokenizer_config.json");
+    std::ostringstream ss;
+    ss << cfg.rdbuf();
+    out.push_back(Variant{e["name"].get<std::string>(), base, j.dump(), ss.str()});
+  }
+  return out;
+}
+
+std::vector<std::string> VariantTexts() {
+  std::vector<std::string> t;
+  for (const auto& s : HardCases()) {
+    if (s.size() <= 600) t.push_back(s);
+  }
+  for (const auto& s : CasesJson()["variant_texts"]) t.push_back(s.get<std::string>());
+  return t;
+}
+
+// Every variant: ids (both settings) and decode (both skip settings) equal to the reference's.
+TEST(HfTokenizerVariants, EncodeDecodeEqualsReference) {
+  if (!fs::exists(TokenizerDir("qwen3") / "tokenizer.json")) {
+    GTEST_SKIP() << "no " << TokenizerDir("qwen3") << " (../shared absent)";
+  }
+  const std::vector<Variant> variants = Variants();
+  const std::vector<std::string> texts = VariantTexts();
+  const fs::path root =
+      fs::temp_directory_path() / ("kvb_hf_variants_" + std::to_string(::getpid()));
+  Json requests = Json::array();
+  std::vector<Tokenizer> toks;
+  std::vector<std::vector<std::vector<int32_t>>> with(variants.size()), without(variants.size());
+  for (size_t v = 0; v < variants.size(); ++v) {
+    auto tok = Tokenizer::FromHuggingFaceJson(variants[v].json, variants[v].config_json,
+                                              variants[v].name);
+    ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+    toks.push_back(*tok);
+    for (const auto& t : texts) {
+      auto w = tok->Encode(t, true);
+      auto wo = tok->Encode(t, false);
+      ASSERT_TRUE(w.ok() && wo.ok()) << variants[v].name << ": " << w.status().ToString();
+      with[v].push_back(*w);
+      without[v].push_back(*wo);
+    }
+    const fs::path dir = root / variants[v].name;
+    fs::create_directories(dir);
+    std::ofstream(dir / "tokenizer.json", std::ios::binary) << variants[v].json;
+    std::ofstream(dir / "tokenizer_config.json", std::ios::binary) << variants[v].config_json;
+    requests.push_back({{"dir", dir.string()}, {"texts", texts}, {"decode", with[v]}});
+  }
+  const Json ans = RunNode({{"requests", requests}}, "variants");
+  fs::remove_all(root);
+  ASSERT_TRUE(ans.is_object());
+  // The npm package does not implement every component as the Rust `tokenizers` does (e.g.
+  // Split behaviors other than Isolated/Removed, per-character Lowercase, U+FEFF as
+  // whitespace, added-token ids): where it disagrees with the Python fixture, the fixture test
+  // (HfTokenizerFixture) is the check and this one skips the text, saying how many.
+  std::map<std::pair<std::string, std::string>, const Json*> python;
+  const Json fixture = ReadJson(SourceDir() / "tests" / "data" / "hf_tokenizers_fixture.json");
+  for (const auto& e : fixture["encode"]) {
+    python[{e["tok"].get<std::string>(), e["text"].get<std::string>()}] = &e;
+  }
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const Reference ref = ToReference(ans["answers"][v]);
+    ASSERT_EQ(ref.with.size(), texts.size());
+    int npm_differs = 0;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      const std::string where = variants[v].name + " text #" + std::to_string(i) + " \"" +
+                                Printable(texts[i]) + "\"";
+      auto py = python.find({variants[v].name, texts[i]});
+      ASSERT_NE(py, python.end()) << where << " is not in the fixture";
+      const Json& e = *py->second;
+      const auto py_with = e["with"].get<std::vector<int32_t>>();
+      const auto py_without =
+          e.contains("without") ? e["without"].get<std::vector<int32_t>>() : py_with;
+      const std::string py_skip = e["skip"].get<std::string>();
+      const std::string py_keep = e.contains("keep") ? e["keep"].get<std::string>() : py_skip;
+      if (ref.with[i] != py_with || ref.without[i] != py_without || ref.skip[i] != py_skip ||
+          ref.keep[i] != py_keep) {
+        ++npm_differs;
+        continue;
+      }
+      EXPECT_EQ(with[v][i], ref.with[i]) << where;
+      EXPECT_EQ(without[v][i], ref.without[i]) << where;
+      EXPECT_EQ(toks[v].Decode(with[v][i], true), ref.skip[i]) << where;
+      EXPECT_EQ(toks[v].Decode(with[v][i], false), ref.keep[i]) << where;
+    }
+    if (npm_differs > 0) {
+      std::printf("[ note ] %s: the npm package differs from the Python tokenizers on %d of %zu "
+                  "texts (checked by the fixture instead)\n",
+                  variants[v].name.c_str(), npm_differs, texts.size());
+    }
+  }
+}
+
+// ---- The Python `tokenizers` fixture (tests/data/hf_tokenizers_fixture.json) ----
+
+// The tokenizer a fixture entry names: one of the shared three or a variant.
+const Tokenizer& FixtureTokenizer(const std::string& name) {
+  static std::map<std::string, Tokenizer> variants;
+  if (name == "qwen3" || name == "llama3_1" || name == "llama2") return Load(name);
+  if (variants.empty()) {
+    for (const Variant& v : Variants()) {
+      auto t = Tokenizer::FromHuggingFaceJson(v.json, v.config_json, v.name);
+      if (!t.ok()) {
+        ADD_FAILURE() << v.name << ": " << t.status().ToString();
+        std::abort();
+      }
+      variants.emplace(v.name, std::move(*t));
+    }
+  }
+  auto it = variants.find(name);
+  if (it == variants.end()) {
+    ADD_FAILURE() << "fixture names unknown tokenizer " << name;
+    std::abort();
+  }
+  return it->second;
+}
+
+TEST(HfTokenizerFixture, EqualsPythonTokenizers) {
+  if (!fs::exists(TokenizerDir("qwen3") / "tokenizer.json")) {
+    GTEST_SKIP() << "no " << TokenizerDir("qwen3") << " (../shared absent)";
+  }
+  const Json f = ReadJson(SourceDir() / "tests" / "data" / "hf_tokenizers_fixture.json");
+  ASSERT_GT(f["encode"].size(), 1000u);
+  for (const auto& e : f["encode"]) {
+    const Tokenizer& tok = FixtureTokenizer(e["tok"].get<std::string>());
+    const std::string text = e["text"].get<std::string>();
+    const std::string where = e["tok"].get<std::string>() + " \"" + Printable(text) + "\"";
+    const auto with = e["with"].get<std::vector<int32_t>>();
+    const auto without = e.contains("without") ? e["without"].get<std::vector<int32_t>>() : with;
+    auto w = tok.Encode(text, true);
+    auto wo = tok.Encode(text, false);
+    ASSERT_TRUE(w.ok() && wo.ok()) << where << ": " << w.status().ToString();
+    EXPECT_EQ(*w, with) << where;
+    EXPECT_EQ(*wo, without) << where;
+    const std::string skip = e["skip"].get<std::string>();
+    EXPECT_EQ(tok.Decode(with, true), skip) << where;
+    EXPECT_EQ(tok.Decode(with, false), e.contains("keep") ? e["keep"].get<std::string>() : skip)
+        << where;
+  }
+  ASSERT_GT(f["decode"].size(), 500u);
+  for (const auto& d : f["decode"]) {
+    const Tokenizer& tok = FixtureTokenizer(d["tok"].get<std::string>());
+    const auto ids = d["ids"].get<std::vector<int32_t>>();
+    const std::string where = d["tok"].get<std::string>() + " ids " + Json(ids).dump();
+    const std::string skip = d["skip"].get<std::string>();
+    EXPECT_EQ(tok.Decode(ids, true), skip) << where;
+    EXPECT_EQ(tok.Decode(ids, false), d.contains("keep") ? d["keep"].get<std::string>() : skip)
+        << where;
   }
 }
 

@@ -179,6 +179,15 @@ bool IsPunctuation(char32_t c) {
          t == U_OTHER_PUNCTUATION;
 }
 
+bool IsRustWordChar(char32_t c) {
+  if (c < 0x80) return IsAlphanumeric(c) || c == '_';
+  if (c == 0x200C || c == 0x200D) return true;  // Join_Control
+  if (u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_ALPHABETIC)) return true;
+  const int8_t t = u_charType(static_cast<UChar32>(c));
+  return t == U_NON_SPACING_MARK || t == U_COMBINING_SPACING_MARK || t == U_ENCLOSING_MARK ||
+         t == U_DECIMAL_DIGIT_NUMBER || t == U_CONNECTOR_PUNCTUATION;
+}
+
 namespace {
 bool IsAscii(std::string_view s) {
   for (char c : s) {
@@ -258,8 +267,11 @@ namespace {
 constexpr std::string_view kSpaceSet =
     "\\t\\n\\x0B\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
     "\\x{202F}\\x{205F}\\x{3000}";
-// Oniguruma's Unicode \w: Letter | Mark | Number | Connector_Punctuation.
-constexpr std::string_view kOnigWordSet = "\\p{L}\\p{M}\\p{N}\\p{Pc}";
+// Oniguruma's Unicode \w: Alphabetic | Mark | Decimal_Number | Connector_Punctuation, plus the
+// Latin-1 numbers ² ³ ¹ ¼ ½ ¾ of its Latin-1 table (checked against the Python tokenizers: "½"
+// is a word character, "①" is not).
+constexpr std::string_view kOnigWordSet =
+    "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{B2}\\x{B3}\\x{B9}\\x{BC}-\\x{BE}";
 // Rust regex's \w: Alphabetic | Mark | Decimal_Number | Connector_Punctuation | Join_Control.
 constexpr std::string_view kRustWordSet = "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\p{Join_Control}";
 
