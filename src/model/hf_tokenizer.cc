@@ -287,12 +287,15 @@ class HfBackend final : public TokenizerBackend {
   }
   bool EndsIncomplete(std::span<const int32_t> window_ids, std::string_view text) const override {
     if (EndsInIncompleteUtf8(text)) return true;
-    // A byte-fallback run may still grow into a different character (or into U+FFFDs).
-    if (decoder && decoder->HasByteFallback() && !window_ids.empty()) {
-      const std::string* t = TokenOf(window_ids.back());
-      if (t != nullptr && !added_by_id.contains(window_ids.back()) &&
-          hf::ByteFallbackValue(*t) >= 0) {
-        return true;
+    // A byte-fallback run may still grow into a different character (or into U+FFFDs). Ids
+    // that render nothing (outside the vocab) or may be skipped (special) do not end a run:
+    // look at the last one that renders.
+    if (decoder && decoder->HasByteFallback()) {
+      for (auto it = window_ids.rbegin(); it != window_ids.rend(); ++it) {
+        const std::string* t = TokenOf(*it);
+        if (t == nullptr || special_contents.contains(*t)) continue;
+        if (!added_by_id.contains(*it) && hf::ByteFallbackValue(*t) >= 0) return true;
+        break;
       }
     }
     return false;

@@ -299,6 +299,33 @@ TEST_P(HfTokenizerRef, StreamingDeltasConcatenateToDecode) {
   }
 }
 
+// Streams that stop inside a multi-byte character (byte-level BPE) and inside a byte-fallback
+// run (Llama 2): every prefix of the ids streams to the one-shot decode of that prefix, and no
+// delta before Finish holds U+FFFD or half a character.
+TEST_P(HfTokenizerRef, StreamingStopsInsideCharactersAndByteRuns) {
+  const Tokenizer& tok = Load(GetParam());
+  for (const std::string text : {"x\U00013000\U0001F9EC y \u6f22\u5b57", "\U00013000"}) {
+    const std::vector<int32_t> ids = *tok.Encode(text, false);
+    ASSERT_GE(ids.size(), 2u) << "expected the rare characters to take several tokens";
+    bool stops_inside = false;  // some prefix ends inside a character / byte run
+    for (size_t n = 1; n <= ids.size(); ++n) {
+      const std::span<const int32_t> prefix(ids.data(), n);
+      stops_inside |= model_internal::EndsInIncompleteUtf8(tok.Decode(prefix, true));
+      IncrementalDecoder stream(tok, true);
+      std::string text_so_far;
+      for (int32_t id : prefix) {
+        const std::string delta = stream.Push(id);
+        EXPECT_EQ(delta.find("\xEF\xBF\xBD"), std::string::npos) << "prefix " << n;
+        EXPECT_FALSE(model_internal::EndsInIncompleteUtf8(delta)) << "prefix " << n;
+        text_so_far += delta;
+      }
+      text_so_far += stream.Finish();
+      EXPECT_EQ(text_so_far, tok.Decode(prefix, true)) << "prefix " << n;
+    }
+    EXPECT_TRUE(stops_inside);
+  }
+}
+
 // ---- Variants: the shared files with other components (tests/data/tokenizer_variants.json) ----
 
 struct Variant {
