@@ -20,8 +20,12 @@ Json AddedTokens(int first_id) {
   Json a = Json::array();
   const char* contents[] = {"<|im_start|>", "<|im_end|>", "<tok_l>", "<tok_r>", "word", "ab cd"};
   for (int i = 0; i < 6; ++i) {
-    a.push_back({{"id", first_id + i}, {"content", contents[i]}, {"special", i < 3},
-                 {"single_word", i == 4}, {"lstrip", i == 2}, {"rstrip", i == 3},
+    a.push_back({{"id", first_id + i},
+                 {"content", contents[i]},
+                 {"special", i < 3},
+                 {"single_word", i == 4},
+                 {"lstrip", i == 2},
+                 {"rstrip", i == 3},
                  {"normalized", i >= 4}});
   }
   return a;
@@ -83,8 +87,9 @@ Tokenizer SentencePieceTokenizer() {
       {"pre_tokenizer", nullptr},
       {"post_processor",
        {{"type", "TemplateProcessing"},
-        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
-                    {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"single",
+         {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+          {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
       {"decoder",
        {{"type", "Sequence"},
@@ -94,8 +99,12 @@ Tokenizer SentencePieceTokenizer() {
           {{"type", "Fuse"}},
           {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
       {"model",
-       {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}, {"unk_token", "<unk>"},
-        {"byte_fallback", true}, {"fuse_unk", true}}},
+       {{"type", "BPE"},
+        {"vocab", vocab},
+        {"merges", merges},
+        {"unk_token", "<unk>"},
+        {"byte_fallback", true},
+        {"fuse_unk", true}}},
       {"added_tokens", AddedTokens(id)}};
   return *Tokenizer::FromHuggingFaceJson(j.dump(), "", "sentencepiece");
 }
@@ -137,7 +146,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   // Raw ids (any value) decode and stream without crashing.
   std::vector<int32_t> raw;
-  for (size_t i = 0; i + 1 < size && i < 64; i += 2) raw.push_back((data[i] | (data[i + 1] << 8)) % 600);
+  for (size_t i = 0; i + 1 < size && i < 64; i += 2)
+    raw.push_back((data[i] | (data[i + 1] << 8)) % 600);
   for (const Tokenizer* tok : {&byte_level, &sentencepiece}) {
     Stream(*tok, raw, true);
     Stream(*tok, raw, false);

@@ -18,9 +18,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (c != StatusCode::kInvalidArgument && c != StatusCode::kUnimplemented) __builtin_trap();
     return 0;
   }
-  for (std::string_view s : {std::string_view("Hello world! 123 <s>"), std::string_view(""),
-                             std::string_view("\xC3\xA9t\xC3\xA9  \n\t\xE2\x96\x81x"),
-                             text.substr(0, 64)}) {
+  for (std::string_view s :
+       {std::string_view("Hello world! 123 <s>"), std::string_view(""),
+        std::string_view("\xC3\xA9t\xC3\xA9  \n\t\xE2\x96\x81x"), text.substr(0, 64)}) {
     auto ids = tok->Encode(s, true);
     if (!ids.ok()) continue;  // invalid UTF-8, or no unk_token for a character
     for (int32_t id : *ids) {

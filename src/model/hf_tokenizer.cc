@@ -494,9 +494,9 @@ Result<std::shared_ptr<const TokenizerBackend>> MakeHuggingFaceBackend(
       if (in_vocab != b.model->vocab().end()) {
         t.id = in_vocab->second;
       } else {
-        t.id = static_cast<int32_t>(max_added < 0                ? model_size
-                                    : max_added >= model_size   ? max_added + 1
-                                                                : model_size);
+        t.id = static_cast<int32_t>(max_added < 0             ? model_size
+                                    : max_added >= model_size ? max_added + 1
+                                                              : model_size);
       }
       if (t.id >= 16 * 1024 * 1024) return ctx.Invalid("added_tokens", "more than 2^24 ids");
       max_added = std::max<int64_t>(max_added, t.id);

@@ -66,9 +66,9 @@ int main(int argc, char** argv) {
   }
   const double cpu = cpu_now() - cpu_start;
   const double total = static_cast<double>(bytes) * static_cast<double>(rounds);
-  std::printf("%s prompts=%zu bytes=%zu load_ms=%.0f tokens=%zu rounds=%zu MB/s=%.2f cpu_MB/s=%.2f\n",
-              argv[1], prompts.size(), bytes,
-              std::chrono::duration<double, std::milli>(t1 - t0).count(), tokens, rounds,
-              total / elapsed / 1e6, total / cpu / 1e6);
+  std::printf(
+      "%s prompts=%zu bytes=%zu load_ms=%.0f tokens=%zu rounds=%zu MB/s=%.2f cpu_MB/s=%.2f\n",
+      argv[1], prompts.size(), bytes, std::chrono::duration<double, std::milli>(t1 - t0).count(),
+      tokens, rounds, total / elapsed / 1e6, total / cpu / 1e6);
   return 0;
 }
