@@ -530,6 +530,90 @@ TEST(HfTokenizerFixture, EqualsPythonTokenizers) {
   }
 }
 
+// ---- Load errors (no ../shared needed) ----
+
+std::string MiniJson(const std::string& pre_tokenizer, const std::string& extra = "") {
+  return R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
+             "pre_tokenizer": )" +
+         pre_tokenizer + extra + "}";
+}
+
+// "CODE: message" of loading `json` (and `config`) as dir/tokenizer.json.
+std::string LoadError(const std::string& json, const std::string& config = "") {
+  return Tokenizer::FromHuggingFaceJson(json, config, "dir/tokenizer.json").status().ToString();
+}
+
+TEST(HfTokenizerErrors, NameTheFileAndTheJsonPath) {
+  auto ok = Tokenizer::FromHuggingFaceJson(MiniJson("null"), "", "dir/tokenizer.json");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(*ok->Encode("abab", true), (std::vector<int32_t>{2, 2}));
+  EXPECT_EQ(ok->vocab_size(), 3);
+  EXPECT_EQ(ok->Encode("a\xFF", true).status().code(), StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(LoadError(MiniJson(R"({"type": "Sequence", "pretokenizers": [{"type": "Digits"},
+                               {"type": "UnicodeScripts"}]})")),
+            "UNIMPLEMENTED: dir/tokenizer.json: pre_tokenizer.pretokenizers[1].type "
+            "\"UnicodeScripts\" is not supported");
+  EXPECT_EQ(LoadError(MiniJson("null", R"(, "normalizer": {"type": "BertNormalizer"})")),
+            "UNIMPLEMENTED: dir/tokenizer.json: normalizer.type \"BertNormalizer\" is not "
+            "supported");
+  EXPECT_EQ(LoadError(MiniJson("null", R"(, "truncation": {"max_length": 8})")),
+            "UNIMPLEMENTED: dir/tokenizer.json: truncation is not supported (only null)");
+  EXPECT_EQ(LoadError(R"({"model": {"type": "WordPiece", "vocab": {}}})"),
+            "UNIMPLEMENTED: dir/tokenizer.json: model.type \"WordPiece\" is not supported");
+  EXPECT_EQ(LoadError(R"({"model": {"type": "BPE", "dropout": 0.5, "vocab": {}, "merges": []}})"),
+            "UNIMPLEMENTED: dir/tokenizer.json: model.dropout (BPE dropout 0.500000) is not "
+            "supported");
+  EXPECT_EQ(LoadError(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [3]}})"),
+            "INVALID_ARGUMENT: dir/tokenizer.json: model.merges[0]: expected \"left right\" or "
+            "[left, right]");
+  EXPECT_EQ(LoadError(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a c"]}})"),
+            "INVALID_ARGUMENT: dir/tokenizer.json: model.merges[0]: token \"c\" is not in the "
+            "vocab");
+  EXPECT_EQ(LoadError(R"({"model": {"type": "BPE", "vocab": {"a": "x"}, "merges": []}})"),
+            "INVALID_ARGUMENT: dir/tokenizer.json: model.vocab[\"a\"]: expected an id >= 0");
+  EXPECT_EQ(LoadError(MiniJson("null", R"(, "added_tokens": [{"id": "x", "content": "c"}])")),
+            "INVALID_ARGUMENT: dir/tokenizer.json: added_tokens[0].id: expected an id in [0, "
+            "2^24)");
+  EXPECT_EQ(LoadError(MiniJson(R"({"type": "Split", "pattern": {"Regex": "a"},
+                               "behavior": "Sideways"})")),
+            "INVALID_ARGUMENT: dir/tokenizer.json: pre_tokenizer.behavior: unknown behavior "
+            "\"Sideways\"");
+  EXPECT_TRUE(LoadError(MiniJson(R"({"type": "Split", "pattern": {"Regex": "(a"},
+                                  "behavior": "Isolated"})"))
+                  .starts_with("INVALID_ARGUMENT: dir/tokenizer.json: "
+                               "pre_tokenizer.pattern.Regex: regex \"(a\" does not compile"));
+  EXPECT_TRUE(LoadError("{\"model\": ")
+                  .starts_with("INVALID_ARGUMENT: dir/tokenizer.json: not valid JSON"));
+  EXPECT_EQ(LoadError(MiniJson("null"), R"({"bos_token": 3})"),
+            "INVALID_ARGUMENT: dir/tokenizer_config.json: bos_token: expected a string, "
+            "{\"content\": ...} or null");
+}
+
+TEST(HfTokenizerErrors, ConfigSpecialTokens) {
+  auto t = Tokenizer::FromHuggingFaceJson(
+      MiniJson("null", R"(, "added_tokens": [{"id": 3, "content": "<s>", "special": true,
+               "normalized": false}, {"id": 4, "content": "</s>", "special": true}])"),
+      R"({"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>",
+          "pad_token": null})",
+      "dir/tokenizer.json");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->bos_id(), 3);
+  EXPECT_EQ(t->eos_id(), 4);
+  EXPECT_EQ(t->pad_id(), -1);
+  EXPECT_EQ(t->bos_token(), "<s>");
+  EXPECT_EQ(t->eos_token(), "</s>");
+  EXPECT_EQ(t->vocab_size(), 5);
+  EXPECT_TRUE(t->IsSpecial(3));
+  EXPECT_FALSE(t->IsSpecial(2));
+  EXPECT_EQ(*t->Encode("a<s>b</s>", false), (std::vector<int32_t>{0, 3, 1, 4}));
+  EXPECT_EQ(t->Decode(std::vector<int32_t>{0, 3, 1, 4, 99}, true), "a b");
+  EXPECT_EQ(t->Decode(std::vector<int32_t>{0, 3, 1}, false), "a <s> b");
+  EXPECT_EQ(t->TokenToId("ab"), 2);
+  EXPECT_EQ(t->IdToToken(4), "</s>");
+  EXPECT_EQ(t->IdToToken(5), std::nullopt);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shared, HfTokenizerRef, ::testing::Values("qwen3", "llama3_1", "llama2"));
 
 }  // namespace
