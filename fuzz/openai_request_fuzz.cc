@@ -6,7 +6,6 @@
 #include <string_view>
 
 #include "kvbridge/model/tokenizer.h"
-#include "kvbridge/server/tokenizer_codec.h"
 #include "server/openai_protocol.h"
 
 namespace {
@@ -33,7 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const nlohmann::json body = nlohmann::json::parse(
       std::string_view(reinterpret_cast<const char*>(data), size), nullptr, false);
   if (body.is_discarded()) return 0;
-  static const server::TokenizerCodec codec(Tokenizer(320, 256, 257, 258));
+  static const Tokenizer codec(320, 256, 257, 258);
   server::ProtocolLimits limits;
   limits.served_model_name = "tiny";
   limits.max_model_len = 512;

@@ -1,21 +1,88 @@
-// `kvbridge make-model`: writes a deterministic random-weight model (HF layout).
+// `kvbridge make-model`: writes a deterministic random-weight model (HF layout); with
+// --tokenizer DIR, laid out like a downloaded checkpoint of that tokenizer.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "apps/command_registry.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/random_model.h"
+#include "kvbridge/model/tokenizer.h"
 
 namespace {
+
+namespace fs = std::filesystem;
 
 struct MakeModelOptions {
   std::string preset = "small";
   uint64_t seed = 0;
   std::string out;
   std::string arch;  // empty: the preset's own
+  std::string tokenizer_dir;
 };
+
+// Real checkpoints pad the embedding past the tokenizer's ids (Qwen2.5/3: 151669 ids, 151936
+// rows); make-model rounds up to a multiple of this when the preset's vocabulary is too small.
+constexpr int kVocabMultiple = 64;
+
+// Fits `spec` to the tokenizer of `dir` (its tokenizer.json): the preset's vocabulary when it
+// covers the tokenizer's ids (added tokens included; the real-shaped presets), else those ids
+// rounded up to kVocabMultiple; BOS/EOS/PAD ids the tokenizer's.
+kvbridge::Result<kvbridge::Tokenizer> FitToTokenizer(const std::string& dir,
+                                                      kvbridge::RandomModelSpec* spec) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return kvbridge::NotFoundError("--tokenizer " + dir + ": not a directory");
+  }
+  if (!fs::is_regular_file(fs::path(dir) / "tokenizer.json", ec)) {
+    return kvbridge::NotFoundError("--tokenizer " + dir +
+                                   ": no tokenizer.json there (a Hugging Face checkpoint's "
+                                   "tokenizer directory is needed)");
+  }
+  ASSIGN_OR_RETURN(kvbridge::Tokenizer tok, kvbridge::Tokenizer::Load(dir, spec->config));
+  kvbridge::ModelConfig& c = spec->config;
+  if (c.vocab_size < tok.vocab_size()) {
+    c.vocab_size = (tok.vocab_size() + kVocabMultiple - 1) / kVocabMultiple * kVocabMultiple;
+  }
+  c.bos_token_id = tok.bos_id();
+  c.eos_token_ids.clear();
+  if (tok.eos_id() >= 0) c.eos_token_ids.push_back(tok.eos_id());
+  c.pad_token_id = tok.pad_id();
+  RETURN_IF_ERROR(c.Validate());
+  return tok;
+}
+
+kvbridge::Status CopyCheckpointFiles(const std::string& from, const std::string& to,
+                                     const kvbridge::Tokenizer& tok) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}) {
+    const fs::path src = fs::path(from) / name;
+    std::error_code ec;
+    if (!fs::exists(src, ec)) continue;  // tokenizer.json exists (checked before)
+    fs::copy_file(src, fs::path(to) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) {
+      return kvbridge::InvalidArgumentError("copying " + src.string() + " to " + to + ": " +
+                                            ec.message());
+    }
+    // A read-only source (a shared cache) must not make the copy read-only.
+    fs::permissions(fs::path(to) / name, fs::perms::owner_write, fs::perm_options::add, ec);
+  }
+  // What transformers writes for a model whose generation settings come from its config.
+  nlohmann::json gen{{"_from_model_config", true}, {"transformers_version", "4.51.0"}};
+  if (tok.bos_id() >= 0) gen["bos_token_id"] = tok.bos_id();
+  if (tok.eos_id() >= 0) gen["eos_token_id"] = tok.eos_id();
+  if (tok.pad_id() >= 0) gen["pad_token_id"] = tok.pad_id();
+  const std::string path = to + "/generation_config.json";
+  std::ofstream out(path, std::ios::trunc);
+  out << gen.dump(2) << "\n";
+  out.close();
+  if (!out) return kvbridge::DataLossError(path + ": write failed");
+  return kvbridge::OkStatus();
+}
 
 int RunMakeModel(const MakeModelOptions& o) {
   kvbridge::Result<kvbridge::RandomModelSpec> spec = kvbridge::InvalidArgumentError("unreachable");
@@ -32,6 +99,15 @@ int RunMakeModel(const MakeModelOptions& o) {
   if (!spec.ok()) {
     std::fprintf(stderr, "error: %s\n", spec.status().ToString().c_str());
     return 1;
+  }
+  std::optional<kvbridge::Tokenizer> tok;
+  if (!o.tokenizer_dir.empty()) {
+    auto fitted = FitToTokenizer(o.tokenizer_dir, &*spec);
+    if (!fitted.ok()) {
+      std::fprintf(stderr, "error: %s\n", fitted.status().ToString().c_str());
+      return 1;
+    }
+    tok = *std::move(fitted);
   }
   // Progress on stderr for files over 64 MB (the real-shaped presets are 1-2.5 GB).
   const auto start = std::chrono::steady_clock::now();
@@ -50,6 +126,12 @@ int RunMakeModel(const MakeModelOptions& o) {
     std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
     return 1;
   }
+  if (tok) {
+    if (auto st = CopyCheckpointFiles(o.tokenizer_dir, o.out, *tok); !st.ok()) {
+      std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
+      return 1;
+    }
+  }
   auto model = kvbridge::Model::Load(o.out, {.num_threads = 1});
   if (!model.ok()) {
     std::fprintf(stderr, "error: reloading the written model: %s\n",
@@ -65,6 +147,10 @@ int RunMakeModel(const MakeModelOptions& o) {
       c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size,
       std::string(kvbridge::RopeTypeName(c.rope_scaling.type)).c_str(),
       (*model)->fingerprint().c_str());
+  if (tok) {
+    std::printf("tokenizer from %s: %d ids (vocab %d), bos %d, eos %d\n", o.tokenizer_dir.c_str(),
+                tok->vocab_size(), c.vocab_size, tok->bos_id(), tok->eos_id());
+  }
   return 0;
 }
 
@@ -83,6 +169,12 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                      "llama | mistral | qwen2 (q/k/v bias, tied embeddings) | qwen3 (q/k norm, "
                      "tied); default: the preset's own (llama for tiny/small)")
           ->check(CLI::IsMember({"llama", "mistral", "qwen2", "qwen3"}));
+      sub.add_option("--tokenizer", o->tokenizer_dir,
+                     "a Hugging Face tokenizer directory (tokenizer.json, optional "
+                     "tokenizer_config.json and chat_template.jinja): copied into the model with "
+                     "a generation_config.json; BOS/EOS/PAD are its tokens and the vocabulary "
+                     "covers its ids (rounded up to a multiple of 64 when the preset's is "
+                     "smaller). Default: the byte tokenizer");
       return [o] { return RunMakeModel(*o); };
     });
 

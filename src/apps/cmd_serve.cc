@@ -18,7 +18,6 @@
 #include "kvbridge/model/model.h"
 #include "kvbridge/proxy/registration.h"
 #include "kvbridge/server/api_server.h"
-#include "kvbridge/server/tokenizer_codec.h"
 
 namespace kvbridge::apps {
 namespace {
@@ -140,8 +139,7 @@ int RunServe(const ServeOptions& o) {
                o.model_dir, (*model)->fingerprint(), st.kv_blocks_total, o.block_size,
                KvDtypeName(*dtype), sc.max_model_len);
 
-  auto srv = server::ApiServer::Create(
-      sc, engine->get(), std::make_shared<server::TokenizerCodec>((*model)->tokenizer()));
+  auto srv = server::ApiServer::Create(sc, engine->get(), (*model)->tokenizer());
   if (!srv.ok()) return Fail(srv.status());
   if (kv) {
     Status s = kv->InstallRoutes(**srv);

@@ -103,11 +103,7 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
   }
   sc.model_fingerprint = model->fingerprint();
   sc.default_seed = config.seed;
-  const Model* raw = model.get();
-  sc.token_text = [raw](int32_t id) {
-    const int32_t one[] = {id};
-    return raw->tokenizer().Decode(one);
-  };
+  sc.tokenizer = model->tokenizer();
   core->scheduler_ =
       std::make_unique<Scheduler>(std::move(sc), core->pool_.get(), nullptr, metrics);
 

@@ -22,10 +22,14 @@ struct Scheduler::Seq {
   std::vector<BlockHash> hashes;  // chain over full blocks of `tokens`
   int num_cached_blocks = 0;      // leading blocks offered to the prefix cache
   // Output.
-  std::vector<TokenLogprob> logprobs;  // parallel to output tokens when requested
-  std::string text;                    // decoded output (only with stop strings)
-  std::vector<size_t> text_end;        // text size after each output token
-  int num_output_final = -1;           // output tokens kept at finish (stop-string truncation)
+  std::vector<TokenLogprob> logprobs;             // parallel to output tokens when requested
+  std::optional<IncrementalDecoder> text_stream;  // only with stop strings
+  std::string text;                               // text_stream's final output so far
+  // Text size once each output token's text is final (npos while the decoder holds it back,
+  // e.g. the first byte of a UTF-8 character).
+  std::vector<size_t> text_end;
+  size_t text_final_tokens = 0;  // output tokens whose text_end is known
+  int num_output_final = -1;     // output tokens kept at finish (stop-string truncation)
   int num_emitted = 0;
   bool finish_emitted = false;
   std::string finish_reason;
@@ -247,7 +251,7 @@ Status Scheduler::ValidateRequest(const EngineRequest& request) const {
     return InvalidArgumentError("n = " + std::to_string(sp.n) + " exceeds max_num_seqs " +
                                 std::to_string(config_.max_num_seqs));
   }
-  if (!sp.stop.empty() && !config_.token_text) {
+  if (!sp.stop.empty() && !config_.tokenizer) {
     return InvalidArgumentError("stop strings need a tokenizer");
   }
   // One sequence alone must fit, else it would wait forever.
@@ -592,8 +596,15 @@ void Scheduler::AppendToken(Seq* s, int32_t token, std::span<const float> row, T
   }
   if (g->max_stop_len > 0) {
     const size_t old = s->text.size();
-    s->text += config_.token_text(token);
-    s->text_end.push_back(s->text.size());
+    if (!s->text_stream) s->text_stream.emplace(*config_.tokenizer, /*skip_special_tokens=*/true);
+    const std::string delta = s->text_stream->Push(token);
+    s->text += delta;
+    s->text_end.push_back(std::string::npos);
+    if (!delta.empty()) {  // every held-back token's text is final now
+      std::fill(s->text_end.begin() + static_cast<std::ptrdiff_t>(s->text_final_tokens),
+                s->text_end.end(), s->text.size());
+      s->text_final_tokens = s->text_end.size();
+    }
     if (!stop && min_reached) {
       size_t best = std::string::npos;
       for (const std::string& st : sp.stop) {

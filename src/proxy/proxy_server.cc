@@ -790,7 +790,11 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
   if (get && path == "/instances") {
     co_return co_await WriteWhole(sock, req, 200, "application/json", InstancesJson().dump());
   }
-  if (get && path == "/v1/models") {
+  // Answered by any one engine (they all serve the same model with the same tokenizer): a
+  // decode's, else a prefill's.
+  const bool any_engine =
+      (get && path == "/v1/models") || (post && (path == "/tokenize" || path == "/detokenize"));
+  if (any_engine) {
     std::optional<Endpoint> ep;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -801,8 +805,8 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
       co_return co_await WriteWhole(sock, req, 503, "application/json",
                                     ErrorJson(503, "service_unavailable", "no instance available"));
     }
-    auto r = co_await HttpCall(http::verb::get, ep->url, "/v1/models", "", options.cluster_token,
-                               options.connect_timeout * 5);
+    auto r = co_await HttpCall(req.method(), ep->url, path, post ? req.body() : std::string(),
+                               options.cluster_token, options.connect_timeout * 5);
     if (!r.ok()) {
       co_return co_await WriteWhole(sock, req, 502, "application/json",
                                     ErrorJson(502, "bad_gateway", r.status().ToString()));

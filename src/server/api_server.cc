@@ -28,13 +28,6 @@ namespace kvbridge::server {
 
 using nlohmann::json;
 
-std::string TextCodec::ApplyChatTemplate(const std::vector<ChatMessage>& messages) const {
-  std::string prompt;
-  for (const ChatMessage& m : messages) prompt += "<|" + m.role + "|>\n" + m.content + "\n";
-  prompt += "<|assistant|>\n";
-  return prompt;
-}
-
 std::string HttpRequest::Header(std::string_view name) const {
   for (const auto& [k, v] : headers) {
     if (k.size() == name.size() && std::equal(k.begin(), k.end(), name.begin(), [](char a, char b) {
@@ -221,8 +214,8 @@ class HttpServer : public httplib::Server {
 
 // One HTTP generation request: its engine requests (one per prompt) and their outputs.
 struct Job {
-  Job(const ParsedRequest& parsed, const TextCodec& codec, std::string id, std::string model)
-      : builder(parsed, codec, std::move(id), std::move(model), UnixSeconds()) {}
+  Job(const ParsedRequest& parsed, const Tokenizer& tok, std::string id, std::string model)
+      : builder(parsed, tok, std::move(id), std::move(model), UnixSeconds()) {}
   std::mutex mu;
   std::condition_variable cv;
   ResponseBuilder builder;               // guarded by mu
@@ -234,9 +227,10 @@ struct Job {
 }  // namespace
 
 struct ApiServer::Impl {
+  explicit Impl(Tokenizer tok) : tokenizer(std::move(tok)) {}
   ServerConfig config;
   Engine* engine = nullptr;
-  std::shared_ptr<const TextCodec> codec;
+  Tokenizer tokenizer;
   ProtocolLimits limits;
   HttpServer svr;
   std::thread listen_thread;
@@ -291,12 +285,14 @@ struct ApiServer::Impl {
 void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& req,
                                      httplib::Response& res) {
   if (stopping.load()) return SetError(res, 503, "the server is shutting down");
-  json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded()) return SetError(res, 400, "the request body is not valid JSON");
+  json body;
+  if (auto err = ParseBody(req.body, &body)) {
+    return SetError(res, err->status, err->message, err->param);
+  }
   ParsedRequest parsed;
   std::optional<ApiError> err = endpoint == Endpoint::kCompletions
-                                    ? ParseCompletionRequest(body, *codec, limits, &parsed)
-                                    : ParseChatRequest(body, *codec, limits, &parsed);
+                                    ? ParseCompletionRequest(body, tokenizer, limits, &parsed)
+                                    : ParseChatRequest(body, tokenizer, limits, &parsed);
   if (err) return SetError(res, err->status, err->message, err->param);
 
   if (!parsed.kv_transfer_params.is_null()) {
@@ -308,13 +304,29 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
                             config.cluster_token)) {
       return SetError(res, 403, "kv_transfer_params need the cluster token", "kv_transfer_params");
     }
+    // A prefill names the ids it prefilled: a decode that tokenized the prompt otherwise (another
+    // tokenizer or model) must not use that KV.
+    if (auto it = parsed.kv_transfer_params.find(kPromptDigestKey);
+        it != parsed.kv_transfer_params.end()) {
+      const std::string mine = PromptDigest(parsed.prompts[0]);
+      if (!it->is_string() || it->get<std::string>() != mine) {
+        return SetError(res, 500,
+                        "kv_transfer_params: the prefill prefilled other prompt ids (" +
+                            (it->is_string() ? it->get<std::string>() : it->dump()) +
+                            " as count:digest) than this engine's (" + mine +
+                            "): prefill and decode must serve the same model with the same "
+                            "tokenizer",
+                        "kv_transfer_params");
+      }
+      parsed.kv_transfer_params.erase(it);
+    }
     Status s = config.validate_kv_transfer_params(parsed.kv_transfer_params);
     if (!s.ok()) return SetError(res, HttpStatusFromStatus(s), s.message(), "kv_transfer_params");
   }
 
   const std::string id =
       (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") + RandomHex(24);
-  auto job = std::make_shared<Job>(parsed, *codec, id, config.served_model_name);
+  auto job = std::make_shared<Job>(parsed, tokenizer, id, config.served_model_name);
   const size_t num_prompts = parsed.prompts.size();
   for (size_t p = 0; p < num_prompts; ++p) {
     job->request_ids.push_back(num_prompts == 1 ? id : id + "-" + std::to_string(p));
@@ -412,6 +424,18 @@ void ApiServer::Impl::InstallRoutes() {
            Counted([this](const httplib::Request& req, httplib::Response& res) {
              HandleGenerate(Endpoint::kChatCompletions, req, res);
            }));
+  // vLLM's tokenizer endpoints (outside /v1/, as vLLM has them; no API key, as vLLM).
+  auto tokenizer_route = [this](auto handler) {
+    return Counted([this, handler](const httplib::Request& req, httplib::Response& res) {
+      json body, out;
+      std::optional<ApiError> err = ParseBody(req.body, &body);
+      if (!err) err = handler(body, tokenizer, limits, &out);
+      if (err) return SetError(res, err->status, err->message, err->param);
+      res.set_content(DumpJson(out), "application/json");
+    });
+  };
+  svr.Post("/tokenize", tokenizer_route(Tokenize));
+  svr.Post("/detokenize", tokenizer_route(Detokenize));
   svr.Get("/v1/models", Counted([this](const httplib::Request&, httplib::Response& res) {
             json model{{"id", config.served_model_name},   {"object", "model"},
                        {"created", UnixSeconds()},         {"owned_by", "kvbridge"},
@@ -434,21 +458,18 @@ ApiServer::ApiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ApiServer::~ApiServer() { Stop(); }
 
 Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine* engine,
-                                                     std::shared_ptr<const TextCodec> codec) {
-  if (engine == nullptr || codec == nullptr) {
-    return InvalidArgumentError("ApiServer needs an engine and a text codec");
-  }
+                                                     Tokenizer tokenizer) {
+  if (engine == nullptr) return InvalidArgumentError("ApiServer needs an engine");
   if (config.num_http_threads < 1) return InvalidArgumentError("num_http_threads must be >= 1");
   if (config.max_n < 1) return InvalidArgumentError("max_n must be >= 1");
   if (config.max_model_len < 0) return InvalidArgumentError("max_model_len must be >= 0");
   if (config.port < 0 || config.port > 65535) return InvalidArgumentError("port out of range");
   std::signal(SIGPIPE, SIG_IGN);
 
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_unique<Impl>(std::move(tokenizer));
   Impl* d = impl.get();
   d->config = std::move(config);
   d->engine = engine;
-  d->codec = std::move(codec);
   d->limits = ProtocolLimits{d->config.served_model_name, d->config.max_model_len, d->config.max_n,
                              d->config.max_logprobs};
   d->in_flight = &d->metrics.AddGauge(

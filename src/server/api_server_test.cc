@@ -15,6 +15,7 @@
 
 #include "kvbridge/common/metrics.h"
 #include "server/fake_engine.h"
+#include "server/openai_protocol.h"
 
 namespace kvbridge::server {
 namespace {
@@ -73,7 +74,7 @@ class ApiServerTest : public ::testing::Test {
     cfg.port = 0;
     if (cfg.served_model_name == "kvbridge") cfg.served_model_name = "tiny";
     if (cfg.max_model_len == 0) cfg.max_model_len = eopts.max_model_len;
-    auto server = ApiServer::Create(cfg, engine_.get(), std::make_shared<ByteCodec>());
+    auto server = ApiServer::Create(cfg, engine_.get(), ByteCodec::Make());
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(server).value();
     ASSERT_TRUE(server_->Start().ok());
@@ -333,6 +334,72 @@ TEST_F(ApiServerTest, BadInputsGetOpenAiErrorsAndLeaveTheEngineAlone) {
   EXPECT_EQ(r->status, 200);
 }
 
+TEST_F(ApiServerTest, InvalidUtf8IsA400) {
+  StartServer();
+  // Raw bytes that are not UTF-8 inside a JSON string, and a lone surrogate escape.
+  for (const std::string& body :
+       {std::string("{\"prompt\":\"a\xFF\xFE"
+                    "b\"}"),
+        std::string("{\"prompt\":\"\xC3\"}"), std::string("{\"prompt\":\"\\ud800\"}")}) {
+    for (const char* path : {"/v1/completions", "/tokenize"}) {
+      auto r = Client().Post(path, body, "application/json");
+      ExpectOpenAiError(r, 400);
+      EXPECT_NE(r->body.find("not valid JSON"), std::string::npos) << r->body;
+    }
+  }
+  auto r = Client().Post("/v1/chat/completions",
+                         std::string("{\"messages\":[{\"role\":\"user\",\"content\":\"\x80\"}]}"),
+                         "application/json");
+  ExpectOpenAiError(r, 400);
+  EXPECT_NE(r->body.find("UTF-8"), std::string::npos) << r->body;
+  EXPECT_EQ(engine_->requests_added(), 0);
+}
+
+TEST_F(ApiServerTest, TokenizeAndDetokenize) {
+  StartServer();
+  auto r = Post("/tokenize", {{"model", "tiny"}, {"prompt", "hi"}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(
+      json::parse(r->body),
+      json(
+          {{"count", 2}, {"max_model_len", 256}, {"tokens", {104, 105}}, {"token_strs", nullptr}}));
+  r = Post("/tokenize",
+           {{"prompt", "hi"}, {"return_token_strs", true}, {"add_special_tokens", false}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(json::parse(r->body)["token_strs"], json({"h", "i"}));
+  r = Post("/tokenize", {{"prompt", ""}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(json::parse(r->body)["tokens"], json::array());
+  EXPECT_EQ(json::parse(r->body)["count"], 0);
+  // No length check: /tokenize is how a client finds out that a prompt is too long.
+  r = Post("/tokenize", {{"prompt", std::string(300, 'a')}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(json::parse(r->body)["count"], 300);
+
+  r = Post("/detokenize", {{"model", "tiny"}, {"tokens", {104, 105, ByteCodec::kEos}}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body), json({{"prompt", "hi"}}));
+  r = Post("/detokenize", {{"tokens", json::array()}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(json::parse(r->body), json({{"prompt", ""}}));
+
+  ExpectOpenAiError(Post("/detokenize", {{"tokens", {104, 258}}}), 400);
+  ExpectOpenAiError(Post("/detokenize", {{"tokens", {-1}}}), 400);
+  ExpectOpenAiError(Post("/detokenize", {{"tokens", {"a"}}}), 400);
+  ExpectOpenAiError(Post("/detokenize", {{"tokens", 5}}), 400);
+  ExpectOpenAiError(Post("/detokenize", json::object()), 400);
+  ExpectOpenAiError(Post("/tokenize", {{"prompt", 5}}), 400);
+  ExpectOpenAiError(Post("/tokenize", {{"prompt", "a"}, {"add_special_tokens", "yes"}}), 400);
+  ExpectOpenAiError(Post("/tokenize", {{"prompt", "a"}, {"model", "nope"}}), 404);
+  ExpectOpenAiError(Post("/detokenize", {{"tokens", {1}}, {"model", "nope"}}), 404);
+  ExpectOpenAiError(Client().Post("/tokenize", "{", "application/json"), 400);
+  r = Post("/detokenize", {{"tokens", {104, 258}}});
+  EXPECT_EQ(json::parse(r->body)["error"]["param"], "tokens");
+  EXPECT_EQ(engine_->requests_added(), 0);
+}
+
 TEST_F(ApiServerTest, ApiKeyGuardsV1Routes) {
   ServerConfig cfg;
   cfg.api_key = "s3cret";
@@ -405,9 +472,32 @@ TEST_F(ApiServerTest, KvTransferParamsNeedTheHookAndTheClusterToken) {
   ASSERT_TRUE(r);
   ASSERT_EQ(r->status, 200) << r->body;
   json j = json::parse(r->body);
-  // FakeEngine answers {"echo": <what it got>}: the hook's normalization reached the engine.
-  EXPECT_EQ(j["kv_transfer_params"],
-            json({{"echo", {{"transfer_id", "t1"}, {"validated", true}}}}));
+  // FakeEngine answers {"echo": <what it got>}: the hook's normalization reached the engine;
+  // the server adds the digest of the prompt ids it sent (for a decode to compare).
+  const std::string digest = PromptDigest(std::vector<int32_t>{'a'});
+  EXPECT_EQ(j["kv_transfer_params"], json({{"echo", {{"transfer_id", "t1"}, {"validated", true}}},
+                                           {kPromptDigestKey, digest}}));
+  // A request carrying the prefill's digest: the same ids pass (the key is not passed on) ...
+  json with_digest = body;
+  with_digest["kv_transfer_params"][kPromptDigestKey] = digest;
+  r = Post("/v1/completions", with_digest, {{"X-KVBridge-Cluster-Token", "tok"}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["kv_transfer_params"]["echo"],
+            json({{"transfer_id", "t1"}, {"validated", true}}));
+  // ... other ids (a prefill with another tokenizer) are refused before the engine sees them.
+  const int64_t added = engine_->requests_added();
+  for (const json& other : {json(PromptDigest(std::vector<int32_t>{'b'})),
+                            json(PromptDigest(std::vector<int32_t>{'a', 'a'})), json(7)}) {
+    with_digest["kv_transfer_params"][kPromptDigestKey] = other;
+    r = Post("/v1/completions", with_digest, {{"X-KVBridge-Cluster-Token", "tok"}});
+    ExpectOpenAiError(r, 500);
+    EXPECT_NE(json::parse(r->body)["error"]["message"].get<std::string>().find(
+                  "must serve the same model with the same tokenizer"),
+              std::string::npos)
+        << r->body;
+  }
+  EXPECT_EQ(engine_->requests_added(), added);
   EXPECT_TRUE(
       server_->CheckClusterToken(HttpRequest{.headers = {{"x-kvbridge-cluster-token", "tok"}}}));
   EXPECT_FALSE(server_->CheckClusterToken(HttpRequest{}));
@@ -418,7 +508,7 @@ TEST_F(ApiServerTest, ExtraRoutesFromOtherModules) {
   cfg.api_key = "k";
   engine_ = std::make_unique<FakeEngine>();
   cfg.port = 0;
-  auto created = ApiServer::Create(cfg, engine_.get(), std::make_shared<ByteCodec>());
+  auto created = ApiServer::Create(cfg, engine_.get(), ByteCodec::Make());
   ASSERT_TRUE(created.ok());
   server_ = std::move(created).value();
   ASSERT_TRUE(

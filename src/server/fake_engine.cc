@@ -6,20 +6,6 @@
 
 namespace kvbridge::server::testing {
 
-std::vector<int32_t> ByteCodec::Encode(std::string_view text) const {
-  std::vector<int32_t> ids;
-  for (unsigned char c : text) ids.push_back(c);
-  return ids;
-}
-
-std::string ByteCodec::Decode(std::span<const int32_t> ids) const {
-  std::string s;
-  for (int32_t t : ids) {
-    if (t >= 0 && t < 256) s.push_back(static_cast<char>(t));
-  }
-  return s;
-}
-
 FakeEngine::FakeEngine(FakeEngineOptions options) : options_(options) {
   metrics_.AddCallbackGauge("kvbridge_kv_blocks_active", "Blocks referenced.",
                             [this] { return static_cast<double>(Stats().kv_blocks_active); });

@@ -14,18 +14,17 @@
 #include <thread>
 
 #include "kvbridge/engine/engine.h"
+#include "kvbridge/model/tokenizer.h"
 #include "kvbridge/server/api_server.h"
 
 namespace kvbridge::server::testing {
 
-/// Bytes are tokens 0..255; BOS 256, EOS 257 (Decode skips both).
-class ByteCodec : public TextCodec {
- public:
+/// The tests' byte tokenizer: bytes are tokens 0..255; 256 is special (never added to
+/// prompts), EOS 257 (Decode renders neither); vocabulary 258.
+struct ByteCodec {
   static constexpr int32_t kBos = 256;
   static constexpr int32_t kEos = 257;
-  std::vector<int32_t> Encode(std::string_view text) const override;
-  std::string Decode(std::span<const int32_t> ids) const override;
-  int32_t vocab_size() const override { return 258; }
+  static Tokenizer Make() { return Tokenizer(258, /*bos_id=*/-1, kEos, /*pad_id=*/-1); }
 };
 
 struct FakeEngineOptions {

@@ -195,6 +195,9 @@ std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limi
     KVB_API_TRY(GetBool(*it, "include_usage", &include_usage));
     out->include_usage = include_usage.value_or(false);
   }
+  std::optional<bool> as_ids;
+  KVB_API_TRY(GetBool(body, "return_tokens_as_token_ids", &as_ids));
+  out->tokens_as_ids = as_ids.value_or(false);
   if (auto it = body.find("kv_transfer_params"); it != body.end() && !it->is_null()) {
     if (!it->is_object()) {
       return BadRequest("'kv_transfer_params' must be an object", "kv_transfer_params");
@@ -283,51 +286,68 @@ std::optional<ApiError> FinishLengths(const json& body, const ProtocolLimits& li
   return std::nullopt;
 }
 
-std::optional<ApiError> TokenIdsFromJson(const json& arr, const TextCodec& codec,
-                                         std::vector<int32_t>* ids) {
+std::optional<ApiError> TokenIdsFromJson(const json& arr, const Tokenizer& tok,
+                                         std::vector<int32_t>* ids, const char* param = "prompt") {
   for (const json& v : arr) {
     if (!v.is_number_integer()) {
-      return BadRequest("'prompt' token lists must hold integers", "prompt");
+      return BadRequest(std::string("'") + param + "' token lists must hold integers", param);
     }
     int64_t t = v.get<int64_t>();
     if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)) t = -1;
-    if (t < 0 || t >= codec.vocab_size()) {
-      return BadRequest("token id " + v.dump() + " is out of range [0, " +
-                            std::to_string(codec.vocab_size()) + ")",
-                        "prompt");
+    if (t < 0 || t >= tok.vocab_size()) {
+      return BadRequest("token id " + v.dump() + " is out of vocabulary [0, " +
+                            std::to_string(tok.vocab_size()) + ")",
+                        param);
     }
     ids->push_back(static_cast<int32_t>(t));
   }
   return std::nullopt;
 }
 
+// A text prompt's ids; the tokenizer's refusal (e.g. invalid UTF-8) is a 400.
+std::optional<ApiError> EncodeText(const Tokenizer& tok, const std::string& text,
+                                   bool add_special_tokens, const char* param,
+                                   std::vector<int32_t>* ids) {
+  Result<std::vector<int32_t>> r = tok.Encode(text, add_special_tokens);
+  if (!r.ok()) return BadRequest("cannot tokenize the prompt: " + r.status().message(), param);
+  *ids = *std::move(r);
+  return std::nullopt;
+}
+
 }  // namespace
 
-std::optional<ApiError> ParseCompletionRequest(const json& body, const TextCodec& codec,
+std::optional<ApiError> ParseCompletionRequest(const json& body, const Tokenizer& tok,
                                                const ProtocolLimits& limits, ParsedRequest* out) {
   *out = ParsedRequest{};
   out->endpoint = Endpoint::kCompletions;
   if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
   KVB_API_TRY(ParseCommon(body, limits, out));
+  std::optional<bool> add_special;
+  KVB_API_TRY(GetBool(body, "add_special_tokens", &add_special));
+  auto encode = [&](const json& text) -> std::optional<ApiError> {
+    out->prompts.emplace_back();
+    return EncodeText(tok, text.get_ref<const std::string&>(), add_special.value_or(true), "prompt",
+                      &out->prompts.back());
+  };
 
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) return BadRequest("'prompt' is required", "prompt");
   const json& prompt = *it;
   if (prompt.is_string()) {
-    out->prompts.push_back(codec.Encode(prompt.get_ref<const std::string&>()));
+    KVB_API_TRY(encode(prompt));
   } else if (prompt.is_array()) {
     if (prompt.empty()) return BadRequest("'prompt' must not be an empty list", "prompt");
     if (prompt[0].is_number_integer()) {  // one prompt as token ids
       out->prompts.emplace_back();
-      KVB_API_TRY(TokenIdsFromJson(prompt, codec, &out->prompts.back()));
+      KVB_API_TRY(TokenIdsFromJson(prompt, tok, &out->prompts.back()));
     } else {  // several prompts: strings or token lists
       for (const json& p : prompt) {
         if (p.is_string()) {
-          out->prompts.push_back(codec.Encode(p.get_ref<const std::string&>()));
+          KVB_API_TRY(encode(p));
         } else if (p.is_array()) {
           if (p.empty()) return BadRequest("a token-id prompt must not be empty", "prompt");
           out->prompts.emplace_back();
-          KVB_API_TRY(TokenIdsFromJson(p, codec, &out->prompts.back()));
+          KVB_API_TRY(TokenIdsFromJson(p, tok, &out->prompts.back()));
         } else {
           return BadRequest("'prompt' must be a string, a list of token ids, or a list of either",
                             "prompt");
@@ -355,7 +375,7 @@ std::optional<ApiError> ParseCompletionRequest(const json& body, const TextCodec
   return FinishLengths(body, limits, /*chat=*/false, out);
 }
 
-std::optional<ApiError> ParseChatRequest(const json& body, const TextCodec& codec,
+std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
                                          const ProtocolLimits& limits, ParsedRequest* out) {
   *out = ParsedRequest{};
   out->endpoint = Endpoint::kChatCompletions;
@@ -366,7 +386,7 @@ std::optional<ApiError> ParseChatRequest(const json& body, const TextCodec& code
   if (it == body.end() || !it->is_array() || it->empty()) {
     return BadRequest("'messages' must be a non-empty list", "messages");
   }
-  std::vector<TextCodec::ChatMessage> messages;
+  std::vector<ChatMessage> messages;
   for (const json& m : *it) {
     if (!m.is_object()) return BadRequest("each message must be an object", "messages");
     auto role = m.find("role");
@@ -396,7 +416,11 @@ std::optional<ApiError> ParseChatRequest(const json& body, const TextCodec& code
     }
     messages.push_back({r == "developer" ? "system" : r, std::move(content)});
   }
-  out->prompts.push_back(codec.Encode(codec.ApplyChatTemplate(messages)));
+  std::optional<bool> add_special;
+  KVB_API_TRY(GetBool(body, "add_special_tokens", &add_special));
+  out->prompts.emplace_back();
+  KVB_API_TRY(EncodeText(tok, tok.ApplyChatTemplate(messages, /*add_generation_prompt=*/true),
+                         add_special.value_or(true), "messages", &out->prompts.back()));
 
   std::optional<bool> logprobs;
   KVB_API_TRY(GetBool(body, "logprobs", &logprobs));
@@ -416,20 +440,79 @@ std::optional<ApiError> ParseChatRequest(const json& body, const TextCodec& code
   return FinishLengths(body, limits, /*chat=*/true, out);
 }
 
-std::string DumpJson(const json& j) {
-  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+std::optional<ApiError> Tokenize(const json& body, const Tokenizer& tok,
+                                 const ProtocolLimits& limits, json* response) {
+  if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
+  KVB_API_TRY(CheckModel(body, limits));
+  if (body.contains("messages")) {
+    return BadRequest("the chat form of /tokenize ('messages') is not supported yet", "messages");
+  }
+  auto it = body.find("prompt");
+  if (it == body.end() || !it->is_string()) {
+    return BadRequest("'prompt' must be a string", "prompt");
+  }
+  std::optional<bool> add_special, token_strs;
+  KVB_API_TRY(GetBool(body, "add_special_tokens", &add_special));
+  KVB_API_TRY(GetBool(body, "return_token_strs", &token_strs));
+  std::vector<int32_t> ids;
+  KVB_API_TRY(EncodeText(tok, it->get_ref<const std::string&>(), add_special.value_or(true),
+                         "prompt", &ids));
+  json strs = nullptr;
+  if (token_strs.value_or(false)) {
+    strs = json::array();
+    for (int32_t id : ids) strs.push_back(tok.IdToToken(id).value_or(""));
+  }
+  *response = json{{"count", ids.size()},
+                   {"max_model_len", limits.max_model_len},
+                   {"tokens", ids},
+                   {"token_strs", std::move(strs)}};
+  return std::nullopt;
 }
 
-size_t CompleteUtf8Prefix(const std::string& s) {
-  // Look back at most 3 bytes for a lead byte whose sequence is not complete yet.
-  size_t n = s.size();
-  for (size_t back = 1; back <= 3 && back <= n; ++back) {
-    unsigned char c = static_cast<unsigned char>(s[n - back]);
-    if ((c & 0xC0) == 0x80) continue;  // continuation byte: keep looking for the lead
-    size_t need = (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 1;
-    return need > back ? n - back : n;
+std::optional<ApiError> Detokenize(const json& body, const Tokenizer& tok,
+                                   const ProtocolLimits& limits, json* response) {
+  if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
+  KVB_API_TRY(CheckModel(body, limits));
+  auto it = body.find("tokens");
+  if (it == body.end() || !it->is_array()) {
+    return BadRequest("'tokens' must be a list of token ids", "tokens");
   }
-  return n;
+  std::vector<int32_t> ids;
+  KVB_API_TRY(TokenIdsFromJson(*it, tok, &ids, "tokens"));
+  *response = json{{"prompt", tok.Decode(ids, /*skip_special_tokens=*/false)}};
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseBody(const std::string& text, json* body) {
+  try {
+    *body = json::parse(text);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    // "[json.exception.parse_error.101] parse error at line 1, column 9: syntax error ... -
+    // invalid string: ill-formed UTF-8 byte; last read: '...'": keep the reason, not the bytes.
+    if (auto at = what.find("parse error"); at != std::string::npos) what = what.substr(at);
+    if (auto last = what.find("; last read"); last != std::string::npos) what.resize(last);
+    return BadRequest("the request body is not valid JSON: " + what, "");
+  }
+  return std::nullopt;
+}
+
+std::string PromptDigest(std::span<const int32_t> ids) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int32_t id : ids) {
+    const auto u = static_cast<uint32_t>(id);
+    for (int b = 0; b < 4; ++b) {
+      h ^= (u >> (8 * b)) & 0xFF;
+      h *= 0x100000001b3ull;
+    }
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return std::to_string(ids.size()) + ":" + hex;
+}
+
+std::string DumpJson(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 namespace {
@@ -453,8 +536,26 @@ bool IsValidUtf8(const std::string& s) {
 }
 }  // namespace
 
-std::string TokenDisplayText(const TextCodec& codec, int32_t token) {
-  std::string text = codec.Decode(std::span<const int32_t>(&token, 1));
+size_t Utf8Length(std::string_view s) {
+  size_t n = 0, i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t need = c < 0x80             ? 1
+                  : (c & 0xE0) == 0xC0 ? 2
+                  : (c & 0xF0) == 0xE0 ? 3
+                  : (c & 0xF8) == 0xF0 ? 4
+                                       : 1;
+    size_t k = 1;
+    while (k < need && i + k < s.size() && (static_cast<unsigned char>(s[i + k]) & 0xC0) == 0x80)
+      ++k;
+    i += k == need ? need : 1;  // an incomplete or stray sequence: one replacement per byte
+    ++n;
+  }
+  return n;
+}
+
+std::string TokenDisplayText(const Tokenizer& tok, int32_t token) {
+  std::string text = tok.Decode(std::span<const int32_t>(&token, 1), /*skip_special_tokens=*/false);
   if (IsValidUtf8(text)) return text;
   std::string out = "bytes:";
   char buf[8];
@@ -465,20 +566,30 @@ std::string TokenDisplayText(const TextCodec& codec, int32_t token) {
   return out;
 }
 
-ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const TextCodec& codec,
-                                 std::string id, std::string model, int64_t created)
+ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& tok, std::string id,
+                                 std::string model, int64_t created)
     : endpoint_(request.endpoint),
       n_(request.sampling.n),
       logprobs_(request.sampling.logprobs),
       include_usage_(request.include_usage),
-      codec_(codec),
+      tokens_as_ids_(request.tokens_as_ids),
+      stream_(request.stream),
+      tok_(tok),
       id_(std::move(id)),
       model_(std::move(model)),
       created_(created),
       prompts_(request.prompts.size()) {
   for (size_t p = 0; p < prompts_.size(); ++p) {
     prompts_[p].choices.resize(n_);
+    if (stream_) {
+      for (Choice& c : prompts_[p].choices) {
+        c.text_stream.emplace(tok_, /*skip_special_tokens=*/true);
+      }
+    }
     prompts_[p].num_prompt_tokens = static_cast<int>(request.prompts[p].size());
+    if (!request.kv_transfer_params.is_null()) {
+      prompts_[p].prompt_digest = PromptDigest(request.prompts[p]);
+    }
   }
 }
 
@@ -493,23 +604,25 @@ void ResponseBuilder::Apply(size_t prompt_index, const RequestOutput& out) {
     Choice& c = p.choices[o.index];
     if (c.finished) continue;
     c.token_ids.insert(c.token_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    if (c.text_stream) {
+      for (int32_t id : o.new_token_ids) c.pending_text += c.text_stream->Push(id);
+    }
     if (logprobs_ >= 0) {
       c.logprobs.insert(c.logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
     }
-    if (o.finished) {
-      c.finished = true;
-      c.finish_reason = o.finish_reason.empty() ? "stop" : o.finish_reason;
+    if (o.finished) FinishChoice(c, o.finish_reason.empty() ? "stop" : o.finish_reason);
+  }
+  if (!out.kv_transfer_params.is_null()) {
+    p.kv_transfer_params = out.kv_transfer_params;
+    if (p.kv_transfer_params.is_object() && !p.prompt_digest.empty()) {
+      p.kv_transfer_params[kPromptDigestKey] = p.prompt_digest;
     }
   }
-  if (!out.kv_transfer_params.is_null()) p.kv_transfer_params = out.kv_transfer_params;
   if (!out.error.ok() && p.error.ok()) p.error = out.error;
   if (out.finished) {
     p.finished = true;
     for (Choice& c : p.choices) {
-      if (!c.finished) {
-        c.finished = true;
-        c.finish_reason = out.error.ok() ? "abort" : "error";
-      }
+      if (!c.finished) FinishChoice(c, out.error.ok() ? "abort" : "error");
     }
   }
 }
@@ -519,12 +632,15 @@ void ResponseBuilder::FinishAll(const std::string& reason) {
     if (p.finished) continue;
     p.finished = true;
     for (Choice& c : p.choices) {
-      if (!c.finished) {
-        c.finished = true;
-        c.finish_reason = reason;
-      }
+      if (!c.finished) FinishChoice(c, reason);
     }
   }
+}
+
+void ResponseBuilder::FinishChoice(Choice& c, const std::string& reason) {
+  c.finished = true;
+  c.finish_reason = reason;
+  if (c.text_stream) c.pending_text += c.text_stream->Finish();
 }
 
 bool ResponseBuilder::AllFinished() const {
@@ -561,6 +677,10 @@ json ResponseBuilder::KvTransferParams() const {
   return nullptr;
 }
 
+std::string ResponseBuilder::TokenText(int32_t token) const {
+  return tokens_as_ids_ ? "token_id:" + std::to_string(token) : TokenDisplayText(tok_, token);
+}
+
 json ResponseBuilder::LogprobsJson(const Choice& c, size_t from, size_t to,
                                    size_t* text_offset) const {
   if (endpoint_ == Endpoint::kCompletions) {
@@ -568,18 +688,20 @@ json ResponseBuilder::LogprobsJson(const Choice& c, size_t from, size_t to,
          offsets = json::array();
     for (size_t k = from; k < to && k < c.logprobs.size(); ++k) {
       const TokenLogprob& lp = c.logprobs[k];
-      std::string text = TokenDisplayText(codec_, lp.token);
-      tokens.push_back(text);
-      token_logprobs.push_back(lp.logprob);
+      std::string text = TokenText(lp.token);
       json entry = json::object();
       for (const TopLogprob& t : lp.top) {
-        std::string key = TokenDisplayText(codec_, t.token);
+        std::string key = TokenText(t.token);
         if (!entry.contains(key)) entry[key] = t.logprob;
       }
       if (!entry.contains(text)) entry[text] = lp.logprob;  // the sampled token is always listed
       top.push_back(std::move(entry));
       offsets.push_back(*text_offset);
-      *text_offset += codec_.Decode(std::span<const int32_t>(&lp.token, 1)).size();
+      // vLLM: the previous offset + len(token text); a byte token shown as "bytes:\xNN"
+      // counts as the one character it becomes in `text`.
+      *text_offset += Utf8Length(tok_.Decode(std::span<const int32_t>(&lp.token, 1), false));
+      tokens.push_back(std::move(text));
+      token_logprobs.push_back(lp.logprob);
     }
     return json{{"tokens", tokens},
                 {"token_logprobs", token_logprobs},
@@ -587,10 +709,11 @@ json ResponseBuilder::LogprobsJson(const Choice& c, size_t from, size_t to,
                 {"text_offset", offsets}};
   }
   auto entry = [&](int32_t token, float logprob) {
-    std::string raw = codec_.Decode(std::span<const int32_t>(&token, 1));
+    // vLLM: the bytes of the token's text (U+FFFD included); the byte tokenizer's raw byte.
+    std::string raw = tok_.Decode(std::span<const int32_t>(&token, 1), false);
     json bytes = json::array();
     for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
-    return json{{"token", TokenDisplayText(codec_, token)}, {"logprob", logprob}, {"bytes", bytes}};
+    return json{{"token", TokenText(token)}, {"logprob", logprob}, {"bytes", bytes}};
   };
   json content = json::array();
   for (size_t k = from; k < to && k < c.logprobs.size(); ++k) {
@@ -611,7 +734,7 @@ json ResponseBuilder::FinalBody() const {
     for (int i = 0; i < n_; ++i) {
       const Choice& c = prompts_[p].choices[i];
       json choice{{"index", static_cast<int64_t>(p) * n_ + i}};
-      std::string text = codec_.Decode(c.token_ids);
+      std::string text = tok_.Decode(c.token_ids, /*skip_special_tokens=*/true);
       if (chat) {
         choice["message"] = json{{"role", "assistant"}, {"content", text}};
       } else {
@@ -659,9 +782,7 @@ std::string ResponseBuilder::TakeStreamFrames() {
       Choice& c = prompts_[p].choices[i];
       if (c.finish_sent) continue;
       const int64_t index = static_cast<int64_t>(p) * n_ + i;
-      std::string text = codec_.Decode(c.token_ids);
-      size_t stable = c.finished ? text.size() : CompleteUtf8Prefix(text);
-      bool has_text = stable > c.streamed_text_bytes;
+      const bool has_text = !c.pending_text.empty();
       bool has_tokens = c.token_ids.size() > c.streamed_tokens;
       if (chat && !c.role_sent) {
         json chunk = ChunkBase();
@@ -673,8 +794,8 @@ std::string ResponseBuilder::TakeStreamFrames() {
         c.role_sent = true;
       }
       if (!has_text && !has_tokens && !c.finished) continue;
-      std::string delta =
-          has_text ? text.substr(c.streamed_text_bytes, stable - c.streamed_text_bytes) : "";
+      std::string delta = std::move(c.pending_text);
+      c.pending_text.clear();
       json choice{{"index", index}};
       if (chat) {
         choice["delta"] =
@@ -697,7 +818,6 @@ std::string ResponseBuilder::TakeStreamFrames() {
       }
       emit(chunk);
       c.streamed_tokens = c.token_ids.size();
-      c.streamed_text_bytes = stable;
     }
   }
   if (AllFinished()) {

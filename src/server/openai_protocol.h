@@ -3,7 +3,8 @@
 // Parse*Request turns a JSON body into ParsedRequest (prompts as token ids + SamplingParams) or
 // an ApiError (HTTP status + message + offending param). ResponseBuilder accumulates the engine's
 // RequestOutputs of one HTTP request (one engine request per prompt) and renders the whole
-// response body or the SSE frames of a stream. Both are pure: unit tested without an engine.
+// response body or the SSE frames of a stream. Tokenize/Detokenize answer vLLM's /tokenize and
+// /detokenize. All pure: unit tested without an engine.
 //
 // Thread-safety: values; a ResponseBuilder needs external locking when shared.
 #pragma once
@@ -11,10 +12,12 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "kvbridge/engine/engine.h"
+#include "kvbridge/model/tokenizer.h"
 #include "kvbridge/server/api_server.h"
 
 namespace kvbridge::server {
@@ -41,27 +44,52 @@ struct ParsedRequest {
   SamplingParams sampling;
   bool stream = false;
   bool include_usage = false;         ///< stream_options.include_usage
+  bool tokens_as_ids = false;         ///< return_tokens_as_token_ids: logprobs say "token_id:N"
   nlohmann::json kv_transfer_params;  ///< null when absent
 };
 
-/// Body of POST /v1/completions. Returns nullopt and fills `out`, or the error.
-std::optional<ApiError> ParseCompletionRequest(const nlohmann::json& body, const TextCodec& codec,
+/// Body of POST /v1/completions. Returns nullopt and fills `out`, or the error. Text prompts
+/// are tok.Encode(text, add_special_tokens) (the request's `add_special_tokens`, default true);
+/// token-id prompts must lie in [0, tok.vocab_size()).
+std::optional<ApiError> ParseCompletionRequest(const nlohmann::json& body, const Tokenizer& tok,
                                                const ProtocolLimits& limits, ParsedRequest* out);
-/// Body of POST /v1/chat/completions (the prompt is codec.ApplyChatTemplate(messages)).
-std::optional<ApiError> ParseChatRequest(const nlohmann::json& body, const TextCodec& codec,
+/// Body of POST /v1/chat/completions (the prompt is tok.ApplyChatTemplate(messages) encoded
+/// with special tokens unless the request says `add_special_tokens: false`).
+std::optional<ApiError> ParseChatRequest(const nlohmann::json& body, const Tokenizer& tok,
                                          const ProtocolLimits& limits, ParsedRequest* out);
+
+/// POST /tokenize (vLLM): {"model", "prompt", "add_special_tokens" (default true),
+/// "return_token_strs" (default false)} -> {"count", "max_model_len", "tokens", "token_strs"
+/// (null unless asked: the vocabulary entries, e.g. "Ġworld")}. No length check (as vLLM).
+std::optional<ApiError> Tokenize(const nlohmann::json& body, const Tokenizer& tok,
+                                 const ProtocolLimits& limits, nlohmann::json* response);
+/// POST /detokenize (vLLM): {"model", "tokens"} -> {"prompt"}: Decode with special tokens kept.
+/// An id outside [0, tok.vocab_size()) is a 400.
+std::optional<ApiError> Detokenize(const nlohmann::json& body, const Tokenizer& tok,
+                                   const ProtocolLimits& limits, nlohmann::json* response);
+
+/// Parses a request body. A body that is not JSON (invalid UTF-8 in a string included: JSON
+/// text is UTF-8) is a 400 "the request body is not valid JSON: <reason>".
+std::optional<ApiError> ParseBody(const std::string& text, nlohmann::json* body);
+/// The key of kv_transfer_params by which a prefill tells the decode which prompt ids it
+/// prefilled (PromptDigest), so that a decode whose tokenizer gives other ids refuses the KV.
+inline constexpr const char* kPromptDigestKey = "kvbridge_prompt_digest";
+/// "<count>:<16 hex digits of FNV-1a 64 over the ids' little-endian int32 bytes>".
+std::string PromptDigest(std::span<const int32_t> ids);
 
 /// JSON text that never throws on invalid UTF-8 (bytes become U+FFFD).
 std::string DumpJson(const nlohmann::json& j);
-/// Length of the longest prefix of `s` that does not end inside an incomplete UTF-8 sequence.
-size_t CompleteUtf8Prefix(const std::string& s);
-/// A token's text for logprobs: the decoded text when it is valid UTF-8, else "bytes:\xNN...".
-std::string TokenDisplayText(const TextCodec& codec, int32_t token);
+/// A token's text for logprobs, as vLLM reports it: the token decoded alone with special tokens
+/// kept (a Hugging Face tokenizer writes U+FFFD for a part of a UTF-8 character). The byte
+/// tokenizer's text when it is valid UTF-8, else "bytes:\xNN...".
+std::string TokenDisplayText(const Tokenizer& tok, int32_t token);
+/// Characters (code points) of UTF-8 text, as Python's len(); a stray byte counts as one.
+size_t Utf8Length(std::string_view s);
 
 class ResponseBuilder {
  public:
   /// `id` like "cmpl-..."; `created` Unix seconds; one engine request per request.prompts.
-  ResponseBuilder(const ParsedRequest& request, const TextCodec& codec, std::string id,
+  ResponseBuilder(const ParsedRequest& request, const Tokenizer& tok, std::string id,
                   std::string model, int64_t created);
 
   /// Folds one engine output of prompt `prompt_index` in.
@@ -89,31 +117,38 @@ class ResponseBuilder {
     std::vector<TokenLogprob> logprobs;
     bool finished = false;
     std::string finish_reason;
-    size_t streamed_tokens = 0;      // tokens whose logprobs were streamed
-    size_t streamed_text_bytes = 0;  // bytes of Decode(token_ids) streamed
-    bool role_sent = false;          // chat: the first delta carries the role
+    std::optional<IncrementalDecoder> text_stream;  // streaming only
+    std::string pending_text;                       // final text not streamed yet
+    size_t streamed_tokens = 0;                     // tokens whose logprobs were streamed
+    bool role_sent = false;                         // chat: the first delta carries the role
     bool finish_sent = false;
-    size_t text_offset = 0;  // completions logprobs: bytes before streamed_tokens
+    size_t text_offset = 0;  // completions logprobs: characters before streamed_tokens
   };
   struct Prompt {
     std::vector<Choice> choices;
+    std::string prompt_digest;  // PromptDigest of its ids, for a P/D request
     int num_prompt_tokens = 0;
     int num_cached_tokens = 0;
     bool finished = false;
     Status error;
     nlohmann::json kv_transfer_params;
   };
+  void FinishChoice(Choice& c, const std::string& reason);
   nlohmann::json Usage() const;
   nlohmann::json ChunkBase() const;
-  /// Logprobs of tokens [from, to) of `c` in this endpoint's shape; `text_offset` advances.
+  /// Logprobs of tokens [from, to) of `c` in this endpoint's shape; `text_offset` (characters
+  /// of the token texts before `from`) advances.
   nlohmann::json LogprobsJson(const Choice& c, size_t from, size_t to, size_t* text_offset) const;
   nlohmann::json KvTransferParams() const;
+  std::string TokenText(int32_t token) const;
 
   Endpoint endpoint_;
   int n_;
   int logprobs_;  // -1 none
   bool include_usage_;
-  const TextCodec& codec_;
+  bool tokens_as_ids_;
+  bool stream_;
+  Tokenizer tok_;
   std::string id_;
   std::string model_;
   int64_t created_;

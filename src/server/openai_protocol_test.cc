@@ -15,7 +15,7 @@ ProtocolLimits Limits(int max_model_len = 64) {
 }
 
 std::optional<ApiError> ParseC(const std::string& body, ParsedRequest* out, int max_len = 64) {
-  ByteCodec codec;
+  const Tokenizer codec = ByteCodec::Make();
   return ParseCompletionRequest(json::parse(body), codec, Limits(max_len), out);
 }
 
@@ -138,7 +138,7 @@ TEST(ParseCompletion, RejectsBadInput) {
 }
 
 TEST(ParseChat, TemplateAndLogprobs) {
-  ByteCodec codec;
+  const Tokenizer codec = ByteCodec::Make();
   ParsedRequest r;
   auto body = json::parse(R"({"messages":[{"role":"system","content":"S"},
       {"role":"user","content":[{"type":"text","text":"Hi"}]}],"logprobs":true,"top_logprobs":3,
@@ -155,7 +155,7 @@ TEST(ParseChat, TemplateAndLogprobs) {
 }
 
 TEST(ParseChat, RejectsBadMessages) {
-  ByteCodec codec;
+  const Tokenizer codec = ByteCodec::Make();
   for (const char* body :
        {R"({"messages":[]})", R"({"messages":"hi"})", R"({"messages":[{"content":"x"}]})",
         R"({"messages":[{"role":"wizard","content":"x"}]})",
@@ -168,19 +168,19 @@ TEST(ParseChat, RejectsBadMessages) {
   }
 }
 
-TEST(Utf8, CompletePrefixHoldsBackOnlyAnIncompleteTail) {
-  EXPECT_EQ(CompleteUtf8Prefix("abc"), 3u);
-  EXPECT_EQ(CompleteUtf8Prefix("ab\xC3"), 2u);
-  EXPECT_EQ(CompleteUtf8Prefix("ab\xC3\xA9"), 4u);
-  EXPECT_EQ(CompleteUtf8Prefix("a\xE2\x82"), 1u);
-  EXPECT_EQ(CompleteUtf8Prefix("a\xE2\x82\xAC"), 4u);
-  EXPECT_EQ(CompleteUtf8Prefix("a\xF0\x9F\x98"), 1u);
-  EXPECT_EQ(CompleteUtf8Prefix("a\x80"), 2u);  // stray continuation: nothing to wait for
+TEST(Utf8, LengthCountsCharactersAsPython) {
+  EXPECT_EQ(Utf8Length(""), 0u);
+  EXPECT_EQ(Utf8Length("abc"), 3u);
+  EXPECT_EQ(Utf8Length("ab\xC3\xA9"), 3u);                    // "abé"
+  EXPECT_EQ(Utf8Length("\xE2\x82\xAC\xF0\x9F\x98\x80"), 2u);  // "€😀"
+  EXPECT_EQ(Utf8Length("\xEF\xBF\xBD"), 1u);                  // U+FFFD
+  EXPECT_EQ(Utf8Length("a\xE2\x82"), 3u);  // an incomplete sequence: one per byte
+  EXPECT_EQ(Utf8Length("a\x80"), 2u);      // a stray continuation byte
 }
 
 TEST(Utf8, DumpReplacesInvalidBytes) {
   EXPECT_EQ(DumpJson(json{{"t", std::string("a\xFF")}}), "{\"t\":\"a\xEF\xBF\xBD\"}");
-  ByteCodec codec;
+  const Tokenizer codec = ByteCodec::Make();
   EXPECT_EQ(TokenDisplayText(codec, 0xFF), "bytes:\\xff");
   EXPECT_EQ(TokenDisplayText(codec, 'q'), "q");
 }
@@ -195,7 +195,7 @@ RequestOutput Out(std::vector<CompletionOutput> outs, bool finished, int cached 
 }
 
 TEST(ResponseBuilder, CompletionBodyWithLogprobsAndUsage) {
-  ByteCodec codec;
+  const Tokenizer codec = ByteCodec::Make();
   ParsedRequest r;
   ASSERT_FALSE(ParseC(R"({"prompt":["abc","xyz"],"n":2,"logprobs":1})", &r));
   ResponseBuilder b(r, codec, "cmpl-1", "tiny", 100);
@@ -227,7 +227,7 @@ TEST(ResponseBuilder, CompletionBodyWithLogprobsAndUsage) {
 }
 
 TEST(ResponseBuilder, ChatStreamFramesEndWithDone) {
-  ByteCodec codec;
+  const Tokenizer codec = ByteCodec::Make();
   ParsedRequest r;
   ASSERT_FALSE(
       ParseChatRequest(json::parse(R"({"messages":[{"role":"user","content":"a"}],"stream":true,

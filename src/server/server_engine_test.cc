@@ -10,7 +10,6 @@
 #include "kvbridge/engine/engine.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/server/api_server.h"
-#include "kvbridge/server/tokenizer_codec.h"
 #include "support/tiny_model.h"
 
 namespace kvbridge::server {
@@ -36,8 +35,7 @@ class ServerEngineTest : public ::testing::Test {
     sc.port = 0;
     sc.served_model_name = "tiny";
     sc.max_model_len = 256;
-    auto srv = ApiServer::Create(sc, engine_.get(),
-                                 std::make_shared<TokenizerCodec>(TinyModel()->tokenizer()));
+    auto srv = ApiServer::Create(sc, engine_.get(), TinyModel()->tokenizer());
     ASSERT_TRUE(srv.ok());
     server_ = std::move(srv).value();
     ASSERT_TRUE(server_->Start().ok());

@@ -29,7 +29,6 @@ using nlohmann::json;
 
 using testing::AddRequestInBackground;
 using testing::BaseConfig;
-using testing::ByteCodec;
 using testing::ExpectRecomputedOrFailed;
 using testing::ExpectSameAnswer;
 using testing::PdEngine;
@@ -311,7 +310,7 @@ TEST_P(PdRead, OverHttpTokenValidationAndSameText) {
   server::ServerConfig rc;
   rc.port = 0;
   rc.num_http_threads = 2;
-  auto ref = server::ApiServer::Create(rc, ref_engine->get(), std::make_shared<ByteCodec>());
+  auto ref = server::ApiServer::Create(rc, ref_engine->get(), TinyModel()->tokenizer());
   ASSERT_TRUE(ref.ok());
   ASSERT_TRUE((*ref)->Start().ok());
 

@@ -33,7 +33,6 @@ using nlohmann::json;
 
 using testing::AddRequestInBackground;
 using testing::BaseConfig;
-using testing::ByteCodec;
 using testing::ExpectRecomputedOrFailed;
 using testing::ExpectSameAnswer;
 using testing::PdEngine;

@@ -104,6 +104,20 @@ class FakeEngine {
       Record(req);
       res.set_content(R"({"released":true})", "application/json");
     });
+    // vLLM's tokenizer routes: an echo of what arrived; a body with "bad" is refused.
+    auto tokenizer_route = [this](const httplib::Request& req, httplib::Response& res) {
+      Record(req);
+      json body = json::parse(req.body, nullptr, false);
+      if (body.is_object() && body.contains("bad")) {
+        res.status = 400;
+        res.set_content(R"({"error":{"message":"bad","code":400}})", "application/json");
+        return;
+      }
+      res.set_content(json({{"engine", prefill_ ? "prefill" : "decode"}, {"got", body}}).dump(),
+                      "application/json");
+    };
+    server_.Post("/tokenize", tokenizer_route);
+    server_.Post("/detokenize", tokenizer_route);
     server_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
       res.set_content("ok", "text/plain");
     });
@@ -264,6 +278,39 @@ TEST(ProxyFakeEngines, ReadFlowLegShapesAndStripping) {
   auto models = cli.Get("/v1/models");
   ASSERT_TRUE(models);
   EXPECT_EQ(models->body, R"({"object":"list","data":[{"id":"fake"}]})");
+}
+
+// /tokenize and /detokenize go to one engine (a decode when there is one) as they are; its
+// status and body come back as they are.
+TEST(ProxyFakeEngines, TokenizeAndDetokenizeGoToOneEngine) {
+  FakeEngine p(true), d(false);
+  auto proxy = StartProxy(p.url(), d.url());
+  httplib::Client cli("127.0.0.1", proxy->port());
+  for (const char* path : {"/tokenize", "/detokenize"}) {
+    const json body = {{"model", "fake"}, {"prompt", "h\u00e9"}, {"tokens", {1, 2}}};
+    auto res = cli.Post(path, body.dump(), "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200) << res->body;
+    EXPECT_EQ(json::parse(res->body), json({{"engine", "decode"}, {"got", body}})) << path;
+    res = cli.Post(path, R"({"bad":1})", "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400);
+    EXPECT_EQ(res->body, R"({"error":{"message":"bad","code":400}})");
+  }
+  EXPECT_EQ(d.Calls("/tokenize").size(), 2u);
+  EXPECT_EQ(d.Calls("/detokenize").size(), 2u);
+  EXPECT_TRUE(p.Calls("/tokenize").empty());
+  EXPECT_TRUE(d.Calls("/v1/completions").empty());
+  // Only a prefill: it answers.
+  auto only_prefill = StartProxy([&] {
+    ProxyOptions o;
+    o.prefill_urls = {p.url()};
+    return o;
+  }());
+  httplib::Client cli2("127.0.0.1", only_prefill->port());
+  auto res = cli2.Post("/tokenize", R"({"prompt":"x"})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(json::parse(res->body)["engine"], "prefill") << res->body;
 }
 
 TEST(ProxyFakeEngines, PrefillForwardN) {

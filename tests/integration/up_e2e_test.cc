@@ -279,6 +279,132 @@ TEST(UpPrefillForwardN, Concurrency16WithN8DrainsClean) {
   EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
 }
 
+// A tokenizer directory of ../shared (absent outside the project's machines: "").
+std::string SharedTokenizer(const std::string& name) {
+  const std::string dir = "../shared/data/tokenizers/" + name;
+  return ::access((dir + "/tokenizer.json").c_str(), R_OK) == 0 ? dir : "";
+}
+
+json PostRaw(int port, const std::string& path, const std::string& body) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(60, 0);
+  auto r = c.Post(path.c_str(), body, "application/json");
+  if (!r) return json{{"transport_error", httplib::to_string(r.error())}};
+  json j = json::parse(r->body, nullptr, false);
+  if (j.is_discarded()) j = json{{"raw", r->body}};
+  j["_status"] = r->status;
+  return j;
+}
+
+// `up 1p1d` on a tiny random model with the Qwen3 tokenizer (make-model --tokenizer): /tokenize
+// and /detokenize through the proxy give Hugging Face's ids; a P/D answer is bitwise the
+// colocated engine's (ids and logprobs, via return_tokens_as_token_ids), its streamed text the
+// whole text; bad input (invalid UTF-8, a prompt past max_model_len, ids outside the vocabulary)
+// is a 400 before any leg holds anything.
+TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
+  std::string why = SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string tok_dir = SharedTokenizer("qwen3");
+  if (tok_dir.empty()) GTEST_SKIP() << "../shared/data/tokenizers/qwen3 is absent";
+  const std::string bin = KvbridgeBin();
+  const std::string dir = testing::MakeTempDir("kvb-uptok-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model,
+                   "--tokenizer", tok_dir},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  // Laid out like a checkpoint; the vocabulary is the tokenizer's 151669 ids padded to 64.
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    EXPECT_EQ(::access((model + "/" + f).c_str(), R_OK), 0) << f;
+  }
+  std::ifstream cf(model + "/config.json");
+  const json config = json::parse(cf, nullptr, false);
+  EXPECT_EQ(config.value("vocab_size", 0), 151680) << config.dump();
+  EXPECT_EQ(config.value("eos_token_id", json()), 151645) << config.dump();  // <|im_end|>
+
+  const int solo_port = testing::FreePort();
+  Subprocess solo(
+      {bin, "serve", model, "--port", std::to_string(solo_port), "--no-enable-prefix-caching"},
+      dir + "/solo.log");
+  ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 120'000)) << solo.ReadLog();
+  const int port = testing::FreePort();
+  Subprocess up({bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs",
+                 "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
+                dir + "/up.log");
+  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+
+  // Hugging Face's ids for Qwen3 (the same as @huggingface/tokenizers and the model card's
+  // "hello world" -> [14990, 1879]); Qwen adds no BOS.
+  for (int p : {solo_port, port}) {
+    json t = Post(p, "/tokenize", {{"prompt", "hello world"}, {"return_token_strs", true}});
+    ASSERT_EQ(t["_status"], 200) << t.dump();
+    EXPECT_EQ(t["tokens"], json({14990, 1879})) << p;
+    EXPECT_EQ(t["token_strs"], json({"hello", "\u0120world"})) << p;
+    EXPECT_EQ(t["count"], 2);
+    EXPECT_EQ(t["max_model_len"], 1024);
+    t = Post(p, "/tokenize", {{"prompt", ""}});
+    EXPECT_EQ(t["tokens"], json::array()) << t.dump();
+    json d = Post(p, "/detokenize", {{"tokens", {14990, 1879, 151645}}});
+    ASSERT_EQ(d["_status"], 200) << d.dump();
+    EXPECT_EQ(d["prompt"], "hello world<|im_end|>");  // special tokens kept
+    d = Post(p, "/detokenize", {{"tokens", {151669}}});
+    EXPECT_EQ(d["_status"], 400) << d.dump();
+  }
+
+  json body = {{"prompt", "Écris un poème sur la mer 🌊, s'il te plaît:"},
+               {"max_tokens", 24},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"logprobs", 3},
+               {"return_tokens_as_token_ids", true}};
+  json want = Post(solo_port, "/v1/completions", body);
+  ASSERT_EQ(want["_status"], 200) << want.dump();
+  json got = Post(port, "/v1/completions", body);
+  ASSERT_EQ(got["_status"], 200) << got.dump();
+  EXPECT_EQ(got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]);  // ids + logprobs
+  EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]);
+  EXPECT_EQ(got["usage"]["prompt_tokens"], want["usage"]["prompt_tokens"]);
+  EXPECT_EQ(want["choices"][0]["logprobs"]["tokens"].size(), 24u);
+  // The text is the decode of those ids, also when streamed (chunks never split a character).
+  json ids = json::array();
+  for (const auto& t : want["choices"][0]["logprobs"]["tokens"]) {
+    ids.push_back(std::stoi(t.get<std::string>().substr(std::string("token_id:").size())));
+  }
+  json plain = Post(solo_port, "/detokenize", {{"tokens", ids}});
+  json whole = body;
+  whole.erase("logprobs");
+  whole.erase("return_tokens_as_token_ids");
+  json text = Post(port, "/v1/completions", whole);
+  ASSERT_EQ(text["_status"], 200) << text.dump();
+  EXPECT_EQ(text["choices"][0]["text"], got["choices"][0]["text"]);
+  json streamed = whole;
+  streamed["stream"] = true;
+  EXPECT_EQ(StreamText(port, streamed, 0), text["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(StreamText(solo_port, streamed, 0), text["choices"][0]["text"].get<std::string>());
+  // /detokenize keeps special tokens, the completion skips them: equal when there are none.
+  bool special = false;
+  for (const auto& id : ids) special = special || id.get<int>() >= 151643;
+  if (!special) EXPECT_EQ(plain["prompt"], text["choices"][0]["text"]);
+
+  // Bad input: refused before any leg, nothing held afterwards.
+  const std::string host = "http://127.0.0.1:" + std::to_string(port);
+  for (int p : {solo_port, port}) {
+    json r = PostRaw(p, "/v1/completions", "{\"prompt\":\"caf\xC3\",\"max_tokens\":2}");
+    EXPECT_EQ(r["_status"], 400) << r.dump();
+    std::string long_prompt;
+    for (int i = 0; i < 1100; ++i) long_prompt += " hello";
+    r = Post(p, "/v1/completions", {{"prompt", long_prompt}, {"max_tokens", 2}});
+    EXPECT_EQ(r["_status"], 400) << r.dump();
+    EXPECT_NE(r.dump().find("maximum context length is 1024"), std::string::npos) << r.dump();
+    r = Post(p, "/v1/completions", {{"prompt", {1, 151669}}, {"max_tokens", 2}});
+    EXPECT_EQ(r["_status"], 400) << r.dump();
+  }
+  EXPECT_EQ(ExpectEveryInstanceDrained(host).size(), 2u);
+
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+}
+
 // A listening socket on 127.0.0.1 (port 0: any free one); returns the fd (-1 on failure) and
 // sets *port.
 int ListenLoopback(int want_port, int* port) {

@@ -15,16 +15,6 @@ namespace kvbridge::testing {
 
 std::shared_ptr<const Model> TinyModel() { return TinyRandomModel(7); }
 
-std::vector<int32_t> ByteCodec::Encode(std::string_view t) const {
-  return std::vector<int32_t>(t.begin(), t.end());
-}
-
-std::string ByteCodec::Decode(std::span<const int32_t> ids) const {
-  std::string s;
-  for (int32_t i : ids) s += static_cast<char>(i & 0xff);
-  return s;
-}
-
 // Runs one request to completion on `engine` (bounded wait).
 PdResult RunOne(Engine& engine, EngineRequest req) {
   auto st = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
@@ -108,7 +98,7 @@ std::unique_ptr<PdEngine> PdEngine::Start(const PdEngineOptions& o) {
   sc.num_http_threads = 4;
   sc.cluster_token = "secret";
   sc.validate_kv_transfer_params = e->kv->ValidateHook();
-  auto srv = server::ApiServer::Create(sc, e->engine.get(), std::make_shared<ByteCodec>());
+  auto srv = server::ApiServer::Create(sc, e->engine.get(), TinyModel()->tokenizer());
   EXPECT_TRUE(srv.ok()) << srv.status().ToString();
   e->server = std::move(srv).value();
   EXPECT_TRUE(e->kv->InstallRoutes(*e->server).ok());

@@ -29,14 +29,6 @@ namespace kvbridge::testing {
 /// The `tiny` random llama model (seed 7), written and loaded once per process.
 std::shared_ptr<const Model> TinyModel();
 
-/// A codec where token id = byte (vocab 256).
-class ByteCodec : public server::TextCodec {
- public:
-  std::vector<int32_t> Encode(std::string_view t) const override;
-  std::string Decode(std::span<const int32_t> ids) const override;
-  int32_t vocab_size() const override { return 256; }
-};
-
 /// What one request produced, per sibling index.
 struct PdResult {
   std::map<int, std::vector<int32_t>> tokens;

@@ -57,6 +57,7 @@
 #include "kvbridge/engine/engine.h"
 #include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/model/forward.h"
+#include "kvbridge/model/tokenizer.h"
 
 namespace kvbridge {
 
@@ -85,9 +86,12 @@ struct SchedulerConfig {
   std::vector<int32_t> eos_token_ids;  ///< stop on these unless ignore_eos
   std::string model_fingerprint;       ///< seeds the prefix-cache hash chain
   uint64_t default_seed = 0;           ///< requests without a seed use a hash of (this, id)
-  /// Text of one token (the byte tokenizer's Decode of {id}), for stop strings. When empty,
-  /// requests with stop strings are rejected (InvalidArgument).
-  std::function<std::string(int32_t)> token_text;
+  /// The model's tokenizer, for stop strings: a sequence's output text is what an
+  /// IncrementalDecoder (skip_special_tokens) made final so far — the text the server returns,
+  /// not one-id decodes (which lose a BPE tokenizer's multi-byte characters and a
+  /// SentencePiece decoder's spaces). When unset, requests with stop strings are rejected
+  /// (InvalidArgument).
+  std::optional<Tokenizer> tokenizer;
 };
 
 /// One chunk of one sequence in a step (pointers stay valid until UpdateFromOutput).

@@ -10,6 +10,7 @@
 // Endpoints:
 //   POST /v1/completions, /v1/chat/completions   the P→D flow (streaming or not)
 //   GET  /v1/models                               a decode's (else a prefill's) /v1/models
+//   POST /tokenize, /detokenize                   passed to a decode (else a prefill) as they are
 //   GET  /health                                  200 {"status":"ok",...} while serving
 //   GET  /metrics                                 Prometheus text: kvbridge_proxy_* families
 //                                                  (leg_connections_total{kind=new|reused},

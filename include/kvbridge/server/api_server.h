@@ -2,14 +2,20 @@
 //
 // The server module turns HTTP requests into EngineRequests and engine outputs into OpenAI
 // responses: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-// GET /v1/models, GET /health, GET /metrics (Prometheus text: the engine's registry followed by
-// the server's own kvbridge_http_* families). Errors use OpenAI's shape
+// POST /tokenize and POST /detokenize (vLLM's), GET /v1/models, GET /health, GET /metrics
+// (Prometheus text: the engine's registry followed by the server's own kvbridge_http_* families).
+//
+// Text: prompts are encoded with the model's Tokenizer (special tokens such as BOS added as
+// the tokenizer's post-processor says; a text the tokenizer refuses is a 400); completion text
+// is the tokenizer's Decode(ids, skip_special_tokens=true) and a stream's deltas come from an
+// IncrementalDecoder, so the deltas of a streamed answer concatenate to the whole answer's text.
+// Errors use OpenAI's shape
 // {"error":{"message","type","param","code"}} (docs/api.md lists every status).
 //
 //   ServerConfig cfg;
 //   cfg.port = 8000;
 //   cfg.served_model_name = "tiny";
-//   ASSIGN_OR_RETURN(auto server, ApiServer::Create(cfg, engine.get(), codec));
+//   ASSIGN_OR_RETURN(auto server, ApiServer::Create(cfg, engine.get(), model->tokenizer()));
 //   server->RegisterRoute("POST", "/v1/kv/release", [](const HttpRequest& r) {
 //     return HttpResponse{.status = 200, .body = "{}"};
 //   });
@@ -37,40 +43,19 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
+#include "kvbridge/model/tokenizer.h"
 
 namespace kvbridge {
 
 class Engine;
 
 namespace server {
-
-/// What the HTTP API needs from a tokenizer (the model's byte-level tokenizer implements it
-/// through an adapter in the CLI; tests use their own). Implementations must be thread-safe.
-class TextCodec {
- public:
-  struct ChatMessage {
-    std::string role;  ///< "system" | "user" | "assistant"
-    std::string content;
-  };
-  virtual ~TextCodec() = default;
-  /// Token ids of a prompt text (special tokens such as BOS included as the model expects).
-  virtual std::vector<int32_t> Encode(std::string_view text) const = 0;
-  /// Text of generated tokens (special tokens such as EOS render as nothing). May hold invalid
-  /// UTF-8 (a byte tokenizer decodes any byte); the server replaces it when writing JSON.
-  virtual std::string Decode(std::span<const int32_t> ids) const = 0;
-  /// Token ids are valid in [0, vocab_size()).
-  virtual int32_t vocab_size() const = 0;
-  /// The chat prompt for `messages`, ending with the cue for the assistant's turn. The default is
-  /// kvbridge's plain template: "<|role|>\ncontent\n" per message, then "<|assistant|>\n".
-  virtual std::string ApplyChatTemplate(const std::vector<ChatMessage>& messages) const;
-};
 
 /// A request as route handlers see it.
 struct HttpRequest {
@@ -127,9 +112,10 @@ class ApiServer {
  public:
   /// `engine` must outlive the server. Ignores SIGPIPE process-wide (the HTTP library writes to
   /// sockets without MSG_NOSIGNAL; a client that disconnects must not kill the process).
-  /// Errors: InvalidArgument (bad config: num_http_threads < 1, max_n < 1, null engine/codec).
+  /// `tokenizer` is the model's (text <-> ids for every endpoint).
+  /// Errors: InvalidArgument (bad config: num_http_threads < 1, max_n < 1, null engine).
   static Result<std::unique_ptr<ApiServer>> Create(ServerConfig config, Engine* engine,
-                                                   std::shared_ptr<const TextCodec> codec);
+                                                   Tokenizer tokenizer);
   ~ApiServer();  ///< Stop()s.
   ApiServer(const ApiServer&) = delete;
   ApiServer& operator=(const ApiServer&) = delete;
