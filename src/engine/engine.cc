@@ -202,10 +202,13 @@ class EngineImpl final : public Engine {
       }
       TimePoint now = SteadyNow();
       for (Command& c : cmds) Apply(c, now);
+      // Stats before the callbacks: a client that has its answer (and reads /metrics at once)
+      // sees its blocks freed.
+      PublishStats();
       Deliver(core_->TakeOutputs());
       Result<EngineCore::StepResult> r = core_->Step(now);
-      Deliver(core_->TakeOutputs());
       PublishStats();
+      Deliver(core_->TakeOutputs());
       idle = !r.ok() ? false : !r->made_progress;
     }
     // Shutdown: every queued and unfinished request ends with "abort".

@@ -805,7 +805,12 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
       co_return co_await WriteWhole(sock, req, 503, "application/json",
                                     ErrorJson(503, "service_unavailable", "no instance available"));
     }
-    auto r = co_await HttpCall(req.method(), ep->url, path, post ? req.body() : std::string(),
+    // Named locals, not a conditional temporary: GCC 12 destroys a ?: temporary passed by
+    // value to a coroutine twice (seen as free(): invalid pointer).
+    std::string url = ep->url;
+    std::string body;
+    if (post) body = req.body();
+    auto r = co_await HttpCall(req.method(), std::move(url), path, std::move(body),
                                options.cluster_token, options.connect_timeout * 5);
     if (!r.ok()) {
       co_return co_await WriteWhole(sock, req, 502, "application/json",

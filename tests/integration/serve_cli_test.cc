@@ -148,5 +148,23 @@ TEST(ServeCliArchs, MakeModelAndServeEveryArchitecture) {
       << bad.ReadLog();
 }
 
+// make-model --tokenizer: a missing directory, or one without tokenizer.json, fails naming it.
+TEST_F(ServeCliTest, MakeModelTokenizerErrorsNameThePath) {
+  const std::string dir = MakeTempDir("kvb_mm_tok");
+  Subprocess none({KvbridgeBin(), "make-model", "--preset", "tiny", "--tokenizer",
+                   "/nonexistent/tok", "--out", dir + "/m1"},
+                  dir + "/log1");
+  EXPECT_EQ(none.Wait(30'000), 1);
+  EXPECT_NE(none.ReadLog().find("--tokenizer /nonexistent/tok: not a directory"), std::string::npos)
+      << none.ReadLog();
+  Subprocess empty(
+      {KvbridgeBin(), "make-model", "--preset", "tiny", "--tokenizer", dir, "--out", dir + "/m2"},
+      dir + "/log2");
+  EXPECT_EQ(empty.Wait(30'000), 1);
+  EXPECT_NE(empty.ReadLog().find("--tokenizer " + dir + ": no tokenizer.json there"),
+            std::string::npos)
+      << empty.ReadLog();
+}
+
 }  // namespace
 }  // namespace kvbridge

@@ -384,7 +384,9 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
   // /detokenize keeps special tokens, the completion skips them: equal when there are none.
   bool special = false;
   for (const auto& id : ids) special = special || id.get<int>() >= 151643;
-  if (!special) EXPECT_EQ(plain["prompt"], text["choices"][0]["text"]);
+  if (!special) {
+    EXPECT_EQ(plain["prompt"], text["choices"][0]["text"]);
+  }
 
   // Bad input: refused before any leg, nothing held afterwards.
   const std::string host = "http://127.0.0.1:" + std::to_string(port);
