@@ -30,11 +30,12 @@ struct MakeModelOptions {
 // rows); make-model rounds up to a multiple of this when the preset's vocabulary is too small.
 constexpr int kVocabMultiple = 64;
 
-// Fits `spec` to the tokenizer of `dir` (its tokenizer.json): the preset's vocabulary when it
-// covers the tokenizer's ids (added tokens included; the real-shaped presets), else those ids
-// rounded up to kVocabMultiple; BOS/EOS/PAD ids the tokenizer's.
+// Fits `spec` to the tokenizer of `dir` (its tokenizer.json). A preset whose vocabulary covers
+// the tokenizer's ids (added tokens included: the real-shaped presets) keeps its config (the
+// published one); a smaller one (the byte presets) gets those ids rounded up to
+// kVocabMultiple and the tokenizer's BOS/EOS/PAD.
 kvbridge::Result<kvbridge::Tokenizer> FitToTokenizer(const std::string& dir,
-                                                      kvbridge::RandomModelSpec* spec) {
+                                                     kvbridge::RandomModelSpec* spec) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     return kvbridge::NotFoundError("--tokenizer " + dir + ": not a directory");
@@ -48,17 +49,17 @@ kvbridge::Result<kvbridge::Tokenizer> FitToTokenizer(const std::string& dir,
   kvbridge::ModelConfig& c = spec->config;
   if (c.vocab_size < tok.vocab_size()) {
     c.vocab_size = (tok.vocab_size() + kVocabMultiple - 1) / kVocabMultiple * kVocabMultiple;
+    c.bos_token_id = tok.bos_id();
+    c.eos_token_ids.clear();
+    if (tok.eos_id() >= 0) c.eos_token_ids.push_back(tok.eos_id());
+    c.pad_token_id = tok.pad_id();
   }
-  c.bos_token_id = tok.bos_id();
-  c.eos_token_ids.clear();
-  if (tok.eos_id() >= 0) c.eos_token_ids.push_back(tok.eos_id());
-  c.pad_token_id = tok.pad_id();
   RETURN_IF_ERROR(c.Validate());
   return tok;
 }
 
 kvbridge::Status CopyCheckpointFiles(const std::string& from, const std::string& to,
-                                     const kvbridge::Tokenizer& tok) {
+                                     const kvbridge::ModelConfig& c) {
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}) {
     const fs::path src = fs::path(from) / name;
     std::error_code ec;
@@ -73,9 +74,10 @@ kvbridge::Status CopyCheckpointFiles(const std::string& from, const std::string&
   }
   // What transformers writes for a model whose generation settings come from its config.
   nlohmann::json gen{{"_from_model_config", true}, {"transformers_version", "4.51.0"}};
-  if (tok.bos_id() >= 0) gen["bos_token_id"] = tok.bos_id();
-  if (tok.eos_id() >= 0) gen["eos_token_id"] = tok.eos_id();
-  if (tok.pad_id() >= 0) gen["pad_token_id"] = tok.pad_id();
+  if (c.bos_token_id >= 0) gen["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_ids.size() == 1) gen["eos_token_id"] = c.eos_token_ids[0];
+  if (c.eos_token_ids.size() > 1) gen["eos_token_id"] = c.eos_token_ids;
+  if (c.pad_token_id >= 0) gen["pad_token_id"] = c.pad_token_id;
   const std::string path = to + "/generation_config.json";
   std::ofstream out(path, std::ios::trunc);
   out << gen.dump(2) << "\n";
@@ -127,7 +129,7 @@ int RunMakeModel(const MakeModelOptions& o) {
     return 1;
   }
   if (tok) {
-    if (auto st = CopyCheckpointFiles(o.tokenizer_dir, o.out, *tok); !st.ok()) {
+    if (auto st = CopyCheckpointFiles(o.tokenizer_dir, o.out, spec->config); !st.ok()) {
       std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
       return 1;
     }
@@ -172,9 +174,10 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--tokenizer", o->tokenizer_dir,
                      "a Hugging Face tokenizer directory (tokenizer.json, optional "
                      "tokenizer_config.json and chat_template.jinja): copied into the model with "
-                     "a generation_config.json; BOS/EOS/PAD are its tokens and the vocabulary "
-                     "covers its ids (rounded up to a multiple of 64 when the preset's is "
-                     "smaller). Default: the byte tokenizer");
+                     "a generation_config.json. tiny/small: the vocabulary becomes its ids "
+                     "rounded up to a multiple of 64 and BOS/EOS/PAD its tokens; the "
+                     "real-shaped presets keep their published config. Default: the byte "
+                     "tokenizer");
       return [o] { return RunMakeModel(*o); };
     });
 
