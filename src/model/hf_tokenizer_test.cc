@@ -404,7 +404,8 @@ std::vector<std::string> VariantTexts() {
   for (const auto& s : HardCases()) {
     if (s.size() <= 600) t.push_back(s);
   }
-  for (const auto& s : CasesJson()["variant_texts"]) t.push_back(s.get<std::string>());
+  const Json cases = CasesJson();  // (a named value: the loop must not outlive it)
+  for (const auto& s : cases["variant_texts"]) t.push_back(s.get<std::string>());
   return t;
 }
 
