@@ -14,6 +14,7 @@
 #include "kvbridge/common/logging.h"
 #include "kvbridge/connector/kvbridge_connector.h"
 #include "kvbridge/engine/engine.h"
+#include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/proxy/registration.h"
@@ -35,6 +36,7 @@ struct ServeOptions {
   int64_t num_kv_blocks = 0;
   std::string kv_cache_dtype = "auto";
   std::string dtype = "auto";  // resident weight type (vLLM's --dtype)
+  std::string chat_template;   // vLLM's --chat-template: a file, or the template itself
   bool enable_prefix_caching = true;
   uint64_t seed = 0;
   std::string api_key;
@@ -111,6 +113,13 @@ int RunServe(const ServeOptions& o) {
   sc.api_key = o.api_key;
   sc.num_http_threads = o.http_threads;
   sc.cluster_token = o.cluster_token;
+  auto templates = LoadChatTemplates(o.model_dir, o.chat_template);
+  if (!templates.ok()) return Fail(templates.status().WithPrefix("chat template"));
+  if (!templates->empty()) {
+    KVB_LOG_INFO("chat template: {} ({} template(s))", templates->templates[0].second.origin(),
+                 templates->templates.size());
+    sc.chat_templates = std::make_shared<const ChatTemplates>(*std::move(templates));
+  }
 
   std::shared_ptr<KvBridgeRuntime> kv;
   KvTransferConfig kv_cfg;
@@ -210,6 +219,9 @@ const bool kRegistered = RegisterCommand(
           ->capture_default_str();
       sub.add_option("--port-file", o->port_file,
                      "Write the bound port (a number and a newline) to this file once listening");
+      sub.add_option("--chat-template", o->chat_template,
+                     "Chat template (a file, or the Jinja text itself) instead of the "
+                     "checkpoint's (chat_template.jinja / tokenizer_config.json); as vLLM");
       sub.add_option("--served-model-name", o->served_model_name,
                      "Model name clients send in \"model\" (default: the model directory's name)");
       sub.add_option("--max-model-len", o->max_model_len,

@@ -290,9 +290,14 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
     return SetError(res, err->status, err->message, err->param);
   }
   ParsedRequest parsed;
-  std::optional<ApiError> err = endpoint == Endpoint::kCompletions
-                                    ? ParseCompletionRequest(body, tokenizer, limits, &parsed)
-                                    : ParseChatRequest(body, tokenizer, limits, &parsed);
+  std::optional<ApiError> err;
+  if (endpoint == Endpoint::kCompletions) {
+    err = ParseCompletionRequest(body, tokenizer, limits, &parsed);
+  } else {
+    // Key order matters to a template (tojson of tools): parsed once more, keeping it.
+    const auto ordered = nlohmann::ordered_json::parse(req.body, nullptr, false);
+    err = ParseChatRequest(body, tokenizer, limits, &parsed, &ordered);
+  }
   if (err) return SetError(res, err->status, err->message, err->param);
 
   if (!parsed.kv_transfer_params.is_null()) {
@@ -425,17 +430,24 @@ void ApiServer::Impl::InstallRoutes() {
              HandleGenerate(Endpoint::kChatCompletions, req, res);
            }));
   // vLLM's tokenizer endpoints (outside /v1/, as vLLM has them; no API key, as vLLM).
-  auto tokenizer_route = [this](auto handler) {
-    return Counted([this, handler](const httplib::Request& req, httplib::Response& res) {
+  auto tokenizer_route = [this](bool tokenize) {
+    return Counted([this, tokenize](const httplib::Request& req, httplib::Response& res) {
       json body, out;
       std::optional<ApiError> err = ParseBody(req.body, &body);
-      if (!err) err = handler(body, tokenizer, limits, &out);
+      if (!err && tokenize) {
+        const auto ordered = body.is_object() && body.contains("messages")
+                                 ? nlohmann::ordered_json::parse(req.body, nullptr, false)
+                                 : nlohmann::ordered_json();
+        err = Tokenize(body, tokenizer, limits, &out, ordered.is_null() ? nullptr : &ordered);
+      } else if (!err) {
+        err = Detokenize(body, tokenizer, limits, &out);
+      }
       if (err) return SetError(res, err->status, err->message, err->param);
       res.set_content(DumpJson(out), "application/json");
     });
   };
-  svr.Post("/tokenize", tokenizer_route(Tokenize));
-  svr.Post("/detokenize", tokenizer_route(Detokenize));
+  svr.Post("/tokenize", tokenizer_route(true));
+  svr.Post("/detokenize", tokenizer_route(false));
   svr.Get("/v1/models", Counted([this](const httplib::Request&, httplib::Response& res) {
             json model{{"id", config.served_model_name},   {"object", "model"},
                        {"created", UnixSeconds()},         {"owned_by", "kvbridge"},
@@ -471,7 +483,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
   d->config = std::move(config);
   d->engine = engine;
   d->limits = ProtocolLimits{d->config.served_model_name, d->config.max_model_len, d->config.max_n,
-                             d->config.max_logprobs};
+                             d->config.max_logprobs, d->config.chat_templates.get()};
   d->in_flight = &d->metrics.AddGauge(
       "kvbridge_http_generation_requests_in_flight",
       "Completion and chat requests accepted and not yet answered (or streamed) to the end.");

@@ -375,18 +375,61 @@ std::optional<ApiError> ParseCompletionRequest(const json& body, const Tokenizer
   return FinishLengths(body, limits, /*chat=*/false, out);
 }
 
-std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
-                                         const ProtocolLimits& limits, ParsedRequest* out) {
-  *out = ParsedRequest{};
-  out->endpoint = Endpoint::kChatCompletions;
-  if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
-  KVB_API_TRY(ParseCommon(body, limits, out));
+namespace {
 
+// The text of a message's content: a string, null, or text parts (vLLM's "string" content
+// format joins them with newlines; kvbridge's plain format concatenates them).
+template <typename Json>
+std::optional<ApiError> ContentText(const Json& m, const char* join, std::string* out) {
+  out->clear();
+  auto c = m.find("content");
+  if (c == m.end() || c->is_null()) return std::nullopt;
+  if (c->is_string()) {
+    *out = c->template get<std::string>();
+    return std::nullopt;
+  }
+  if (!c->is_array()) {
+    return BadRequest("message 'content' must be a string or a list of text parts", "messages");
+  }
+  bool first = true;
+  for (const auto& part : *c) {
+    if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+        !part.contains("text") || !part["text"].is_string()) {
+      return BadRequest("only text content parts are supported", "messages");
+    }
+    if (!first) *out += join;
+    *out += part["text"].template get<std::string>();
+    first = false;
+  }
+  return std::nullopt;
+}
+
+// The chat prompt's ids of `body` (its "messages" ...), rendered with the checkpoint's template
+// when there is one (see ParseChatRequest), else with kvbridge's plain format.
+std::optional<ApiError> ChatPromptIds(const json& body, const nlohmann::ordered_json* ordered,
+                                      const Tokenizer& tok, const ProtocolLimits& limits,
+                                      std::vector<int32_t>* ids) {
   auto it = body.find("messages");
   if (it == body.end() || !it->is_array() || it->empty()) {
     return BadRequest("'messages' must be a non-empty list", "messages");
   }
-  std::vector<ChatMessage> messages;
+  std::optional<bool> add_special, add_generation_prompt;
+  KVB_API_TRY(GetBool(body, "add_special_tokens", &add_special));
+  KVB_API_TRY(GetBool(body, "add_generation_prompt", &add_generation_prompt));
+  if (auto c = body.find("continue_final_message");
+      c != body.end() && c->is_boolean() && c->get<bool>()) {
+    return BadRequest("'continue_final_message' is not supported", "continue_final_message");
+  }
+  if (auto c = body.find("chat_template"); c != body.end() && !c->is_null()) {
+    return BadRequest("a per-request 'chat_template' is not supported (serve --chat-template)",
+                      "chat_template");
+  }
+  const ChatTemplate* tmpl = nullptr;
+  const bool has_tools =
+      body.contains("tools") && body["tools"].is_array() && !body["tools"].empty();
+  if (limits.chat_templates != nullptr && !limits.chat_templates->empty()) {
+    tmpl = limits.chat_templates->Select("", has_tools);
+  }
   for (const json& m : *it) {
     if (!m.is_object()) return BadRequest("each message must be an object", "messages");
     auto role = m.find("role");
@@ -394,33 +437,80 @@ std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
       return BadRequest("each message needs a string 'role'", "messages");
     }
     const std::string& r = role->get_ref<const std::string&>();
-    if (r != "system" && r != "user" && r != "assistant" && r != "developer") {
+    if (r != "system" && r != "user" && r != "assistant" && r != "developer" &&
+        !(tmpl != nullptr && r == "tool")) {
       return BadRequest("unknown message role '" + r + "'", "messages");
     }
-    std::string content;
-    auto c = m.find("content");
-    if (c == m.end() || c->is_null()) {
-      content = "";
-    } else if (c->is_string()) {
-      content = c->get<std::string>();
-    } else if (c->is_array()) {  // content parts: only text
-      for (const json& part : *c) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string()) {
-          return BadRequest("only text content parts are supported", "messages");
-        }
-        content += part["text"].get<std::string>();
-      }
-    } else {
-      return BadRequest("message 'content' must be a string or a list of text parts", "messages");
-    }
-    messages.push_back({r == "developer" ? "system" : r, std::move(content)});
+    std::string unused;
+    KVB_API_TRY(ContentText(m, "", &unused));
   }
-  std::optional<bool> add_special;
-  KVB_API_TRY(GetBool(body, "add_special_tokens", &add_special));
+  if (tmpl == nullptr) {
+    std::vector<ChatMessage> messages;
+    for (const json& m : *it) {
+      const std::string& r = m["role"].get_ref<const std::string&>();
+      std::string content;
+      KVB_API_TRY(ContentText(m, "", &content));
+      messages.push_back({r == "developer" ? "system" : r, std::move(content)});
+    }
+    return EncodeText(tok, tok.ApplyChatTemplate(messages, add_generation_prompt.value_or(true)),
+                      add_special.value_or(true), "messages", ids);
+  }
+  // The template's context, as transformers builds it (keys in the request's order).
+  nlohmann::ordered_json req =
+      ordered != nullptr ? *ordered : nlohmann::ordered_json::parse(body.dump());
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  for (auto& m : req["messages"]) {
+    nlohmann::ordered_json msg = m;
+    std::string content;
+    KVB_API_TRY(ContentText(m, "\n", &content));
+    if (m.contains("content") && m["content"].is_array()) msg["content"] = content;
+    if (!msg.contains("content") || msg["content"].is_null()) msg["content"] = "";  // as vLLM
+    // vLLM hands a tool call's arguments to the template as an object, not a JSON string.
+    if (auto tc = msg.find("tool_calls"); tc != msg.end() && tc->is_array()) {
+      for (auto& call : *tc) {
+        if (!call.is_object() || !call.contains("function")) continue;
+        auto& fn = call["function"];
+        if (fn.is_object() && fn.contains("arguments") && fn["arguments"].is_string()) {
+          auto parsed =
+              nlohmann::ordered_json::parse(fn["arguments"].get<std::string>(), nullptr, false);
+          if (!parsed.is_discarded()) fn["arguments"] = std::move(parsed);
+        }
+      }
+    }
+    messages.push_back(std::move(msg));
+  }
+  nlohmann::ordered_json kwargs = nullptr;
+  if (auto kw = req.find("chat_template_kwargs"); kw != req.end() && !kw->is_null()) {
+    if (!kw->is_object()) {
+      return BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs");
+    }
+    kwargs = *kw;
+  }
+  const nlohmann::ordered_json ctx = MakeChatTemplateContext(
+      *limits.chat_templates, messages,
+      req.contains("tools") ? req["tools"] : nlohmann::ordered_json(nullptr),
+      add_generation_prompt.value_or(true), kwargs);
+  Result<std::string> prompt = tmpl->Render(ctx);
+  if (!prompt.ok()) {
+    if (IsChatTemplateRejection(prompt.status())) {
+      return BadRequest(ChatTemplateRejectionMessage(prompt.status()), "messages");
+    }
+    return BadRequest("cannot render the chat template: " + prompt.status().message(), "messages");
+  }
+  return EncodeText(tok, *prompt, add_special.value_or(false), "messages", ids);
+}
+
+}  // namespace
+
+std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
+                                         const ProtocolLimits& limits, ParsedRequest* out,
+                                         const nlohmann::ordered_json* ordered) {
+  *out = ParsedRequest{};
+  out->endpoint = Endpoint::kChatCompletions;
+  if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
+  KVB_API_TRY(ParseCommon(body, limits, out));
   out->prompts.emplace_back();
-  KVB_API_TRY(EncodeText(tok, tok.ApplyChatTemplate(messages, /*add_generation_prompt=*/true),
-                         add_special.value_or(true), "messages", &out->prompts.back()));
+  KVB_API_TRY(ChatPromptIds(body, ordered, tok, limits, &out->prompts.back()));
 
   std::optional<bool> logprobs;
   KVB_API_TRY(GetBool(body, "logprobs", &logprobs));
@@ -441,22 +531,24 @@ std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
 }
 
 std::optional<ApiError> Tokenize(const json& body, const Tokenizer& tok,
-                                 const ProtocolLimits& limits, json* response) {
+                                 const ProtocolLimits& limits, json* response,
+                                 const nlohmann::ordered_json* ordered) {
   if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
   KVB_API_TRY(CheckModel(body, limits));
-  if (body.contains("messages")) {
-    return BadRequest("the chat form of /tokenize ('messages') is not supported yet", "messages");
-  }
-  auto it = body.find("prompt");
-  if (it == body.end() || !it->is_string()) {
-    return BadRequest("'prompt' must be a string", "prompt");
-  }
   std::optional<bool> add_special, token_strs;
   KVB_API_TRY(GetBool(body, "add_special_tokens", &add_special));
   KVB_API_TRY(GetBool(body, "return_token_strs", &token_strs));
   std::vector<int32_t> ids;
-  KVB_API_TRY(EncodeText(tok, it->get_ref<const std::string&>(), add_special.value_or(true),
-                         "prompt", &ids));
+  if (body.contains("messages")) {
+    KVB_API_TRY(ChatPromptIds(body, ordered, tok, limits, &ids));
+  } else {
+    auto it = body.find("prompt");
+    if (it == body.end() || !it->is_string()) {
+      return BadRequest("'prompt' must be a string (or 'messages' a list)", "prompt");
+    }
+    KVB_API_TRY(EncodeText(tok, it->get_ref<const std::string&>(), add_special.value_or(true),
+                           "prompt", &ids));
+  }
   json strs = nullptr;
   if (token_strs.value_or(false)) {
     strs = json::array();

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvbridge/engine/engine.h"
+#include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/tokenizer.h"
 #include "kvbridge/server/api_server.h"
 
@@ -36,6 +37,8 @@ struct ProtocolLimits {
   int max_model_len = 0;  ///< 0: no length check here (the engine checks)
   int max_n = 128;
   int max_logprobs = 20;
+  /// The checkpoint's chat templates (not owned; null or empty: kvbridge's plain format).
+  const ChatTemplates* chat_templates = nullptr;
 };
 
 struct ParsedRequest {
@@ -53,16 +56,26 @@ struct ParsedRequest {
 /// token-id prompts must lie in [0, tok.vocab_size()).
 std::optional<ApiError> ParseCompletionRequest(const nlohmann::json& body, const Tokenizer& tok,
                                                const ProtocolLimits& limits, ParsedRequest* out);
-/// Body of POST /v1/chat/completions (the prompt is tok.ApplyChatTemplate(messages) encoded
-/// with special tokens unless the request says `add_special_tokens: false`).
+/// Body of POST /v1/chat/completions. With a chat template (limits.chat_templates), the prompt
+/// is the template rendered as transformers' apply_chat_template does (messages, tools,
+/// documents null, add_generation_prompt (default true), the tokenizer_config's special tokens,
+/// chat_template_kwargs' keys) and encoded without special tokens (vLLM's default
+/// add_special_tokens false: the template writes BOS); a template's raise_exception is a 400
+/// with its message. Without one: tok.ApplyChatTemplate(messages) encoded with special tokens.
+/// `ordered` (optional) is the same body parsed keeping key order (tojson of tools shows it).
 std::optional<ApiError> ParseChatRequest(const nlohmann::json& body, const Tokenizer& tok,
-                                         const ProtocolLimits& limits, ParsedRequest* out);
+                                         const ProtocolLimits& limits, ParsedRequest* out,
+                                         const nlohmann::ordered_json* ordered = nullptr);
 
 /// POST /tokenize (vLLM): {"model", "prompt", "add_special_tokens" (default true),
 /// "return_token_strs" (default false)} -> {"count", "max_model_len", "tokens", "token_strs"
 /// (null unless asked: the vocabulary entries, e.g. "Ġworld")}. No length check (as vLLM).
+/// The chat form {"model", "messages", "add_generation_prompt" (default true),
+/// "add_special_tokens" (default false), "tools", "chat_template_kwargs"} gives the ids of the
+/// prompt a chat completion would get.
 std::optional<ApiError> Tokenize(const nlohmann::json& body, const Tokenizer& tok,
-                                 const ProtocolLimits& limits, nlohmann::json* response);
+                                 const ProtocolLimits& limits, nlohmann::json* response,
+                                 const nlohmann::ordered_json* ordered = nullptr);
 /// POST /detokenize (vLLM): {"model", "tokens"} -> {"prompt"}: Decode with special tokens kept.
 /// An id outside [0, tok.vocab_size()) is a 400.
 std::optional<ApiError> Detokenize(const nlohmann::json& body, const Tokenizer& tok,

@@ -154,6 +154,72 @@ TEST(ParseChat, TemplateAndLogprobs) {
   EXPECT_EQ(r.sampling.logprobs, -1);
 }
 
+// A checkpoint's template: rendered with messages, tools, add_generation_prompt, the special
+// tokens and chat_template_kwargs; encoded without special tokens; raise_exception is a 400.
+TEST(ParseChat, CheckpointTemplate) {
+  const Tokenizer codec = ByteCodec::Make();
+  auto t = ChatTemplate::Parse(
+      "{{ bos_token }}{% for m in messages %}[{{ m.role }}:{{ m.content }}"
+      "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}]"
+      "{% endfor %}{% if tools %}T={{ tools | tojson }}{% endif %}"
+      "{% if flavor is defined %}F={{ flavor }}{% endif %}"
+      "{% if add_generation_prompt %}>{% endif %}"
+      "{% if messages[0].role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}",
+      "test");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ChatTemplates templates;
+  templates.templates.emplace_back("default", *t);
+  templates.special_tokens = {{"bos_token", "<s>"}};
+  ProtocolLimits limits = Limits(256);
+  limits.chat_templates = &templates;
+  auto render = [&](const std::string& body) {
+    ParsedRequest r;
+    auto e = ParseChatRequest(json::parse(body), codec, limits, &r,
+                              nullptr);  // key order from the sorted json
+    EXPECT_FALSE(e) << body << ": " << (e ? e->message : "");
+    return e ? std::string() : codec.Decode(r.prompts[0]);
+  };
+  EXPECT_EQ(render(R"({"messages":[{"role":"system","content":"S"},
+      {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]})"),
+            "<s>[system:S][user:a\nb]>");
+  EXPECT_EQ(render(R"({"messages":[{"role":"user","content":"q"}],"add_generation_prompt":false,
+      "chat_template_kwargs":{"flavor":"x"}})"),
+            "<s>[user:q]F=x");
+  EXPECT_EQ(render(R"({"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c",
+      "type":"function","function":{"name":"f","arguments":"{\"k\": 1}"}}]},
+      {"role":"tool","content":"r","tool_call_id":"c"}],"tools":[{"type":"function",
+      "function":{"name":"f"}}]})"),
+            "<s>[assistant:{\"k\": 1}][tool:r]T=[{\"function\": {\"name\": \"f\"}, \"type\": "
+            "\"function\"}]>");
+  // The template writes BOS; add_special_tokens stays false unless asked.
+  ParsedRequest r;
+  ASSERT_FALSE(ParseChatRequest(json::parse(R"({"messages":[{"role":"user","content":"q"}]})"),
+                                codec, limits, &r));
+  EXPECT_EQ(r.prompts[0].size(), std::string("<s>[user:q]>").size());
+  // The request's key order reaches tojson when the ordered body is given.
+  const std::string ordered_body =
+      R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}]})";
+  const auto ordered = nlohmann::ordered_json::parse(ordered_body);
+  ASSERT_FALSE(ParseChatRequest(json::parse(ordered_body), codec, limits, &r, &ordered));
+  EXPECT_EQ(codec.Decode(r.prompts[0]),
+            "<s>[user:q]T=[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]>");
+  // raise_exception: a 400 with the template's message.
+  auto t2 = ChatTemplate::Parse("{{ raise_exception('Conversation roles must alternate') }}", "t2");
+  ASSERT_TRUE(t2.ok());
+  templates.templates[0].second = *t2;
+  auto e = ParseChatRequest(json::parse(R"({"messages":[{"role":"user","content":"q"}]})"), codec,
+                            limits, &r);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->status, 400);
+  EXPECT_EQ(e->message, "Conversation roles must alternate");
+  // /tokenize's chat form gives the same ids.
+  templates.templates[0].second = *t;
+  json tok_out;
+  ASSERT_FALSE(Tokenize(json::parse(R"({"messages":[{"role":"user","content":"q"}]})"), codec,
+                        limits, &tok_out));
+  EXPECT_EQ(tok_out["count"], std::string("<s>[user:q]>").size());
+}
+
 TEST(ParseChat, RejectsBadMessages) {
   const Tokenizer codec = ByteCodec::Make();
   for (const char* body :

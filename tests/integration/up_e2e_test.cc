@@ -351,6 +351,29 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
     EXPECT_EQ(d["_status"], 400) << d.dump();
   }
 
+  // Chat: the checkpoint's template (Qwen3's ChatML from tokenizer_config.json), no second BOS;
+  // chat_template_kwargs reach it (enable_thinking false writes an empty think block).
+  const json messages = {{{"role", "user"}, {"content", "hello world"}}};
+  const std::string chatml = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n";
+  for (int p : {solo_port, port}) {
+    json want_ids = Post(p, "/tokenize", {{"prompt", chatml}, {"add_special_tokens", false}});
+    json got_ids = Post(p, "/tokenize", {{"messages", messages}});
+    ASSERT_EQ(got_ids["_status"], 200) << got_ids.dump();
+    EXPECT_EQ(got_ids["tokens"], want_ids["tokens"]) << p;
+    want_ids = Post(p, "/tokenize", {{"prompt", chatml + "<think>\n\n</think>\n\n"}});
+    got_ids =
+        Post(p, "/tokenize",
+             {{"messages", messages}, {"chat_template_kwargs", {{"enable_thinking", false}}}});
+    EXPECT_EQ(got_ids["tokens"], want_ids["tokens"]) << p;
+  }
+  json chat = {{"messages", messages}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+  json chat_want = Post(solo_port, "/v1/chat/completions", chat);
+  json chat_got = Post(port, "/v1/chat/completions", chat);
+  ASSERT_EQ(chat_got["_status"], 200) << chat_got.dump();
+  EXPECT_EQ(chat_got["choices"][0]["message"], chat_want["choices"][0]["message"]);
+  EXPECT_EQ(chat_got["usage"]["prompt_tokens"],
+            Post(port, "/tokenize", {{"prompt", chatml}})["count"]);  // the ChatML prompt's ids
+
   json body = {{"prompt", "Écris un poème sur la mer 🌊, s'il te plaît:"},
                {"max_tokens", 24},
                {"temperature", 0},

@@ -49,6 +49,7 @@
 
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
+#include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/tokenizer.h"
 
 namespace kvbridge {
@@ -103,6 +104,9 @@ struct ServerConfig {
   int keep_alive_timeout_s = 2;  ///< idle keep-alive connections close after this
   /// P/D (see the header comment). Empty: requests carrying kv_transfer_params get 400.
   std::function<Status(nlohmann::json& kv_transfer_params)> validate_kv_transfer_params;
+  /// The checkpoint's chat templates (LoadChatTemplates); null or empty: chat prompts use
+  /// kvbridge's plain format (docs/api.md).
+  std::shared_ptr<const ChatTemplates> chat_templates;
   /// Non-empty: kv_transfer_params (and routes that call CheckClusterToken) need header
   /// "X-KVBridge-Cluster-Token: <token>".
   std::string cluster_token;
