@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/command_registry.h"
+#include "kvbridge/model/cuda_model.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/tensor_parallel.h"
 
@@ -25,6 +26,7 @@ struct GenerateOptions {
   std::string dtype = "auto";     // resident weight type, as `serve --dtype`
   int threads = 0;
   int tensor_parallel_size = 1;
+  std::string device = "cpu";  // cpu | cuda | cuda:N
 };
 
 // Valid UTF-8 and printable ASCII pass through; other bytes print as \xNN (random-weight
@@ -147,6 +149,36 @@ int RunGenerate(const GenerateOptions& o) {
   for (const auto& k : kv) views.push_back(k.view());
   std::vector<int32_t> table(num_blocks);
   for (int i = 0; i < num_blocks; ++i) table[i] = i;
+  // --device cuda: the same loop over CudaModel (its own device KV pool of num_blocks blocks).
+  auto device = kvbridge::ParseDeviceSpec(o.device);
+  if (!device.ok()) {
+    std::fprintf(stderr, "error: %s\n", device.status().ToString().c_str());
+    return 2;
+  }
+  std::unique_ptr<kvbridge::CudaModel> gpu;
+  if (*device >= 0) {
+    if (o.tensor_parallel_size != 1) {
+      std::fprintf(stderr, "error: --device cuda runs --tensor-parallel-size 1 only\n");
+      return 2;
+    }
+    auto created = kvbridge::CudaModel::Create(
+        *loaded, {.device = *device,
+                  .kv_dtype = dtype,
+                  .block_size = block_size,
+                  .num_blocks = num_blocks,
+                  .max_num_batched_tokens = std::max<int>(16, static_cast<int>(ids.size())),
+                  .max_num_seqs = 1,
+                  .max_model_len = total});
+    if (!created.ok()) {
+      std::fprintf(stderr, "error: --device %s: %s\n", o.device.c_str(),
+                   created.status().ToString().c_str());
+      return 1;
+    }
+    gpu = std::move(created).value();
+  }
+  auto forward = [&](const kvbridge::ForwardBatch& b, std::vector<float>* l) {
+    return gpu != nullptr ? gpu->Forward(b, l) : (*tp)->Forward(b, views, l);
+  };
 
   std::mt19937_64 rng(o.seed);
   std::vector<float> logits;
@@ -155,7 +187,7 @@ int RunGenerate(const GenerateOptions& o) {
   kvbridge::ForwardBatch prefill;
   prefill.sequences.push_back(
       {ids.data(), static_cast<int>(ids.size()), 0, table.data(), num_blocks, true});
-  if (auto st = (*tp)->Forward(prefill, views, &logits); !st.ok()) {
+  if (auto st = forward(prefill, &logits); !st.ok()) {
     std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
     return 1;
   }
@@ -173,7 +205,7 @@ int RunGenerate(const GenerateOptions& o) {
     if (static_cast<int>(out.size()) >= o.max_tokens) break;
     kvbridge::ForwardBatch step;
     step.sequences.push_back({&next, 1, pos, table.data(), num_blocks, true});
-    if (auto st = (*tp)->Forward(step, views, &logits); !st.ok()) {
+    if (auto st = forward(step, &logits); !st.ok()) {
       std::fprintf(stderr, "error: %s\n", st.ToString().c_str());
       return 1;
     }
@@ -186,12 +218,13 @@ int RunGenerate(const GenerateOptions& o) {
   std::printf("%s\n", Printable(tok.Decode(out)).c_str());
   std::fprintf(stderr,
                "prompt %zu tokens in %.3f s (%.0f tok/s); generated %zu tokens%s in %.3f s "
-               "(%.1f tok/s); kv %s; tp %d; weights %s %zu bytes; model %s\n",
+               "(%.1f tok/s); kv %s; tp %d; device %s; weights %s %zu bytes; model %s\n",
                ids.size(), prefill_s, ids.size() / std::max(prefill_s, 1e-9), out.size(),
                eos_note.c_str(), decode_s,
                out.size() > 1 ? (out.size() - 1) / std::max(decode_s, 1e-9) : 0.0,
-               o.kv_dtype.c_str(), o.tensor_parallel_size, model.weight_types().c_str(),
-               model.weight_bytes(), model.fingerprint().c_str());
+               o.kv_dtype.c_str(), o.tensor_parallel_size,
+               gpu != nullptr ? (o.device + " " + gpu->device_name()).c_str() : "cpu",
+               model.weight_types().c_str(), model.weight_bytes(), model.fingerprint().c_str());
   return 0;
 }
 
@@ -223,6 +256,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--tensor-parallel-size,--tp", o->tensor_parallel_size,
                      "tensor-parallel ranks (threads, one each); divides 8 and the head count; "
                      "output is bitwise the same at every size")
+          ->capture_default_str();
+      sub.add_option("--device", o->device,
+                     "cpu, or cuda[:N] (the forward pass and KV cache on GPU N)")
           ->capture_default_str();
       return [o] { return RunGenerate(*o); };
     });

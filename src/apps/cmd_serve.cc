@@ -16,6 +16,7 @@
 #include "kvbridge/engine/engine.h"
 #include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/config.h"
+#include "kvbridge/model/cuda_model.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/proxy/registration.h"
 #include "kvbridge/server/api_server.h"
@@ -44,6 +45,8 @@ struct ServeOptions {
   int http_threads = 128;
   int model_threads = 0;
   int tensor_parallel_size = 1;
+  std::string device = "cpu";  // cpu | cuda | cuda:N
+  double gpu_memory_utilization = 0.9;
   std::string kv_transfer_config;
   std::string cluster_token;
   std::string advertise_host;
@@ -71,8 +74,19 @@ int RunServe(const ServeOptions& o) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto dtype = ParseKvDtype(o.kv_cache_dtype);
+  auto device = ParseDeviceSpec(o.device);
+  if (!device.ok()) return Fail(device.status());
+  // auto = fp32 on the CPU (the reference), bf16 on the GPU (the model's dtype, as vLLM).
+  auto dtype = ParseKvDtype(*device >= 0 && o.kv_cache_dtype == "auto" ? "bf16" : o.kv_cache_dtype);
   if (!dtype.ok()) return Fail(dtype.status());
+  if (*device >= 0) {
+    if (Status s = CudaDeviceAvailable(*device); !s.ok()) return Fail(s.WithPrefix("--device"));
+    if (!o.kv_transfer_config.empty()) {
+      return Fail(InvalidArgumentError(
+          "--kv-transfer-config (P/D) with --device cuda is not supported yet: P/D between GPU "
+          "engines is a later issue; run GPU engines colocated"));
+    }
+  }
   auto weight_dtype = ParseWeightDtype(o.dtype);
   if (!weight_dtype.ok()) return Fail(weight_dtype.status().WithPrefix("--dtype"));
   auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads, .dtype = *weight_dtype});
@@ -100,6 +114,8 @@ int RunServe(const ServeOptions& o) {
   ec.max_waiting_requests = o.max_waiting_requests;
   ec.seed = o.seed;
   ec.tensor_parallel_size = o.tensor_parallel_size;
+  ec.cuda_device = *device;
+  ec.gpu_memory_utilization = o.gpu_memory_utilization;
 
   server::ServerConfig sc;
   sc.host = o.host;
@@ -243,9 +259,18 @@ const bool kRegistered = RegisterCommand(
       sub.add_option("--num-kv-blocks", o->num_kv_blocks,
                      "Exact number of KV blocks (0: from --kv-cache-memory)")
           ->capture_default_str();
-      sub.add_option(
-             "--kv-cache-dtype", o->kv_cache_dtype,
-             "KV cache element type: auto (= fp32), fp32, bf16, fp8 (e4m3, per-layer scales)")
+      sub.add_option("--kv-cache-dtype", o->kv_cache_dtype,
+                     "KV cache element type: auto (= fp32 on cpu, bf16 on cuda), fp32, bf16, fp8 "
+                     "(e4m3, per-layer scales)")
+          ->capture_default_str();
+      sub.add_option("--device", o->device,
+                     "Where the model runs: cpu, or cuda[:N] (weights and KV cache in GPU N's "
+                     "memory; the KV pool from --gpu-memory-utilization unless --num-kv-blocks)")
+          ->capture_default_str();
+      sub.add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
+                     "With --device cuda: fraction of the GPU's memory for weights + activations + "
+                     "KV cache (as vLLM)")
+          ->check(CLI::Range(0.01, 1.0))
           ->capture_default_str();
       sub.add_option("--dtype", o->dtype,
                      "Weight type kept in memory: auto (as stored: bf16/fp16 files are used in "

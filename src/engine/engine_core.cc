@@ -39,6 +39,50 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
   core->max_model_len_ = max_len;
   core->vocab_size_ = mc.vocab_size;
 
+  int64_t num_blocks = config.num_blocks;
+  size_t kv_bytes = 0;
+  if (config.cuda_device >= 0) {
+    // The GPU engine: CudaModel owns weights, activations and the KV pool in device memory.
+    if (tp != 1) {
+      return InvalidArgumentError("engine: --device cuda runs tensor_parallel_size 1 only (got " +
+                                  std::to_string(tp) + ")");
+    }
+    if (config.connector_factory) {
+      return InvalidArgumentError(
+          "engine: P/D (a KV connector, --kv-transfer-config) with --device cuda is not "
+          "supported yet: run GPU engines colocated, or P/D on the CPU");
+    }
+    ASSIGN_OR_RETURN(
+        core->cuda_model_,
+        CudaModel::Create(model, {.device = config.cuda_device,
+                                  .kv_dtype = config.kv_dtype,
+                                  .block_size = config.block_size,
+                                  .num_blocks = config.num_blocks,
+                                  .gpu_memory_utilization = config.gpu_memory_utilization,
+                                  .max_num_batched_tokens = config.max_num_batched_tokens,
+                                  .max_num_seqs = config.max_num_seqs,
+                                  .max_model_len = max_len}));
+    if (config.debug_poison_kv_nan) RETURN_IF_ERROR(core->cuda_model_->FillKv(0xFF));
+    num_blocks = core->cuda_model_->kv_view().layout.num_blocks;
+    kv_bytes = core->cuda_model_->memory().kv_bytes;
+    const CudaMemoryReport& mr = core->cuda_model_->memory();
+    KVB_LOG_INFO(
+        "engine: GPU {} {}: weights {} MiB, activations {} MiB, KV {} MiB; {} MiB free of {} MiB",
+        config.cuda_device, core->cuda_model_->device_name(), mr.weight_bytes >> 20,
+        mr.activation_bytes >> 20, mr.kv_bytes >> 20, mr.device_free >> 20, mr.device_total >> 20);
+  } else {
+    RETURN_IF_ERROR(core->CreateCpuModel(metrics, &num_blocks, &kv_bytes));
+  }
+  RETURN_IF_ERROR(core->Finish(metrics, std::move(wake), num_blocks, kv_bytes));
+  return core;
+}
+
+Status EngineCore::CreateCpuModel(MetricsRegistry* metrics, int64_t* num_blocks_out,
+                                  size_t* kv_bytes_out) {
+  EngineCore* core = this;
+  const EngineConfig& config = config_;
+  const std::shared_ptr<const Model>& model = model_;
+  const int tp = config.tensor_parallel_size;
   ASSIGN_OR_RETURN(core->tp_model_, TensorParallelModel::Create(model, tp));
   // kv_cache_memory_bytes covers every rank's storage: one block costs the sum of its ranks'
   // bytes (more than T=1's when KV heads are replicated).
@@ -85,6 +129,19 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
     KVB_LOG_INFO("engine: TP {}: {} replicated weight bytes shared by all ranks", tp,
                  core->tp_model_->ReplicatedWeightBytes());
   }
+  *num_blocks_out = num_blocks;
+  *kv_bytes_out = kv_bytes;
+  return OkStatus();
+}
+
+Status EngineCore::Finish(MetricsRegistry* metrics, std::function<void()> wake, int64_t num_blocks,
+                          size_t kv_bytes) {
+  EngineCore* core = this;
+  const EngineConfig& config = config_;
+  const std::shared_ptr<const Model>& model = model_;
+  const ModelConfig& mc = model->config();
+  const int tp = config.tensor_parallel_size;
+  const int max_len = max_model_len_;
   ASSIGN_OR_RETURN(core->pool_,
                    BlockPool::Create({.num_blocks = num_blocks,
                                       .block_size = config.block_size,
@@ -132,11 +189,12 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
     core->scheduler_->set_connector(core->connector_.get());
   }
   KVB_LOG_INFO(
-      "engine: {} KV blocks of {} tokens ({} MiB over {} rank(s)), max_model_len {}, prefix "
+      "engine: {} KV blocks of {} tokens ({} MiB over {} rank(s), {}), max_model_len {}, prefix "
       "caching {}",
-      num_blocks, config.block_size, kv_bytes >> 20, tp, max_len,
-      config.enable_prefix_caching ? "on" : "off");
-  return core;
+      num_blocks, config.block_size, kv_bytes >> 20, tp,
+      config.cuda_device >= 0 ? "GPU " + std::to_string(config.cuda_device) : std::string("host"),
+      max_len, config.enable_prefix_caching ? "on" : "off");
+  return OkStatus();
 }
 
 EngineCore::~EngineCore() {
@@ -169,6 +227,13 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
   }
   for (auto [src, dst] : batch.block_copies) {
     for (auto& storage : storages_) storage->CopyBlock(src, dst);
+    if (cuda_model_ != nullptr) {
+      Status cs = cuda_model_->CopyBlock(src, dst);
+      if (!cs.ok()) {
+        scheduler_->FailBatch(batch, cs, now);
+        return cs;
+      }
+    }
   }
   ForwardBatch fb = batch.ToForwardBatch();
   std::vector<KvConnector::LayerKvChunk> layer_chunks;
@@ -184,7 +249,8 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
       connector_->OnLayerKvWritten(layer, layer_chunks, now);
     };
   }
-  Status st = tp_model_->Forward(fb, kv_views_, &logits_);
+  Status st = cuda_model_ != nullptr ? cuda_model_->Forward(fb, &logits_)
+                                     : tp_model_->Forward(fb, kv_views_, &logits_);
   if (!st.ok()) {
     KVB_LOG_ERROR("engine: forward failed: {}", st.ToString());
     scheduler_->FailBatch(batch, st, now);

@@ -441,3 +441,42 @@ TEST(EngineCore, MaxNumSeqsBoundsTheBatch) {
 
 }  // namespace
 }  // namespace kvbridge
+
+namespace kvbridge {
+namespace {
+
+// --device cuda on the engine: the refusals that need no GPU (a GPU engine's behaviour is
+// tested on the device machine: tests/gpu/cuda_model_test.cc, scripts/gpu_serve_check.py).
+TEST(EngineCore, GpuEngineRefusesTensorParallelAndConnectorsAndSaysWhyWithoutAGpu) {
+  using testing_engine::SmallConfig;
+  using testing_engine::TinyModel;
+  EngineConfig c = SmallConfig();
+  c.cuda_device = 0;
+  c.tensor_parallel_size = 2;
+  auto tp = EngineCore::Create(c, TinyModel(), nullptr, {});
+  ASSERT_FALSE(tp.ok());
+  EXPECT_EQ(tp.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(tp.status().message().find("tensor_parallel_size 1"), std::string::npos);
+  c.tensor_parallel_size = 1;
+  c.connector_factory = [](const EngineHooks&) -> Result<std::unique_ptr<KvConnector>> {
+    return InternalError("not reached");
+  };
+  auto pd = EngineCore::Create(c, TinyModel(), nullptr, {});
+  ASSERT_FALSE(pd.ok());
+  EXPECT_EQ(pd.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(pd.status().message().find("not supported yet"), std::string::npos);
+  c.connector_factory = nullptr;
+  if (CudaDeviceAvailable(0).ok()) GTEST_SKIP() << "this machine has a GPU";
+  auto none = EngineCore::Create(c, TinyModel(), nullptr, {});
+  ASSERT_FALSE(none.ok());
+  // Unavailable "no CUDA device: ..." with CUDA built in, Unimplemented without.
+  EXPECT_TRUE(none.status().code() == StatusCode::kUnavailable ||
+              none.status().code() == StatusCode::kUnimplemented)
+      << none.status().ToString();
+  EXPECT_TRUE(none.status().message().find("no CUDA device") != std::string::npos ||
+              none.status().message().find("without CUDA") != std::string::npos)
+      << none.status().ToString();
+}
+
+}  // namespace
+}  // namespace kvbridge

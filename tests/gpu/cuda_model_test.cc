@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine_test_util.h"
+#include "kvbridge/engine/engine_core.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/random_model.h"
 #include "model/test_util.h"
@@ -448,6 +450,50 @@ TEST(CudaModelTest, GoldenExport) {
     }
     EXPECT_EQ(all_gpu.size(), prompts.size() * vocab);
   }
+}
+
+// The engine on the GPU (EngineConfig::cuda_device): scheduler, sampler and outputs unchanged;
+// a request's logits are bitwise the same alone and among 20 others (n=8 siblings, chunked
+// prefills: max_num_batched_tokens 64), and the prefix cache serves a repeat bitwise too.
+TEST(CudaEngineTest, GpuEngineIsBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  using namespace testing_engine;  // NOLINT
+  auto run = [&](int others, int budget) {
+    EngineConfig c = SmallConfig(512);
+    c.cuda_device = Gpu();
+    c.kv_dtype = KvDtype::kBf16;
+    c.max_num_batched_tokens = budget;
+    auto created = EngineCore::Create(c, TinyModel(), nullptr, {});
+    EXPECT_TRUE(created.ok()) << created.status().ToString();
+    auto core = std::move(created).value();
+    EXPECT_NE(core->cuda_model(), nullptr);
+    LogitsLog log;
+    log.Attach(*core);
+    TimePoint now = 0;
+    EngineRequest x = Req("x", Prompt(70, 1), 6);
+    x.sampling.logprobs = 2;
+    EXPECT_TRUE(core->AddRequest(x, now).ok());
+    for (int i = 0; i < others; ++i) {
+      EngineRequest o =
+          Req("o" + std::to_string(i), Prompt(5 + 7 * i, i + 2), 5, i % 3 == 0 ? 8 : 1);
+      o.sampling.temperature = 0.7f;
+      o.sampling.seed = i;
+      EXPECT_TRUE(core->AddRequest(o, now).ok());
+    }
+    auto out = RunAll(*core, &now);
+    std::map<int, std::vector<float>> xs;
+    for (auto& [key, row] : log.rows) {
+      if (key.first == "x") xs[key.second] = row;
+    }
+    EXPECT_TRUE(out["x"].finished && out["x"].error.ok());
+    return std::make_pair(xs, out["x"].tokens.at(0));
+  };
+  auto [alone, t_alone] = run(0, 2048);
+  auto [crowd, t_crowd] = run(20, 64);
+  ASSERT_EQ(alone.size(), 6u);
+  ASSERT_EQ(crowd.size(), 6u);
+  for (auto& [pos, row] : alone) EXPECT_TRUE(BitwiseEqual(row, crowd[pos])) << "position " << pos;
+  EXPECT_EQ(t_alone, t_crowd);
 }
 
 // Writes a random-weight model for the golden run (no GPU needed): KVB_MAKE_MODEL_OUT = dir,

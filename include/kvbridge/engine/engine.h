@@ -102,6 +102,13 @@ struct EngineConfig {
   /// num_key_value_heads % T == 0 or T % num_key_value_heads == 0. Logits are bitwise equal at
   /// every valid T.
   int tensor_parallel_size = 1;
+  /// Where the forward pass runs: -1 = the CPU (Model / TensorParallelModel, KV in host memory);
+  /// N >= 0 = CUDA GPU N (CudaModel, KV pool and weights in device memory, logits copied to
+  /// the host where the sampler runs unchanged). With a GPU: tensor_parallel_size must be 1 and
+  /// connector_factory empty (P/D between GPU engines is a later issue); the KV pool has
+  /// num_blocks blocks, else is sized by gpu_memory_utilization (kv_cache_memory_bytes unused).
+  int cuda_device = -1;
+  double gpu_memory_utilization = 0.9;   ///< cuda_device >= 0 and num_blocks == 0 (as vLLM)
   KvConnectorFactory connector_factory;  ///< empty: no P/D connector (colocated engine)
 };
 

@@ -12,7 +12,8 @@
 //   }
 //
 // A step: Poll the connector (apply finished/failed loads and sends) → Schedule → copy-on-write
-// block copies → Model::Forward → sample, stop checks, outputs.
+// block copies → Model::Forward (or CudaModel::Forward with config.cuda_device >= 0) → sample,
+// stop checks, outputs.
 //
 // Thread-safety: not thread-safe; one thread owns it (the `wake` callback given to the
 // connector may be called from any thread and is the caller's business).
@@ -33,6 +34,7 @@
 #include "kvbridge/engine/kv_cache_storage.h"
 #include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/engine/scheduler.h"
+#include "kvbridge/model/cuda_model.h"
 #include "kvbridge/model/tensor_parallel.h"
 
 namespace kvbridge {
@@ -43,9 +45,13 @@ class EngineCore {
   /// ranks) — one KvCacheStorage per tensor-parallel rank, sharing one block pool — builds
   /// the scheduler and — when config.connector_factory is set — the connector, passing it the
   /// pool's memory, the model fingerprint, `metrics` and `wake`.
+  /// With config.cuda_device >= 0 the model runs on that GPU (CudaModel, which owns the KV pool
+  /// in device memory; no KvCacheStorage, no tensor-parallel model).
   /// Errors: InvalidArgument (bad config: block_size, max_num_seqs, max_num_batched_tokens,
-  /// max_model_len beyond the model's, tensor_parallel_size — see ValidateTensorParallelSize),
-  /// ResourceExhausted (KV budget below one block), or the connector factory's error.
+  /// max_model_len beyond the model's, tensor_parallel_size — see ValidateTensorParallelSize;
+  /// a GPU engine with tensor_parallel_size > 1 or a connector), ResourceExhausted (KV budget
+  /// below one block; device memory), Unavailable (no CUDA device), Unimplemented (built without
+  /// CUDA), or the connector factory's error.
   static Result<std::unique_ptr<EngineCore>> Create(const EngineConfig& config,
                                                     std::shared_ptr<const Model> model,
                                                     MetricsRegistry* metrics,
@@ -88,12 +94,15 @@ class EngineCore {
   const Scheduler& scheduler() const { return *scheduler_; }
   BlockPool& pool() { return *pool_; }
   const BlockPool& pool() const { return *pool_; }
-  /// Rank 0's KV storage (with tensor_parallel_size 1 the whole cache).
+  /// Rank 0's KV storage (with tensor_parallel_size 1 the whole cache). CPU engines only.
   KvCacheStorage& storage() { return *storages_[0]; }
   /// Rank `rank`'s KV storage (its KV heads of every block; block ids shared by all ranks).
   KvCacheStorage& storage(int rank) { return *storages_.at(rank); }
   int tp_size() const { return static_cast<int>(storages_.size()); }
+  /// CPU engines only.
   const TensorParallelModel& tp_model() const { return *tp_model_; }
+  /// The GPU model (and its device KV pool) of a config.cuda_device >= 0 engine, else null.
+  CudaModel* cuda_model() { return cuda_model_.get(); }
   KvConnector* connector() { return connector_.get(); }
   const Model& model() const { return *model_; }
   const EngineConfig& config() const { return config_; }
@@ -101,11 +110,16 @@ class EngineCore {
 
  private:
   EngineCore() = default;
+  // Create's halves: the CPU model + host KV storages, then pool/scheduler/connector.
+  Status CreateCpuModel(MetricsRegistry* metrics, int64_t* num_blocks, size_t* kv_bytes);
+  Status Finish(MetricsRegistry* metrics, std::function<void()> wake, int64_t num_blocks,
+                size_t kv_bytes);
   EngineConfig config_;
   std::shared_ptr<const Model> model_;
   int max_model_len_ = 0;
   int vocab_size_ = 0;
   std::unique_ptr<TensorParallelModel> tp_model_;
+  std::unique_ptr<CudaModel> cuda_model_;  // config_.cuda_device >= 0: replaces tp_model_/storages_
   std::vector<std::unique_ptr<KvCacheStorage>> storages_;  // one per rank
   std::vector<PagedKvView> kv_views_;                      // storages_[r]->view()
   std::unique_ptr<BlockPool> pool_;

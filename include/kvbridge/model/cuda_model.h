@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvbridge/common/status.h"
@@ -73,6 +74,9 @@ struct CudaMemoryReport {
 /// (0, 1], bytes_per_block 0), ResourceExhausted naming the numbers when not one block fits.
 Result<int64_t> CudaKvBlocksForUtilization(size_t device_total, size_t free_after_static,
                                            double utilization, size_t bytes_per_block);
+
+/// Parses a --device value: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N. InvalidArgument otherwise.
+Result<int> ParseDeviceSpec(std::string_view spec);
 
 /// OK when CUDA device `device` can be used; Unavailable "no CUDA device: ..." (no driver, no
 /// GPU, ordinal out of range), Unimplemented without a CUDA build.

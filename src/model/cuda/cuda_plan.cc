@@ -119,6 +119,21 @@ ActivationSizes ActivationBytes(const ModelConfig& c, const StepLimits& limits) 
 
 namespace kvbridge {
 
+Result<int> ParseDeviceSpec(std::string_view spec) {
+  if (spec == "cpu") return -1;
+  if (spec == "cuda") return 0;
+  if (spec.starts_with("cuda:") && spec.size() > 5 && spec.size() <= 8) {
+    int n = 0;
+    for (char ch : spec.substr(5)) {
+      if (ch < '0' || ch > '9') n = -1;
+      if (n >= 0) n = n * 10 + (ch - '0');
+    }
+    if (n >= 0) return n;
+  }
+  return InvalidArgumentError("--device must be cpu, cuda or cuda:N, got '" + std::string(spec) +
+                              "'");
+}
+
 Result<int64_t> CudaKvBlocksForUtilization(size_t device_total, size_t free_after_static,
                                            double utilization, size_t bytes_per_block) {
   if (!(utilization > 0.0 && utilization <= 1.0)) {

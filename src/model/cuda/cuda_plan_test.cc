@@ -154,5 +154,15 @@ TEST(CudaPlanTest, KvBlocksForUtilization) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(CudaPlanTest, ParseDeviceSpec) {
+  EXPECT_EQ(*ParseDeviceSpec("cpu"), -1);
+  EXPECT_EQ(*ParseDeviceSpec("cuda"), 0);
+  EXPECT_EQ(*ParseDeviceSpec("cuda:3"), 3);
+  EXPECT_EQ(*ParseDeviceSpec("cuda:12"), 12);
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA", "cuda:1a", ""}) {
+    EXPECT_EQ(ParseDeviceSpec(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace kvbridge::cuda_internal
