@@ -13,7 +13,7 @@
 #              errors, OOM, no memory growth) and model_test's CPU-side CudaPlan cases
 #   sanitizer  compute-sanitizer memcheck over the GPU tests (tiny cases), racecheck and
 #              synccheck over the kernel step (RacecheckSmallStep)
-#   golden     per model shape in GOLDEN (default "small-llama small-qwen2 qwen2.5-0.5b"): write
+#   golden     per model shape in GOLDEN (default "small-llama small-qwen3 qwen2.5-0.5b qwen3-0.6b"): write
 #              the model, export kvbridge GPU/CPU logits, compare with transformers fp32/bf16
 #   serve      `kvbridge serve MODEL --device cuda` + the OpenAI API: n=8, streaming, greedy
 #              equal to `generate --device cuda`, device memory after 10 vs 1000 requests
@@ -32,7 +32,9 @@ if [[ "${1:-}" == "carry" ]]; then
   ldd "$C"/bin/* | awk '/=> \// {print $3}' | sort -u |
     grep -Ev '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|libcudart)\.so' |
     while read -r l; do cp -L "$l" "$C/lib/"; done
-  du -sh "$C"; ls "$C/lib"
+  ls "$C/lib"
+  tar czf "$C/lib.tgz" -C "$C" lib && rm -rf "$C/lib"  # (ICU's data is 31 MB unpacked)
+  du -sh "$C"
   exit 0
 fi
 
@@ -40,8 +42,12 @@ OUT=${OUT:-$PWD/out-device}
 L=$OUT/logs
 mkdir -p "$L"
 C=$HERE
+if [[ -f "$C/lib.tgz" ]]; then  # the carried libraries, unpacked outside the checkout
+  mkdir -p /tmp/kvb_gpu && tar xzf "$C/lib.tgz" -C /tmp/kvb_gpu
+  export LD_LIBRARY_PATH=/tmp/kvb_gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 STAGES=${STAGES:-"env tests sanitizer golden serve"}
-GOLDEN=${GOLDEN:-"small-llama small-qwen2 qwen2.5-0.5b"}
+GOLDEN=${GOLDEN:-"small-llama small-qwen3 qwen2.5-0.5b qwen3-0.6b"}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH=$C/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONUNBUFFERED=1

@@ -224,6 +224,8 @@ INSTANTIATE_TEST_SUITE_P(Presets, CudaInvarianceTest,
                          ::testing::Values(Case{"tiny", ModelArch::kLlama, KvDtype::kBf16},
                                            Case{"tiny", ModelArch::kQwen2, KvDtype::kFp8E4M3},
                                            Case{"tiny", ModelArch::kLlama, KvDtype::kFp32},
+                                           Case{"tiny", ModelArch::kQwen3, KvDtype::kBf16},
+                                           Case{"small", ModelArch::kQwen3, KvDtype::kFp8E4M3},
                                            Case{"small", ModelArch::kQwen2, KvDtype::kBf16},
                                            Case{"small", ModelArch::kLlama, KvDtype::kFp8E4M3}),
                          CaseName);
@@ -234,7 +236,8 @@ TEST(CudaModelTest, LogitsCloseToTheCpu) {
   SKIP_WITHOUT_GPU();
   for (const Case p : {Case{"tiny", ModelArch::kLlama, KvDtype::kBf16},
                        Case{"small", ModelArch::kQwen2, KvDtype::kBf16},
-                       Case{"small", ModelArch::kLlama, KvDtype::kFp8E4M3}}) {
+                       Case{"small", ModelArch::kLlama, KvDtype::kFp8E4M3},
+                       Case{"small", ModelArch::kQwen3, KvDtype::kBf16}}) {
     auto model = GetModel(p.preset, p.arch);
     ASSERT_NE(model, nullptr);
     const int vocab = model->config().vocab_size;
@@ -497,32 +500,23 @@ TEST(CudaEngineTest, GpuEngineIsBatchInvariant) {
 }
 
 // Writes a random-weight model for the golden run (no GPU needed): KVB_MAKE_MODEL_OUT = dir,
-// KVB_MAKE_MODEL_SHAPE = tiny-llama | small-llama | small-qwen2 | qwen2.5-0.5b (Qwen2.5-0.5B's
-// shapes: hidden 896, 24 layers, 14/2 heads, head_dim 64, intermediate 4864, vocab 151936,
-// tied, q/k/v bias, rope_theta 1e6).
+// KVB_MAKE_MODEL_SHAPE = PRESET-ARCH for tiny/small (e.g. small-qwen3), or a real-shaped preset
+// (qwen2.5-0.5b, qwen3-0.6b, llama-3.2-1b: random_model.h).
 TEST(CudaModelTest, MakeModel) {
   const char* out = std::getenv("KVB_MAKE_MODEL_OUT");
   const char* shape = std::getenv("KVB_MAKE_MODEL_SHAPE");
   if (out == nullptr || shape == nullptr) GTEST_SKIP() << "skipped: KVB_MAKE_MODEL_* unset";
   const std::string sh = shape;
-  const bool qwen = sh.find("qwen2") != std::string::npos;
-  auto spec = RandomModelPreset(sh.rfind("tiny", 0) == 0 ? "tiny" : "small",
-                                qwen ? ModelArch::kQwen2 : ModelArch::kLlama, 3);
-  ASSERT_TRUE(spec.ok());
-  if (sh == "qwen2.5-0.5b") {
-    ModelConfig& c = spec->config;
-    c.hidden_size = 896;
-    c.intermediate_size = 4864;
-    c.num_hidden_layers = 24;
-    c.num_attention_heads = 14;
-    c.num_key_value_heads = 2;
-    c.head_dim = 64;
-    c.vocab_size = 151936;
-    c.rope_theta = 1000000.0;
-    c.max_position_embeddings = 32768;
-    c.fp8_k_scale.assign(24, 1.0f);
-    c.fp8_v_scale.assign(24, 1.0f);
+  Result<RandomModelSpec> spec = InvalidArgumentError("unknown shape " + sh);
+  const size_t dash = sh.find('-');
+  if (sh.rfind("tiny-", 0) == 0 || sh.rfind("small-", 0) == 0) {
+    auto arch = ParseModelArch(sh.substr(dash + 1));
+    ASSERT_TRUE(arch.ok()) << arch.status().ToString();
+    spec = RandomModelPreset(sh.substr(0, dash), *arch, 3);
+  } else {
+    spec = RandomModelPreset(sh, 3);
   }
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
   ASSERT_TRUE(WriteRandomModel(*spec, out).ok());
 }
 

@@ -32,10 +32,13 @@ Status CudaError(cudaError_t e, const std::string& what) {
   return InternalError(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-#define KVB_CUDA_RETURN(expr, what)                          \
-  do {                                                       \
-    const cudaError_t kvb_e = (expr);                        \
-    if (kvb_e != cudaSuccess) return CudaError(kvb_e, what); \
+#define KVB_CUDA_RETURN(expr, what)                                                    \
+  do {                                                                                 \
+    const cudaError_t kvb_e = (expr);                                                  \
+    if (kvb_e != cudaSuccess) {                                                        \
+      cudaGetLastError(); /* a later call's cudaGetLastError must not see it again */ \
+      return CudaError(kvb_e, what);                                                   \
+    }                                                                                  \
   } while (0)
 
 std::vector<uint16_t> ToBf16(const std::vector<float>& v) {
@@ -111,6 +114,8 @@ struct CudaModel::Impl {
 
   struct Layer {
     float* in_norm = nullptr;
+    float* q_norm = nullptr;  // [head_dim] (Qwen3) or null
+    float* k_norm = nullptr;
     uint16_t* wqkv = nullptr;  // [q_dim + 2 kv_dim][hidden]
     float* bqkv = nullptr;     // [q_dim + 2 kv_dim] or null
     uint16_t* wo = nullptr;    // [hidden][q_dim]
@@ -140,6 +145,7 @@ struct CudaModel::Impl {
   cuda_internal::KvParams kvp;
 
   ~Impl() {
+    cudaSetDevice(opt.device);  // the engine may drop it on another thread
     if (stream != nullptr) cudaStreamSynchronize(stream);
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     if (stream != nullptr) cudaStreamDestroy(stream);
@@ -195,8 +201,6 @@ Status CudaModel::Impl::Init() {
       cuda_internal::AttentionPlan ap,
       cuda_internal::PlanAttention(1, c.num_attention_heads, c.num_key_value_heads, c.head_dim));
   (void)ap;
-  // TODO(gpu): Qwen3 per-head q/k RMSNorm: once ModelConfig has it (helper arch), run
-  // LaunchRmsNorm(qkv, per_row = heads, ldx = nqkv) on q and k between the qkv matmul and RoPE.
   limits.max_rows = opt.max_num_batched_tokens;
   limits.max_seqs = opt.max_num_seqs;
   limits.max_table_blocks = opt.max_num_seqs * cuda_internal::BlocksFor(max_len, opt.block_size);
@@ -212,6 +216,10 @@ Status CudaModel::Impl::Init() {
   weight_arena.Reserve(mi.rope_sin.size() * 4);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     weight_arena.Reserve(hsz * 4);
+    if (c.qk_norm) {
+      weight_arena.Reserve(c.head_dim * 4);
+      weight_arena.Reserve(c.head_dim * 4);
+    }
     weight_arena.Reserve(static_cast<size_t>(nqkv) * hsz * 2);
     if (c.qkv_bias) weight_arena.Reserve(nqkv * 4);
     weight_arena.Reserve(static_cast<size_t>(hsz) * qd * 2);
@@ -244,6 +252,12 @@ Status CudaModel::Impl::Init() {
     Layer& d = layers[l];
     d.in_norm = weight_arena.Take<float>(hsz * 4);
     RETURN_IF_ERROR(Upload(d.in_norm, lw.input_norm.data(), hsz * 4));
+    if (c.qk_norm) {
+      d.q_norm = weight_arena.Take<float>(c.head_dim * 4);
+      d.k_norm = weight_arena.Take<float>(c.head_dim * 4);
+      RETURN_IF_ERROR(Upload(d.q_norm, lw.q_norm.data(), c.head_dim * 4));
+      RETURN_IF_ERROR(Upload(d.k_norm, lw.k_norm.data(), c.head_dim * 4));
+    }
     d.wqkv = weight_arena.Take<uint16_t>(static_cast<size_t>(nqkv) * hsz * 2);
     {
       std::vector<float> cat = lw.wq;
@@ -350,6 +364,7 @@ Status CudaModel::Impl::Forward(const ForwardBatch& batch, std::vector<float>* l
   cuda_internal::PackedStep ps;
   RETURN_IF_ERROR(cuda_internal::PackStep(c, view.layout, batch, limits, &ps));
   KVB_CUDA_RETURN(cudaSetDevice(opt.device), "cudaSetDevice");
+  cudaGetLastError();  // launch errors below are this step's own
   const int m = ps.rows, nl = ps.logit_rows;
   const int hsz = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), im = c.intermediate_size;
   const int nqkv = qd + 2 * kvd, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
@@ -374,6 +389,12 @@ Status CudaModel::Impl::Forward(const ForwardBatch& batch, std::vector<float>* l
     const float ks = view.k_scale[l], vs = view.v_scale[l];
     LaunchRmsNorm(x, nullptr, m, hsz, 1, hsz, d.in_norm, eps, hb, hsz, true, stream);
     LaunchMatmul(hb, hsz, d.wqkv, m, nqkv, hsz, 1, d.bqkv, qkv, stream);
+    if (c.qk_norm) {  // Qwen3: RMSNorm of every q and k head vector (in place), before RoPE
+      LaunchRmsNorm(qkv, nullptr, m * nh, c.head_dim, nh, nqkv, d.q_norm, eps, qkv, nqkv, false,
+                    stream);
+      LaunchRmsNorm(qkv + qd, nullptr, m * nkv, c.head_dim, nkv, nqkv, d.k_norm, eps, qkv + qd,
+                    nqkv, false, stream);
+    }
     LaunchRope(qkv, nqkv, m, pos, nh, nkv, c.head_dim, rope_cos, rope_sin, stream);
     LaunchKvWrite(qkv, nqkv, qd, qd + kvd, m, pos, toff, tables, kvp, base, ks, vs, stream);
     KVB_CUDA_RETURN(cudaEventRecord(events[l], stream), "cudaEventRecord");
