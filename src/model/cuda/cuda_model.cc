@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
 #include "kvbridge/model/model.h"
@@ -32,13 +33,13 @@ Status CudaError(cudaError_t e, const std::string& what) {
   return InternalError(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-#define KVB_CUDA_RETURN(expr, what)                                                    \
-  do {                                                                                 \
-    const cudaError_t kvb_e = (expr);                                                  \
-    if (kvb_e != cudaSuccess) {                                                        \
+#define KVB_CUDA_RETURN(expr, what)                                                   \
+  do {                                                                                \
+    const cudaError_t kvb_e = (expr);                                                 \
+    if (kvb_e != cudaSuccess) {                                                       \
       cudaGetLastError(); /* a later call's cudaGetLastError must not see it again */ \
-      return CudaError(kvb_e, what);                                                   \
-    }                                                                                  \
+      return CudaError(kvb_e, what);                                                  \
+    }                                                                                 \
   } while (0)
 
 std::vector<uint16_t> ToBf16(const std::vector<float>& v) {
@@ -157,14 +158,15 @@ struct CudaModel::Impl {
     KVB_CUDA_RETURN(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "weight upload");
     return OkStatus();
   }
-  Status UploadBf16(uint16_t* dst, const std::vector<float>& a,
-                    const std::vector<float>* b = nullptr) {
-    std::vector<uint16_t> h = ToBf16(a);
-    if (b != nullptr) {
-      std::vector<uint16_t> hb2 = ToBf16(*b);
-      h.insert(h.end(), hb2.begin(), hb2.end());
+  // Uploads matrices back to back as bf16 (exact for bf16-resident weights; fp16/fp32 ones
+  // are rounded to nearest even).
+  Status UploadBf16(uint16_t* dst, std::initializer_list<const model_internal::Matrix*> ms) {
+    for (const model_internal::Matrix* m : ms) {
+      const std::vector<uint16_t> h = ToBf16(m->ToFloat32());
+      RETURN_IF_ERROR(Upload(dst, h.data(), h.size() * 2));
+      dst += h.size();
     }
-    return Upload(dst, h.data(), h.size() * 2);
+    return OkStatus();
   }
 
   Status Init();
@@ -209,8 +211,11 @@ Status CudaModel::Impl::Init() {
   const model_internal::Weights& w = model->impl().weights;
   const Model::Impl& mi = model->impl();
   const size_t half = static_cast<size_t>(c.head_dim / 2);
-  weight_arena.Reserve(w.embed.size() * 2);
-  if (!c.tie_word_embeddings) weight_arena.Reserve(w.lm_head.size() * 2);
+  const auto elems = [](const model_internal::Matrix& m) {
+    return static_cast<size_t>(m.rows) * static_cast<size_t>(m.cols);
+  };
+  weight_arena.Reserve(elems(w.embed) * 2);
+  if (!c.tie_word_embeddings) weight_arena.Reserve(elems(w.lm_head) * 2);
   weight_arena.Reserve(hsz * 4);  // final norm
   weight_arena.Reserve(mi.rope_cos.size() * 4);
   weight_arena.Reserve(mi.rope_sin.size() * 4);
@@ -229,13 +234,13 @@ Status CudaModel::Impl::Init() {
     weight_arena.Reserve(static_cast<size_t>(hsz) * im * 2);
   }
   RETURN_IF_ERROR(weight_arena.Allocate("weights", dev));
-  embed = weight_arena.Take<uint16_t>(w.embed.size() * 2);
-  RETURN_IF_ERROR(UploadBf16(embed, w.embed));
+  embed = weight_arena.Take<uint16_t>(elems(w.embed) * 2);
+  RETURN_IF_ERROR(UploadBf16(embed, {&w.embed}));
   if (c.tie_word_embeddings) {
     lm_head = embed;
   } else {
-    lm_head = weight_arena.Take<uint16_t>(w.lm_head.size() * 2);
-    RETURN_IF_ERROR(UploadBf16(lm_head, w.lm_head));
+    lm_head = weight_arena.Take<uint16_t>(elems(w.lm_head) * 2);
+    RETURN_IF_ERROR(UploadBf16(lm_head, {&w.lm_head}));
   }
   final_norm = weight_arena.Take<float>(hsz * 4);
   RETURN_IF_ERROR(Upload(final_norm, w.final_norm.data(), hsz * 4));
@@ -259,12 +264,7 @@ Status CudaModel::Impl::Init() {
       RETURN_IF_ERROR(Upload(d.k_norm, lw.k_norm.data(), c.head_dim * 4));
     }
     d.wqkv = weight_arena.Take<uint16_t>(static_cast<size_t>(nqkv) * hsz * 2);
-    {
-      std::vector<float> cat = lw.wq;
-      cat.insert(cat.end(), lw.wk.begin(), lw.wk.end());
-      cat.insert(cat.end(), lw.wv.begin(), lw.wv.end());
-      RETURN_IF_ERROR(UploadBf16(d.wqkv, cat));
-    }
+    RETURN_IF_ERROR(UploadBf16(d.wqkv, {&lw.wq, &lw.wk, &lw.wv}));
     if (c.qkv_bias) {
       d.bqkv = weight_arena.Take<float>(nqkv * 4);
       std::vector<float> cat = lw.bq;
@@ -273,7 +273,7 @@ Status CudaModel::Impl::Init() {
       RETURN_IF_ERROR(Upload(d.bqkv, cat.data(), cat.size() * 4));
     }
     d.wo = weight_arena.Take<uint16_t>(static_cast<size_t>(hsz) * qd * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wo, lw.wo));
+    RETURN_IF_ERROR(UploadBf16(d.wo, {&lw.wo}));
     if (c.o_bias) {
       d.bo = weight_arena.Take<float>(hsz * 4);
       RETURN_IF_ERROR(Upload(d.bo, lw.bo.data(), hsz * 4));
@@ -281,9 +281,9 @@ Status CudaModel::Impl::Init() {
     d.post_norm = weight_arena.Take<float>(hsz * 4);
     RETURN_IF_ERROR(Upload(d.post_norm, lw.post_norm.data(), hsz * 4));
     d.wgu = weight_arena.Take<uint16_t>(2 * static_cast<size_t>(im) * hsz * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wgu, lw.w_gate, &lw.w_up));
+    RETURN_IF_ERROR(UploadBf16(d.wgu, {&lw.w_gate, &lw.w_up}));
     d.wdown = weight_arena.Take<uint16_t>(static_cast<size_t>(hsz) * im * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wdown, lw.w_down));
+    RETURN_IF_ERROR(UploadBf16(d.wdown, {&lw.w_down}));
   }
   mem.weight_bytes = weight_arena.size();
 
