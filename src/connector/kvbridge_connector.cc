@@ -149,11 +149,12 @@ class KvBridgeRuntime::Impl {
   std::string engine_id;
 
   std::mutex mu;
-  std::deque<Event> inbox;                             // guarded by mu
-  std::function<void()> wake;                          // guarded by mu
-  std::string metadata_blob;                           // guarded by mu
-  std::map<std::string, std::set<int>> held_snapshot;  // guarded by mu
-  std::map<uint64_t, xfer::Notification> reply_paths;  // guarded by mu
+  std::deque<Event> inbox;                                 // guarded by mu
+  std::function<void()> wake;                              // guarded by mu
+  std::string metadata_blob;                               // guarded by mu
+  std::map<std::string, std::set<int>> held_snapshot;      // guarded by mu: READ holds
+  std::map<std::string, std::set<int>> writable_snapshot;  // guarded by mu: WRITE offers
+  std::map<uint64_t, xfer::Notification> reply_paths;      // guarded by mu
   std::map<uint64_t, int> reply_ranks;  // guarded by mu: token -> local rank (absent: rank 0)
   std::vector<std::string> rank_metadata_blobs;      // guarded by mu: rank r's metadata, r < tp
   uint64_t next_reply_token = 1;                     // guarded by mu
@@ -161,6 +162,8 @@ class KvBridgeRuntime::Impl {
   std::map<std::string, std::string> peer_backends;  // guarded by mu: peer agent -> backend
   KvBridgeStats stats;                               // guarded by mu
   std::atomic<int64_t> reads_inflight{0};
+  // Peer requests the hold check refused (tcp serving side), by the peer's op.
+  std::atomic<int64_t> refused_reads{0}, refused_writes{0};
   std::atomic<int> block_size{16};  // the engine's, once its connector exists
 
   void Push(Event e) {
@@ -408,6 +411,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       impl_->wake = nullptr;
       impl_->metadata_blob.clear();
       impl_->held_snapshot.clear();
+      impl_->writable_snapshot.clear();
       impl_->reply_paths.clear();
       impl_->reply_ranks.clear();
       impl_->rank_metadata_blobs.clear();
@@ -725,16 +729,25 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     ac.model_fingerprint = hooks_.model_fingerprint;
     ac.reply_timeout_ms = static_cast<int>(opt().config.reply_timeout / kMillisecond);
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
-    ac.hold_check = [weak](std::string_view tid, const std::vector<int>& blocks) {
+    // A peer READs only blocks held for that transfer, WRITEs only into blocks this decode
+    // offered for it (its write_blocks); anything else is refused and counted.
+    ac.hold_check = [weak](xfer::TransferOp op, std::string_view tid,
+                           const std::vector<int>& blocks) {
       auto impl = weak.lock();
       if (!impl) return false;
-      std::lock_guard<std::mutex> l(impl->mu);
-      auto it = impl->held_snapshot.find(std::string(tid));
-      if (it == impl->held_snapshot.end()) return false;
-      for (int b : blocks) {
-        if (!it->second.count(b)) return false;
-      }
-      return true;
+      const bool read = op == xfer::TransferOp::kRead;
+      const bool ok = [&] {
+        std::lock_guard<std::mutex> l(impl->mu);
+        const auto& snap = read ? impl->held_snapshot : impl->writable_snapshot;
+        auto it = snap.find(std::string(tid));
+        if (it == snap.end()) return false;
+        for (int b : blocks) {
+          if (!it->second.count(b)) return false;
+        }
+        return true;
+      }();
+      if (!ok) (read ? impl->refused_reads : impl->refused_writes) += 1;
+      return ok;
     };
     ASSIGN_OR_RETURN(agent_, xfer::TransferAgent::Create(ac));
     RETURN_IF_ERROR(RegisterKvMemory(*agent_, opt().config.transport, /*rank=*/0, hooks_.kv_view,
@@ -805,6 +818,13 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         "WRITE mode, decode side: time from the prefill's last layer computed to this decode's "
         "go (all writes landed and confirmed).",
         Histogram::FineLatencyBucketsSeconds());
+    const char* refused_help =
+        "Peer transfer requests refused by the serving side (tcp): a READ of blocks not held for "
+        "its transfer, a WRITE into blocks not offered for it (0 in fault-free runs).";
+    m_refused_read_ =
+        &reg.AddCounter("kvbridge_kv_transfer_refused_total", refused_help, "op=\"read\"");
+    m_refused_write_ =
+        &reg.AddCounter("kvbridge_kv_transfer_refused_total", refused_help, "op=\"write\"");
     m_ignored_ = &reg.AddCounter("kvbridge_kv_notifications_ignored_total",
                                  "Duplicate, late, unknown or expired control messages and "
                                  "completions (0 in fault-free runs).");
@@ -1119,26 +1139,28 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
                          std::to_string(w.decode.rank));
   }
 
-  // What the agents' hold check lets a peer touch: blocks held for a READ transfer, and blocks a
-  // WRITE-mode decode reserved for a transfer (tcp serves a peer's WRITE only into those).
-  std::map<std::string, std::set<int>> HeldSnapshot() const {
-    std::map<std::string, std::set<int>> out;
+  // What the agents' hold check lets a peer touch: READs of blocks held for a READ transfer
+  // (first), WRITEs into blocks a WRITE-mode decode offered for a transfer (second).
+  using Snapshot = std::map<std::string, std::set<int>>;
+  std::pair<Snapshot, Snapshot> HeldSnapshot() const {
+    std::pair<Snapshot, Snapshot> out;
     for (const auto& [tid, blocks] : logic_.cores().prefill.HeldBlocksByTransfer())
-      out[tid].insert(blocks.begin(), blocks.end());
+      out.first[tid].insert(blocks.begin(), blocks.end());
     for (const auto& [tid, blocks] : logic_.cores().wdecode.WritableBlocksByTransfer())
-      out[tid].insert(blocks.begin(), blocks.end());
+      out.second[tid].insert(blocks.begin(), blocks.end());
     return out;
   }
   void SyncHeldSnapshot() {
-    std::map<std::string, std::set<int>> held = HeldSnapshot();
+    auto [held, writable] = HeldSnapshot();
     std::lock_guard<std::mutex> l(impl_->mu);
     impl_->held_snapshot = std::move(held);
+    impl_->writable_snapshot = std::move(writable);
   }
 
   // Mirrors core state into the thread-safe snapshot (hold check, stats, metrics).
   void SyncState() {
     const ConnectorCores& cores = logic_.cores();
-    std::map<std::string, std::set<int>> held = HeldSnapshot();
+    auto [held, writable] = HeldSnapshot();
     const auto& pc = cores.prefill.counters();
     const auto& dc = cores.decode.counters();
     const auto& wpc = cores.wprefill.counters();
@@ -1153,6 +1175,11 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     synced_lease_ = lease;
     synced_ignored_ = ignored;
     synced_fail_ = fails;
+    const int64_t refused_r = impl_->refused_reads.load(), refused_w = impl_->refused_writes.load();
+    if (m_refused_read_) m_refused_read_->Inc(static_cast<double>(refused_r - synced_refused_r_));
+    if (m_refused_write_) m_refused_write_->Inc(static_cast<double>(refused_w - synced_refused_w_));
+    synced_refused_r_ = refused_r;
+    synced_refused_w_ = refused_w;
     for (const WriteDecodeCore::LoadTiming& t : logic_.TakeWriteLoadTimings()) {
       // One host shares CLOCK_MONOTONIC (SteadyNow): then the exact interval from the prefill's
       // last layer to this go; otherwise (an implausible difference) the cores' estimate.
@@ -1166,6 +1193,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     }
     std::lock_guard<std::mutex> l(impl_->mu);
     impl_->held_snapshot = std::move(held);
+    impl_->writable_snapshot = std::move(writable);
     for (uint64_t t : unused_tokens_) impl_->reply_paths.erase(t);
     unused_tokens_.clear();
     KvBridgeStats& s = impl_->stats;
@@ -1204,6 +1232,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   int64_t write_overlap_us_sum_ = 0;
   std::vector<uint64_t> unused_tokens_;
   int64_t synced_lease_ = 0, synced_ignored_ = 0, synced_fail_ = 0;
+  int64_t synced_refused_r_ = 0, synced_refused_w_ = 0;
   PhaseTimeline timeline_;
   Counter* m_bytes_ = nullptr;
   Histogram* m_seconds_ = nullptr;
@@ -1213,6 +1242,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   Counter* m_lease_ = nullptr;
   Counter* m_load_fail_ = nullptr;
   Counter* m_ignored_ = nullptr;
+  Counter* m_refused_read_ = nullptr;
+  Counter* m_refused_write_ = nullptr;
 };
 
 }  // namespace

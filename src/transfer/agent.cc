@@ -149,13 +149,13 @@ class TransferAgent::Impl {
       inbound_[peer] = std::move(ch);
     };
     ctx.on_peer_lost = [this](const std::string& peer) { OnPeerLost(peer); };
-    ctx.hold_check = [this](std::string_view tid, const std::vector<int>& blocks) {
+    ctx.hold_check = [this](TransferOp op, std::string_view tid, const std::vector<int>& blocks) {
       HoldCheck hc;
       {
         std::lock_guard<std::mutex> l(mu_);
         hc = hold_check_;
       }
-      return hc ? hc(tid, blocks) : true;
+      return hc ? hc(op, tid, blocks) : true;
     };
     for (const std::string& name : cfg_.backends) {
       ASSIGN_OR_RETURN(auto b, MakeBackend(name, ctx));

@@ -358,8 +358,9 @@ TEST_P(TransferConformance, HoldCheckRefusesBlocksNotHeld) {
   std::mutex mu;
   std::vector<std::pair<std::string, std::vector<int>>> asked;
   Pair(SmallLayout(), SmallLayout(), [&](AgentConfig& c) {
-    c.hold_check = [&](std::string_view tid, const std::vector<int>& blocks) {
+    c.hold_check = [&](TransferOp op, std::string_view tid, const std::vector<int>& blocks) {
       std::lock_guard<std::mutex> l(mu);
+      EXPECT_EQ(op, TransferOp::kRead);
       asked.emplace_back(std::string(tid), blocks);
       return tid == "held-tx";
     };
@@ -384,6 +385,76 @@ TEST_P(TransferConformance, HoldCheckRefusesBlocksNotHeld) {
   ASSERT_TRUE(ok.Wait(10000));
   EXPECT_EQ(ok.state(), TransferState::kDone) << ok.status().ToString();
   EXPECT_EQ(0, std::memcmp(a_->Block(1, 1), b_->Block(1, 7), 1024));
+}
+
+// Direction and ownership on the serving side (issue 22): a peer READs only blocks held for
+// its transfer and WRITEs only into blocks offered for it; a WRITE into a READ hold (the
+// attack: overwrite a prefill's held, maybe prefix-cached, blocks) is refused, no byte moves.
+TEST_P(TransferConformance, DirectionCheckRefusesWriteIntoReadHold) {
+  if (one_sided())
+    GTEST_SKIP() << backend() << " is one-sided: the target is never asked (trusted peers only)";
+  std::mutex mu;
+  std::vector<TransferOp> asked;
+  Pair(SmallLayout(), SmallLayout(), [&](AgentConfig& c) {
+    // b holds blocks {3, 7} for READ transfer "rd-tx" and offered {5} to WRITE transfer "wr-tx".
+    c.hold_check = [&](TransferOp op, std::string_view tid, const std::vector<int>& blocks) {
+      std::lock_guard<std::mutex> l(mu);
+      asked.push_back(op);
+      const std::vector<int> allowed =
+          op == TransferOp::kRead ? (tid == "rd-tx" ? std::vector<int>{3, 7} : std::vector<int>{})
+                                  : (tid == "wr-tx" ? std::vector<int>{5} : std::vector<int>{});
+      return std::includes(allowed.begin(), allowed.end(), blocks.begin(), blocks.end()) &&
+             !blocks.empty();
+    };
+  });
+  b_->FillAll(31);
+  a_->FillAll(77);
+  std::vector<uint8_t> b_before(b_->buf.data(), b_->buf.data() + b_->buf.size());
+  auto refused = [&](TransferOp op, std::vector<BlockPair> pairs, const std::string& tid,
+                     const std::string& want) {
+    PostOptions opt;
+    opt.transfer_id = tid;
+    TransferHandle h = PostOk({op, "b", std::move(pairs)}, opt);
+    ASSERT_TRUE(h.Wait(10000));
+    EXPECT_EQ(h.state(), TransferState::kFailed);
+    EXPECT_EQ(h.status().code(), StatusCode::kFailedPrecondition) << h.status().ToString();
+    EXPECT_NE(h.status().message().find(want), std::string::npos) << h.status().ToString();
+  };
+  // WRITE into the READ hold: same transfer id, same blocks, wrong direction.
+  refused(TransferOp::kWrite, {{1, 7}, {2, 3}}, "rd-tx",
+          "WRITE refused: blocks not offered for writing by transfer 'rd-tx'");
+  // WRITE beyond the offer (5 offered, 6 not).
+  refused(TransferOp::kWrite, {{1, 5}, {2, 6}}, "wr-tx",
+          "WRITE refused: blocks not offered for writing by transfer 'wr-tx'");
+  ASSERT_EQ(0, std::memcmp(b_->buf.data(), b_before.data(), b_before.size()))
+      << "a refused WRITE changed the target's bytes";
+  // READ of blocks not held (9), and READ of the WRITE offer.
+  a_->Poison();
+  refused(TransferOp::kRead, {{1, 9}}, "rd-tx",
+          "READ refused: blocks not held for transfer 'rd-tx'");
+  refused(TransferOp::kRead, {{1, 5}}, "wr-tx",
+          "READ refused: blocks not held for transfer 'wr-tx'");
+  for (size_t i = 0; i < a_->buf.size(); ++i) ASSERT_EQ(a_->buf.data()[i], kPoison) << i;
+  // The legitimate directions still move every byte.
+  PostOptions rd;
+  rd.transfer_id = "rd-tx";
+  TransferHandle r = PostOk({TransferOp::kRead, "b", {{1, 7}, {2, 3}}}, rd);
+  ASSERT_TRUE(r.Wait(10000));
+  EXPECT_EQ(r.state(), TransferState::kDone) << r.status().ToString();
+  EXPECT_EQ(0, std::memcmp(a_->Block(0, 1), b_->Block(0, 7), SmallLayout().BlockBytes()));
+  EXPECT_EQ(0, std::memcmp(a_->Block(1, 2), b_->Block(1, 3), SmallLayout().BlockBytes()));
+  a_->FillAll(77);
+  PostOptions wr;
+  wr.transfer_id = "wr-tx";
+  TransferHandle w = PostOk({TransferOp::kWrite, "b", {{4, 5}}}, wr);
+  ASSERT_TRUE(w.Wait(10000));
+  EXPECT_EQ(w.state(), TransferState::kDone) << w.status().ToString();
+  EXPECT_EQ(0, std::memcmp(b_->Block(0, 5), a_->Block(0, 4), SmallLayout().BlockBytes()));
+  EXPECT_EQ(0, std::memcmp(b_->Block(1, 5), a_->Block(1, 4), SmallLayout().BlockBytes()));
+  std::lock_guard<std::mutex> l(mu);
+  EXPECT_EQ(asked,
+            (std::vector<TransferOp>{TransferOp::kWrite, TransferOp::kWrite, TransferOp::kRead,
+                                     TransferOp::kRead, TransferOp::kRead, TransferOp::kWrite}));
 }
 
 TEST_P(TransferConformance, MetadataMismatchRefusedNamingField) {

@@ -55,9 +55,14 @@ struct TransferJob {
   std::function<void(Status)> finish;
 };
 
-/// Answers "are these blocks held for this transfer_id?" for two-sided backends (tcp).
-/// `blocks` are sorted, distinct block ids of one layer-agnostic request.
-using HoldCheck = std::function<bool(std::string_view transfer_id, const std::vector<int>& blocks)>;
+/// Answers "may a peer do `op` on these blocks for this transfer_id?" for two-sided backends
+/// (tcp), on the serving side, before any byte moves. `op` is the peer's (initiator's) op:
+/// kRead = the peer reads these local blocks (allow only blocks held for that transfer);
+/// kWrite = the peer writes into them (allow only blocks this side offered for that transfer).
+/// `blocks` are sorted, distinct block ids of one layer-agnostic request. false = refused:
+/// the peer gets PermissionDenied naming the op and transfer, no byte is read or written.
+using HoldCheck = std::function<bool(TransferOp op, std::string_view transfer_id,
+                                     const std::vector<int>& blocks)>;
 
 class BackendPeer;
 

@@ -352,11 +352,16 @@ class ServerConn : public BackendPeer {
     return net::SendFrame(sock_.get(), h, w.buf(), iov, n);
   }
 
-  // Validation + hold check of one request (never touches memory when it fails).
-  Status Check(const wire::DataRequest& req, std::vector<int>* blocks) {
+  // Validation + direction/ownership check of one request (never touches memory when it
+  // fails): a READ only from blocks held for its transfer, a WRITE only into blocks offered for it.
+  Status Check(TransferOp op, const wire::DataRequest& req, std::vector<int>* blocks) {
     RETURN_IF_ERROR(wire::ValidateSegments(req, *reg_, blocks));
-    if (ctx_->hold_check && !ctx_->hold_check(req.transfer_id, *blocks)) {
-      return FailedPreconditionError("blocks not held for transfer '" + req.transfer_id + "'");
+    if (ctx_->hold_check && !ctx_->hold_check(op, req.transfer_id, *blocks)) {
+      return FailedPreconditionError(
+          op == TransferOp::kRead
+              ? "READ refused: blocks not held for transfer '" + req.transfer_id + "'"
+              : "WRITE refused: blocks not offered for writing by transfer '" + req.transfer_id +
+                    "'");
     }
     return OkStatus();
   }
@@ -417,7 +422,7 @@ class ServerConn : public BackendPeer {
       }
       Result<wire::DataRequest> req = wire::DecodeDataRequest(meta);
       if (h.type == FrameType::kReadReq) {
-        Status st = req.ok() ? Check(*req, &blocks) : req.status();
+        Status st = req.ok() ? Check(TransferOp::kRead, *req, &blocks) : req.status();
         if (st.ok() && h.payload_len != 0) st = InvalidArgumentError("read request with payload");
         if (!st.ok()) {
           s = Reply(FrameType::kReadResp, h.request_id, st);
@@ -428,7 +433,7 @@ class ServerConn : public BackendPeer {
         s = Reply(FrameType::kReadResp, h.request_id, OkStatus(), iov.data(), iov.size(),
                   req->total_bytes);
       } else {
-        Status st = req.ok() ? Check(*req, &blocks) : req.status();
+        Status st = req.ok() ? Check(TransferOp::kWrite, *req, &blocks) : req.status();
         if (st.ok() && h.payload_len != req->total_bytes) {
           st = InvalidArgumentError("write payload does not match its segments");
         }
