@@ -49,6 +49,7 @@ struct ServeOptions {
   double gpu_memory_utilization = 0.9;
   std::string kv_transfer_config;
   std::string cluster_token;
+  bool insecure_no_cluster_token = false;  // P/D on a non-loopback host without a token
   std::string advertise_host;
   std::string proxy;      // HOST:PORT of a `kvbridge proxy` to register with; empty = none
   std::string port_file;  // where to write the bound port once listening; empty = nowhere
@@ -59,6 +60,11 @@ Result<KvDtype> ParseKvDtype(const std::string& s) {
   if (s == "bf16") return KvDtype::kBf16;
   if (s == "fp8") return KvDtype::kFp8E4M3;
   return InvalidArgumentError("--kv-cache-dtype must be auto|fp32|bf16|fp8, got '" + s + "'");
+}
+
+// 127.0.0.0/8, ::1 and "localhost": reachable from this host only.
+bool IsLoopbackHost(const std::string& h) {
+  return h == "localhost" || h == "::1" || h == "[::1]" || h.rfind("127.", 0) == 0;
 }
 
 int Fail(const Status& s) {
@@ -89,6 +95,21 @@ int RunServe(const ServeOptions& o) {
   }
   auto weight_dtype = ParseWeightDtype(o.dtype);
   if (!weight_dtype.ok()) return Fail(weight_dtype.status().WithPrefix("--dtype"));
+  if (!o.kv_transfer_config.empty() && o.cluster_token.empty() && !IsLoopbackHost(o.host)) {
+    // No open P/D engine by accident (issue 22): kv_transfer_params, /v1/kv/* and the KV
+    // transfer ports would take anyone who can reach --host.
+    if (!o.insecure_no_cluster_token) {
+      return Fail(FailedPreconditionError(
+          "a P/D engine (--kv-transfer-config) on the non-loopback --host " + o.host +
+          " needs --cluster-token (the secret proxy and engines share); "
+          "--insecure-no-cluster-token starts it open to anyone who can reach that address"));
+    }
+    KVB_LOG_WARN(
+        "serve: --insecure-no-cluster-token: P/D engine on {} without a cluster token: "
+        "kv_transfer_params, /v1/kv/* and the KV transfer ports accept anyone who can "
+        "reach it",
+        o.host);
+  }
   auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads, .dtype = *weight_dtype});
   if (!model.ok()) return Fail(model.status());
   KVB_LOG_INFO("model: weights {} resident: {} bytes ({:.1f} MiB; safetensors files {:.1f} MiB)",
@@ -303,7 +324,12 @@ const bool kRegistered = RegisterCommand(
                      "P/D connector JSON, e.g. '{\"kv_connector\":\"KVBridgeConnector\","
                      "\"kv_role\":\"kv_both\"}' (docs/protocol.md); absent: no P/D");
       sub.add_option("--cluster-token", o->cluster_token,
-                     "Secret that P/D callers must send as X-KVBridge-Cluster-Token");
+                     "Secret that P/D callers must send as X-KVBridge-Cluster-Token; the KV "
+                     "transfer handshakes (shm, tcp) prove it too. Required with "
+                     "--kv-transfer-config on a non-loopback --host");
+      sub.add_flag("--insecure-no-cluster-token", o->insecure_no_cluster_token,
+                   "Start a P/D engine on a non-loopback --host without --cluster-token (open "
+                   "to anyone who can reach it; logged at startup)");
       sub.add_option("--proxy", o->proxy,
                      "HOST:PORT of a kvbridge proxy to register with and heartbeat to (role and "
                      "mode from --kv-transfer-config; kv_producer registers as prefill, else "

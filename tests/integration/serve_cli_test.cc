@@ -109,6 +109,69 @@ TEST_F(ServeCliTest, BadFlagsFailClearly) {
   EXPECT_EQ(missing.Wait(30'000), 1);
 }
 
+// No open P/D engine by accident (issue 22): a P/D config on a non-loopback --host without
+// --cluster-token refuses to start naming both flags; --insecure-no-cluster-token starts it and
+// says so in the log; with a token, a missing or wrong one on kv_transfer_params or /v1/kv/* is
+// 403 and changes nothing.
+TEST_F(ServeCliTest, PdEngineNeedsClusterTokenOffLoopback) {
+  const std::string pd = R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_producer"})";
+  Subprocess open_pd({KvbridgeBin(), "serve", *model_dir_, "--host", "0.0.0.0", "--port",
+                      std::to_string(FreePort()), "--kv-transfer-config", pd},
+                     MakeTempDir("kvb_serve_open") + "/log");
+  EXPECT_EQ(open_pd.Wait(30'000), 1);
+  EXPECT_NE(open_pd.ReadLog().find("on the non-loopback --host 0.0.0.0 needs --cluster-token"),
+            std::string::npos)
+      << open_pd.ReadLog();
+  EXPECT_NE(open_pd.ReadLog().find("--insecure-no-cluster-token"), std::string::npos)
+      << open_pd.ReadLog();
+
+  {
+    const int port = FreePort();
+    Subprocess insecure(
+        {KvbridgeBin(), "serve", *model_dir_, "--host", "0.0.0.0", "--port", std::to_string(port),
+         "--num-kv-blocks", "64", "--kv-transfer-config", pd, "--insecure-no-cluster-token"},
+        MakeTempDir("kvb_serve_insecure") + "/log");
+    ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << insecure.ReadLog();
+    EXPECT_NE(insecure.ReadLog().find("--insecure-no-cluster-token: P/D engine on 0.0.0.0"),
+              std::string::npos)
+        << insecure.ReadLog();
+    insecure.Signal(SIGTERM);
+    EXPECT_EQ(insecure.Wait(15'000), 0) << insecure.ReadLog();
+  }
+
+  const int port = FreePort();
+  Subprocess serve(
+      {KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(port), "--served-model-name",
+       "tiny", "--num-kv-blocks", "64", "--kv-transfer-config", pd, "--cluster-token", "tok-22"},
+      MakeTempDir("kvb_serve_tok") + "/log");
+  ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << serve.ReadLog();
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(60, 0);
+  json body{{"model", "tiny"}, {"prompt", "hold me"}, {"max_tokens", 1}};
+  body["kv_transfer_params"] = {{"do_remote_decode", true}, {"transfer_id", "t-22"}};
+  for (const httplib::Headers& h :
+       {httplib::Headers{}, httplib::Headers{{"X-KVBridge-Cluster-Token", "wrong"}}}) {
+    auto r = c.Post("/v1/completions", h, body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 403) << r->body;
+    auto md = c.Get("/v1/kv/metadata/0", h);
+    ASSERT_TRUE(md);
+    EXPECT_EQ(md->status, 403) << md->body;
+  }
+  auto m = c.Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(ScrapeMetric(m->body, "kvbridge_prompt_tokens_total"), 0) << "a refused call ran";
+  EXPECT_EQ(ScrapeMetric(m->body, "kvbridge_kv_blocks_held_for_transfer"), 0);
+  EXPECT_EQ(ScrapeMetric(m->body, "kvbridge_kv_transfer_table_entries"), 0);
+  // The right token is served (and holds the blocks for the transfer).
+  auto ok = c.Post("/v1/completions", {{"X-KVBridge-Cluster-Token", "tok-22"}}, body.dump(),
+                   "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  serve.Signal(SIGTERM);
+  EXPECT_EQ(serve.Wait(15'000), 0) << serve.ReadLog();
+}
+
 // Every architecture through make-model --arch and serve (tiny shapes; the real-shaped presets
 // are 1-2.5 GB and stay out of CI's unit and integration runs).
 TEST(ServeCliArchs, MakeModelAndServeEveryArchitecture) {
