@@ -727,6 +727,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     ac.tp_rank = 0;
     ac.head_begin = hooks_.ranks.empty() ? 0 : hooks_.ranks[0].kv_head_begin;
     ac.model_fingerprint = hooks_.model_fingerprint;
+    ac.cluster_token = opt().cluster_token;  // the shm/tcp handshakes prove it (issue 22)
     ac.reply_timeout_ms = static_cast<int>(opt().config.reply_timeout / kMillisecond);
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
     // A peer READs only blocks held for that transfer, WRITEs only into blocks this decode

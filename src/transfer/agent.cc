@@ -141,6 +141,7 @@ class TransferAgent::Impl {
     ctx.tcp_connections = cfg_.tcp_connections;
     ctx.copy_threads = cfg_.copy_threads;
     ctx.peer_timeout_ms = cfg_.peer_timeout_ms;
+    ctx.cluster_token = cfg_.cluster_token;
     ctx.on_message = [this](const std::string& peer, std::string bytes) {
       OnMessage(peer, std::move(bytes));
     };

@@ -33,6 +33,8 @@ enum class FrameType : uint8_t {
   kWriteReq = 5,
   kWriteAck = 6,
   kMsg = 7,
+  kChallenge = 8,      ///< Handshake: server's nonce (auth.h).
+  kChallengeResp = 9,  ///< Handshake: client's HMAC proof (auth.h).
 };
 
 struct FrameHeader {

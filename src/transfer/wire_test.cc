@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
+#include "transfer/auth.h"
+
 namespace kvbridge::transfer::wire {
 namespace {
 
@@ -100,6 +104,33 @@ TEST(Wire, HelloRoundTrip) {
   EXPECT_EQ(d->expect_incarnation, 6u);
   EXPECT_EQ(d->connection_index, 2u);
   EXPECT_FALSE(DecodeHello(EncodeHello(Hello{"", 1, 2, 0})).ok());
+}
+
+// The handshake proof is HMAC-SHA256(token, context || nonce): RFC 4231 test case 2 (key
+// "Jefe", data "what do ya want for nothing?"), split into context and nonce.
+TEST(HandshakeAuth, ProofIsHmacSha256OfContextAndNonce) {
+  auto hex = [](const std::string& b) {
+    std::string out;
+    char buf[3];
+    for (unsigned char c : b) {
+      std::snprintf(buf, sizeof(buf), "%02x", c);
+      out += buf;
+    }
+    return out;
+  };
+  const std::string p = auth::Proof("Jefe", "what do ya want ", "for nothing?");
+  EXPECT_EQ(hex(p), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  EXPECT_TRUE(auth::ProofMatches("Jefe", "what do ya want ", "for nothing?", p));
+  EXPECT_FALSE(auth::ProofMatches("Jeff", "what do ya want ", "for nothing?", p));
+  EXPECT_FALSE(auth::ProofMatches("Jefe", "what do ya want ", "for nothing!", p));
+  EXPECT_FALSE(auth::ProofMatches("Jefe", "what do ya want ", "for nothing?", ""));
+  EXPECT_FALSE(auth::ProofMatches("Jefe", "what do ya want ", "for nothing?", p.substr(1)));
+  EXPECT_EQ(auth::HandshakeContext("tcp", 0xabcULL, "d/rank0"),
+            "kvbridge-tcp-v1|0000000000000abc|d/rank0");
+  auto n1 = auth::RandomNonce(), n2 = auth::RandomNonce();
+  ASSERT_TRUE(n1.ok() && n2.ok());
+  EXPECT_EQ(n1->size(), auth::kNonceBytes);
+  EXPECT_NE(*n1, *n2);
 }
 
 }  // namespace

@@ -29,7 +29,8 @@
 //
 // Thread-safety: Create/Factory/InstallRoutes/SetAdvertisedEndpoint from the controlling thread
 // before serving; ValidateHook and the routes run on HTTP threads; the KvConnector runs on the
-// engine thread (kv_connector.h). Internal threads: one metadata fetcher, one transfer (READ and WRITE) watcher.
+// engine thread (kv_connector.h). Internal threads: one metadata fetcher, one transfer (READ and
+// WRITE) watcher.
 #pragma once
 
 #include <map>
@@ -50,7 +51,8 @@ class ApiServer;
 
 struct KvBridgeOptions {
   KvTransferConfig config;
-  std::string cluster_token;                 ///< sent on metadata fetches; required by our routes
+  std::string cluster_token;  ///< sent on metadata fetches; required by our routes; proven by the
+                              ///< agents' handshakes
   std::string advertise_host = "127.0.0.1";  ///< remote_host returned by a prefill
   int advertise_port = 0;                    ///< remote_port; set later with SetAdvertisedEndpoint
   std::string bind_host = "127.0.0.1";       ///< transfer agent's tcp listen address

@@ -62,6 +62,13 @@ struct AgentConfig {
   int tp_rank = 0;
   int head_begin = 0;  ///< First global KV head of this rank.
   std::string model_fingerprint;
+  /// The cluster's shared secret (serve --cluster-token). When set, the shm and tcp servers
+  /// accept a peer only after it proves it holds the same token (HMAC-SHA256 challenge-response
+  /// on the handshake; the token never crosses the socket); a peer without it or with another is
+  /// refused with Unauthenticated before any memory is reachable. shm also accepts only peers of
+  /// this process's uid (SO_PEERCRED), token or not. "" = no token check (the behaviour before
+  /// issue 22). ucx and cuda_ipc do not check it yet (docs/transfer.md "Threat model").
+  std::string cluster_token;
   /// Asked by two-sided backends before serving a peer's request (nullptr = allow all).
   HoldCheck hold_check;
 };

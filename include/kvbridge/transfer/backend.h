@@ -75,6 +75,8 @@ struct BackendContext {
   int tcp_connections = 2;
   int copy_threads = 1;
   int peer_timeout_ms = 5000;
+  /// Shared secret of the cluster (AgentConfig::cluster_token); "" = handshakes unauthenticated.
+  std::string cluster_token;
   /// A message from peer `peer_name` (in the order sent on that path).
   std::function<void(const std::string& peer_name, std::string bytes)> on_message;
   /// A peer connected to us; `channel` can send messages back (Submit is not supported on it).

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "kvbridge/common/logging.h"
+#include "transfer/auth.h"
 #include "transfer/backend_util.h"
 #include "transfer/socket_util.h"
 #include "transfer/wire.h"
@@ -25,6 +27,24 @@ using wire::FrameType;
 
 constexpr uint64_t kSplitBytes = 8u << 20;  // split a job over workers above this
 constexpr uint64_t kChunkBytes = 4u << 20;  // cancel is polled at least this often
+
+// The uid at the other end of a connected unix socket must be ours: shm hands out (and maps)
+// the whole KV pool's memfds, so only processes of the same user may take part.
+Status CheckPeerUid(int sock, const char* who) {
+  struct ucred cred {};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return PermissionDeniedError(std::string("shm: cannot read the ") + who + "'s credentials");
+  }
+  const uid_t self = ::geteuid();
+  if (cred.uid != self) {
+    return PermissionDeniedError(std::string("shm ") + who + " runs as uid " +
+                                 std::to_string(cred.uid) + " (pid " + std::to_string(cred.pid) +
+                                 "), this agent as uid " + std::to_string(self) +
+                                 ": shm peers must be processes of the same user");
+  }
+  return OkStatus();
+}
 
 // Peer memory mapped into this process; kept alive by every in-flight copy.
 struct RemoteMap {
@@ -247,6 +267,8 @@ class ShmBackend : public Backend {
     auto ep = peer.endpoints.find("shm");
     if (ep == peer.endpoints.end()) return UnavailableError("peer has no shm endpoint");
     ASSIGN_OR_RETURN(net::Fd sock, net::UnixConnect(ep->second));
+    // The abstract name is not owned: whoever answers on it must be of our uid too.
+    if (Status u = CheckPeerUid(sock.get(), "server"); !u.ok()) return u;
     net::SetTimeouts(sock.get(), ctx_.peer_timeout_ms, ctx_.peer_timeout_ms);
     wire::Hello hello{ctx_.agent_name, ctx_.incarnation, peer.incarnation, 0};
     FrameHeader h;
@@ -254,10 +276,22 @@ class ShmBackend : public Backend {
     RETURN_IF_ERROR(net::SendFrame(sock.get(), h, wire::EncodeHello(hello)));
     uint8_t head[wire::kFrameHeaderBytes];
     std::vector<net::Fd> fds;
-    RETURN_IF_ERROR(net::RecvWithFds(sock.get(), head, sizeof(head), &fds));
-    ASSIGN_OR_RETURN(FrameHeader ack, wire::DecodeFrameHeader(head, sizeof(head)));
-    std::string meta(ack.meta_len, '\0');
-    if (ack.meta_len) RETURN_IF_ERROR(net::RecvAll(sock.get(), meta.data(), meta.size()));
+    FrameHeader ack;
+    std::string meta;
+    for (int round = 0;; ++round) {  // a challenge (token configured there) precedes the ack
+      RETURN_IF_ERROR(net::RecvWithFds(sock.get(), head, sizeof(head), &fds));
+      ASSIGN_OR_RETURN(ack, wire::DecodeFrameHeader(head, sizeof(head)));
+      meta.assign(ack.meta_len, '\0');
+      if (ack.meta_len) RETURN_IF_ERROR(net::RecvAll(sock.get(), meta.data(), meta.size()));
+      bool answered = false;
+      if (round == 0) {
+        RETURN_IF_ERROR(auth::ClientAnswer(
+            sock.get(), ack, meta, ctx_.cluster_token,
+            auth::HandshakeContext("shm", peer.incarnation, ctx_.agent_name), &answered));
+      }
+      if (!answered) break;
+      if (!fds.empty()) return UnavailableError("shm handshake: fds on a challenge");
+    }
     if (ack.type != FrameType::kHelloAck) return UnavailableError("shm handshake: bad reply");
     wire::Reader r(meta);
     if (ack.status != 0) {
@@ -316,9 +350,25 @@ class ShmBackend : public Backend {
       ack.type = FrameType::kHelloAck;
       wire::Writer w;
       std::vector<int> fds;
+      // Refusals, in order: a bad hello, stale metadata, another uid, no / wrong cluster token.
+      // A refused peer gets the reason and no fd.
+      Status st;
       if (!hello.ok() || hello->expect_incarnation != ctx_.incarnation) {
-        ack.status = static_cast<uint16_t>(StatusCode::kFailedPrecondition);
-        w.Str(hello.ok() ? "stale metadata: agent incarnation changed" : hello.status().message());
+        st = FailedPreconditionError(hello.ok() ? "stale metadata: agent incarnation changed"
+                                                : hello.status().message());
+      } else if (st = CheckPeerUid(sock.get(), "peer"); st.ok()) {
+        st = auth::ServerChallenge(
+            sock.get(), ctx_.cluster_token,
+            auth::HandshakeContext("shm", ctx_.incarnation, hello->agent_name));
+        if (st.code() == StatusCode::kUnavailable) continue;  // the socket is gone
+      }
+      if (!st.ok()) {
+        ack.status = static_cast<uint16_t>(st.code());
+        w.Str(st.message());
+        if (hello.ok() && st.code() != StatusCode::kFailedPrecondition) {
+          KVB_LOG_WARN("shm transfer server: refused peer '{}': {}", hello->agent_name,
+                       st.message());
+        }
       } else {
         w.U32(static_cast<uint32_t>(reg_->layers.size()));
         for (const MemoryRegion& r : reg_->layers) {

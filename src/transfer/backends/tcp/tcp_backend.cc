@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "kvbridge/common/logging.h"
+#include "transfer/auth.h"
 #include "transfer/backend_util.h"
 #include "transfer/socket_util.h"
 #include "transfer/wire.h"
@@ -385,6 +386,14 @@ class ServerConn : public BackendPeer {
     Status st;
     if (hello.expect_incarnation != ctx_->incarnation) {
       st = FailedPreconditionError("stale metadata: agent incarnation changed");
+    } else {
+      st =
+          auth::ServerChallenge(sock_.get(), ctx_->cluster_token,
+                                auth::HandshakeContext("tcp", ctx_->incarnation, hello.agent_name));
+      if (st.code() == StatusCode::kUnavailable) return st;  // the socket is gone
+      if (!st.ok()) {
+        KVB_LOG_WARN("tcp transfer server: refused peer '{}': {}", hello.agent_name, st.message());
+      }
     }
     RETURN_IF_ERROR(Reply(FrameType::kHelloAck, 0, st));
     RETURN_IF_ERROR(st);
@@ -505,6 +514,11 @@ class TcpBackend : public Backend {
       FrameHeader ack;
       std::string meta;
       RETURN_IF_ERROR(net::RecvFrameHead(sock.get(), &ack, &meta));
+      bool answered = false;
+      RETURN_IF_ERROR(auth::ClientAnswer(
+          sock.get(), ack, meta, ctx_.cluster_token,
+          auth::HandshakeContext("tcp", peer.incarnation, ctx_.agent_name), &answered));
+      if (answered) RETURN_IF_ERROR(net::RecvFrameHead(sock.get(), &ack, &meta));
       if (ack.type != FrameType::kHelloAck) return UnavailableError("tcp handshake: bad reply");
       if (ack.status != 0) {
         wire::Reader r(meta);
