@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "apps/command_registry.h"
 #include "apps/port_file.h"
@@ -38,6 +39,7 @@ struct ServeOptions {
   std::string kv_cache_dtype = "auto";
   std::string dtype = "auto";  // resident weight type (vLLM's --dtype)
   std::string chat_template;   // vLLM's --chat-template: a file, or the template itself
+  std::vector<std::string> ignored_vllm_flags;  // given vLLM flags with no effect here
   bool enable_prefix_caching = true;
   uint64_t seed = 0;
   std::string api_key;
@@ -73,6 +75,9 @@ int Fail(const Status& s) {
 }
 
 int RunServe(const ServeOptions& o) {
+  for (const std::string& flag : o.ignored_vllm_flags) {
+    KVB_LOG_INFO("{}: accepted for vLLM compatibility, no effect on this engine (ignored)", flag);
+  }
   // SIGINT/SIGTERM are taken by a watcher thread (sigwait), so blocked in every thread.
   sigset_t signals;
   sigemptyset(&signals);
@@ -336,6 +341,25 @@ const bool kRegistered = RegisterCommand(
                      "decode)");
       sub.add_option("--advertise-host", o->advertise_host,
                      "Host that prefill answers give decodes as remote_host (default: --host)");
+      // vLLM flags that mean nothing on this engine or device: accepted (a vLLM command line
+      // runs unchanged) and logged once as ignored.
+      for (const char* flag :
+           {"--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+            "--enforce-eager", "--disable-custom-all-reduce",
+            "--disable-frontend-multiprocessing"}) {
+        sub.add_flag_callback(
+            flag, [o, flag] { o->ignored_vllm_flags.emplace_back(flag); },
+            "vLLM flag, accepted and ignored (no effect here)");
+      }
+      for (const char* opt : {"--gpu-memory-utilization", "--swap-space", "--uvicorn-log-level",
+                              "--download-dir", "--load-format", "--tokenizer-mode"}) {
+        sub.add_option_function<std::string>(
+            opt,
+            [o, opt](const std::string& v) {
+              o->ignored_vllm_flags.push_back(std::string(opt) + " " + v);
+            },
+            "vLLM option, accepted and ignored (no effect here)");
+      }
       return [o]() -> int { return RunServe(*o); };
     });
 

@@ -211,6 +211,26 @@ TEST(ServeCliArchs, MakeModelAndServeEveryArchitecture) {
       << bad.ReadLog();
 }
 
+// A vLLM command line's flags with no effect here are accepted and logged once as ignored.
+TEST_F(ServeCliTest, IgnoredVllmFlagsAreAcceptedAndLogged) {
+  const int port = FreePort();
+  const std::string log = MakeTempDir("kvb_serve_vllm") + "/serve.log";
+  Subprocess serve(
+      {KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(port), "--trust-remote-code",
+       "--enforce-eager", "--gpu-memory-utilization", "0.9", "--disable-log-requests"},
+      log);
+  ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << serve.ReadLog();
+  const std::string out = serve.ReadLog();
+  for (const char* f : {"--trust-remote-code", "--enforce-eager", "--gpu-memory-utilization 0.9",
+                        "--disable-log-requests"}) {
+    EXPECT_NE(out.find(std::string(f) + ": accepted for vLLM compatibility"), std::string::npos)
+        << f << "\n"
+        << out;
+  }
+  serve.Signal(SIGTERM);
+  EXPECT_EQ(serve.Wait(15'000), 0) << serve.ReadLog();
+}
+
 // make-model --tokenizer: a missing directory, or one without tokenizer.json, fails naming it.
 TEST_F(ServeCliTest, MakeModelTokenizerErrorsNameThePath) {
   const std::string dir = MakeTempDir("kvb_mm_tok");
