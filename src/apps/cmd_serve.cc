@@ -351,8 +351,8 @@ const bool kRegistered = RegisterCommand(
             flag, [o, flag] { o->ignored_vllm_flags.emplace_back(flag); },
             "vLLM flag, accepted and ignored (no effect here)");
       }
-      for (const char* opt : {"--gpu-memory-utilization", "--swap-space", "--uvicorn-log-level",
-                              "--download-dir", "--load-format", "--tokenizer-mode"}) {
+      for (const char* opt : {"--swap-space", "--uvicorn-log-level", "--download-dir",
+                              "--load-format", "--tokenizer-mode"}) {
         sub.add_option_function<std::string>(
             opt,
             [o, opt](const std::string& v) {

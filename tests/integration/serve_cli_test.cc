@@ -217,12 +217,12 @@ TEST_F(ServeCliTest, IgnoredVllmFlagsAreAcceptedAndLogged) {
   const std::string log = MakeTempDir("kvb_serve_vllm") + "/serve.log";
   Subprocess serve(
       {KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(port), "--trust-remote-code",
-       "--enforce-eager", "--gpu-memory-utilization", "0.9", "--disable-log-requests"},
+       "--enforce-eager", "--swap-space", "4", "--disable-log-requests"},
       log);
   ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << serve.ReadLog();
   const std::string out = serve.ReadLog();
-  for (const char* f : {"--trust-remote-code", "--enforce-eager", "--gpu-memory-utilization 0.9",
-                        "--disable-log-requests"}) {
+  for (const char* f :
+       {"--trust-remote-code", "--enforce-eager", "--swap-space 4", "--disable-log-requests"}) {
     EXPECT_NE(out.find(std::string(f) + ": accepted for vLLM compatibility"), std::string::npos)
         << f << "\n"
         << out;
