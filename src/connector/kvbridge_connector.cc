@@ -727,7 +727,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     ac.tp_rank = 0;
     ac.head_begin = hooks_.ranks.empty() ? 0 : hooks_.ranks[0].kv_head_begin;
     ac.model_fingerprint = hooks_.model_fingerprint;
-    ac.cluster_token = opt().cluster_token;  // the shm/tcp handshakes prove it (issue 22)
+    ac.cluster_token = opt().cluster_token;  // every handshake proves it both ways (issue 22)
     ac.reply_timeout_ms = static_cast<int>(opt().config.reply_timeout / kMillisecond);
     std::weak_ptr<KvBridgeRuntime::Impl> weak = impl_;
     // A peer READs only blocks held for that transfer, WRITEs only into blocks this decode
@@ -826,6 +826,14 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         &reg.AddCounter("kvbridge_kv_transfer_refused_total", refused_help, "op=\"read\"");
     m_refused_write_ =
         &reg.AddCounter("kvbridge_kv_transfer_refused_total", refused_help, "op=\"write\"");
+    const char* handshake_help =
+        "Transfer-agent handshakes refused (issue 22): side=serve, a peer this engine's agents "
+        "refused (no or wrong cluster token, another uid on shm); side=connect, a serving peer "
+        "this engine refused (it did not prove the cluster token back). 0 in fault-free runs.";
+    m_handshake_serve_ =
+        &reg.AddCounter("kvbridge_kv_handshake_refused_total", handshake_help, "side=\"serve\"");
+    m_handshake_connect_ =
+        &reg.AddCounter("kvbridge_kv_handshake_refused_total", handshake_help, "side=\"connect\"");
     m_ignored_ = &reg.AddCounter("kvbridge_kv_notifications_ignored_total",
                                  "Duplicate, late, unknown or expired control messages and "
                                  "completions (0 in fault-free runs).");
@@ -1181,6 +1189,23 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     if (m_refused_write_) m_refused_write_->Inc(static_cast<double>(refused_w - synced_refused_w_));
     synced_refused_r_ = refused_r;
     synced_refused_w_ = refused_w;
+    int64_t hs_serve = 0, hs_connect = 0;
+    auto add_refusals = [&](const xfer::TransferAgent* a) {
+      if (!a) return;
+      const xfer::TransferAgent::HandshakeRefusals r = a->HandshakeRefusalCounts();
+      hs_serve += r.peers;
+      hs_connect += r.servers;
+    };
+    add_refusals(agent_.get());
+    for (auto& a : rank_agents_) add_refusals(a.get());
+    if (m_handshake_serve_ && hs_serve > synced_hs_serve_) {
+      m_handshake_serve_->Inc(static_cast<double>(hs_serve - synced_hs_serve_));
+      synced_hs_serve_ = hs_serve;
+    }
+    if (m_handshake_connect_ && hs_connect > synced_hs_connect_) {
+      m_handshake_connect_->Inc(static_cast<double>(hs_connect - synced_hs_connect_));
+      synced_hs_connect_ = hs_connect;
+    }
     for (const WriteDecodeCore::LoadTiming& t : logic_.TakeWriteLoadTimings()) {
       // One host shares CLOCK_MONOTONIC (SteadyNow): then the exact interval from the prefill's
       // last layer to this go; otherwise (an implausible difference) the cores' estimate.
@@ -1234,6 +1259,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   std::vector<uint64_t> unused_tokens_;
   int64_t synced_lease_ = 0, synced_ignored_ = 0, synced_fail_ = 0;
   int64_t synced_refused_r_ = 0, synced_refused_w_ = 0;
+  int64_t synced_hs_serve_ = 0, synced_hs_connect_ = 0;
   PhaseTimeline timeline_;
   Counter* m_bytes_ = nullptr;
   Histogram* m_seconds_ = nullptr;
@@ -1245,6 +1271,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   Counter* m_ignored_ = nullptr;
   Counter* m_refused_read_ = nullptr;
   Counter* m_refused_write_ = nullptr;
+  Counter* m_handshake_serve_ = nullptr;
+  Counter* m_handshake_connect_ = nullptr;
 };
 
 }  // namespace

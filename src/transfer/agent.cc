@@ -98,6 +98,8 @@ std::string HostId() {
 
 class TransferAgent::Impl {
  public:
+  // Declared first: outlive the backends, whose threads count into them.
+  std::atomic<int64_t> refused_peers_{0}, refused_servers_{0};
   explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)), incarnation_(NewIncarnation()) {}
 
   ~Impl() {
@@ -150,6 +152,7 @@ class TransferAgent::Impl {
       inbound_[peer] = std::move(ch);
     };
     ctx.on_peer_lost = [this](const std::string& peer) { OnPeerLost(peer); };
+    ctx.on_refused = [this](const std::string&, const Status&) { refused_peers_ += 1; };
     ctx.hold_check = [this](TransferOp op, std::string_view tid, const std::vector<int>& blocks) {
       HoldCheck hc;
       {
@@ -244,7 +247,15 @@ class TransferAgent::Impl {
           "no common reachable backend with peer '" + peer.agent_name + "' (peer offers " +
           offered + (cfg_.force_backend.empty() ? "" : ", forced " + cfg_.force_backend) + ")");
     }
-    ASSIGN_OR_RETURN(std::shared_ptr<BackendPeer> conn, chosen->Connect(peer));
+    Result<std::shared_ptr<BackendPeer>> connected = chosen->Connect(peer);
+    if (!connected.ok()) {
+      const StatusCode c = connected.status().code();
+      if (c == StatusCode::kUnauthenticated || c == StatusCode::kPermissionDenied) {
+        refused_servers_ += 1;
+      }
+      return connected.status();
+    }
+    std::shared_ptr<BackendPeer> conn = std::move(connected).value();
     std::shared_ptr<BackendPeer> old;
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -632,5 +643,8 @@ Status TransferAgent::Reply(const Notification& n, std::string payload) {
   return impl_->Reply(n, std::move(payload));
 }
 void TransferAgent::SetHoldCheck(HoldCheck check) { impl_->SetHoldCheck(std::move(check)); }
+TransferAgent::HandshakeRefusals TransferAgent::HandshakeRefusalCounts() const {
+  return {impl_->refused_peers_.load(), impl_->refused_servers_.load()};
+}
 
 }  // namespace kvbridge::transfer

@@ -1,14 +1,24 @@
 // src/transfer/auth.h — the cluster-token challenge-response of the backend handshakes
-// (internal; issue 22).
+// (internal; issue 22). Mutual: the client proves the token to the server, then the server to
+// the client.
 //
-// After the client's Hello, a server configured with a cluster token sends a kChallenge frame
-// (meta = 32 random bytes); the client answers kChallengeResp (meta = HMAC-SHA256(token,
-// context || nonce), 32 bytes; empty when it has no token); the server compares in constant
-// time and only then sends its HelloAck (the shm memfds, the tcp acceptance). The token never
-// crosses the socket. `context` binds the proof to one handshake direction and server
-// ("kvbridge-<backend>-v1|<server incarnation hex>|<client agent name>"), so a proof cannot be
-// replayed to another server or reflected. A server without a token sends no challenge (the
-// behaviour before issue 22). The client is not asked to check the server (one-way proof).
+// Stream backends (shm, tcp), after the client's Hello, when the server has a cluster token:
+//   server -> kChallenge      meta = server nonce (32 random bytes)
+//   client -> kChallengeResp  meta = HMAC-SHA256(token, ClientContext || server nonce)
+//                                    || client nonce (32 random bytes); empty when it has no token
+//   server checks the proof in constant time; refused -> HelloAck(Unauthenticated), nothing else
+//   server -> kServerProof    meta = HMAC-SHA256(token, ServerContext || client nonce)
+//   server -> HelloAck        (the shm memfds, the tcp acceptance)
+// A client with a token accepts a HelloAck only after a valid kServerProof: a serving side
+// that sends no challenge (no token) or a wrong proof is refused before anything it sent is
+// used (shm: its fds are closed unmapped). The token never crosses the socket. The contexts
+// ("kvbridge-<backend>-v1|<server incarnation hex>|<client agent name>" and the same with
+// "-v1-server|") bind each proof to one direction, one server incarnation and one client, so a
+// proof cannot be replayed to another server or reflected back. A server without a token sends
+// no challenge (the behaviour before issue 22), and a client without one accepts that.
+//
+// ucx carries the same proofs in active messages (ucx_backend.cc); the pure functions below are
+// shared.
 #pragma once
 
 #include <cstdint>
@@ -25,24 +35,50 @@ constexpr size_t kProofBytes = 32;
 
 /// `kNonceBytes` bytes from OpenSSL's CSPRNG; Internal when it fails.
 Result<std::string> RandomNonce();
-/// The context string of one handshake (see the header comment).
+/// The context the client's proof covers (see the header comment).
 std::string HandshakeContext(std::string_view backend, uint64_t server_incarnation,
                              std::string_view client_name);
+/// The context the server's proof covers (distinct from the client's: no reflection).
+std::string ServerContext(std::string_view backend, uint64_t server_incarnation,
+                          std::string_view client_name);
 /// HMAC-SHA256(token, context || nonce), raw 32 bytes.
 std::string Proof(std::string_view token, std::string_view context, std::string_view nonce);
-/// Constant-time check of a client's `proof`.
+/// Constant-time check of a `proof` (false unless exactly kProofBytes and equal).
 bool ProofMatches(std::string_view token, std::string_view context, std::string_view nonce,
                   std::string_view proof);
 
-/// Server side, after a valid Hello: when `token` is empty, OK at once (no frames). Else sends the
-/// challenge, reads the answer and returns OK, Unauthenticated (no proof / wrong proof, with a
-/// message for the peer) or Unavailable (socket).
-Status ServerChallenge(int fd, std::string_view token, std::string_view context);
+/// The pieces of a kChallengeResp meta: proof || client nonce (both kProofBytes / kNonceBytes),
+/// or empty (no token). InvalidArgument for any other length.
+struct ChallengeAnswer {
+  std::string proof;         ///< "" when the client has no token.
+  std::string client_nonce;  ///< "" when the client has no token.
+};
+Result<ChallengeAnswer> DecodeChallengeAnswer(std::string_view meta);
 
-/// Client side: `h` is the frame read after sending Hello. When it is a kChallenge, answers it
-/// (the proof, or an empty answer when `token` is empty) and sets *answered; the caller then
-/// reads the next frame (the HelloAck). Anything else: nothing sent, *answered false.
+/// The identity of one handshake: which backend, the server's incarnation, the client's name.
+struct HandshakeIds {
+  std::string_view backend;
+  uint64_t server_incarnation = 0;
+  std::string_view client_name;
+};
+
+/// Server side, after a valid Hello: when `token` is empty, OK at once (no frames). Else sends the
+/// challenge, reads the answer, checks it and sends its own proof; returns OK, Unauthenticated
+/// (no proof / wrong proof / malformed answer, with a message for the peer; nothing of ours was
+/// sent but the nonce) or Unavailable (socket).
+Status ServerChallenge(int fd, std::string_view token, const HandshakeIds& ids);
+
+/// Client side: `h`/`meta` is the frame read after sending Hello. When it is a kChallenge,
+/// answers it (the proof and a fresh nonce, or an empty answer when `token` is empty) and sets
+/// *answered; with a token it then reads the server's kServerProof and checks it
+/// (Unauthenticated when wrong or missing; a HelloAck refusal read in its place is returned as
+/// "<backend> handshake refused: <reason>"). The caller then reads the HelloAck. Anything else
+/// than a challenge: nothing sent, *answered false (then RequireServerProof decides).
 Status ClientAnswer(int fd, const wire::FrameHeader& h, std::string_view meta,
-                    std::string_view token, std::string_view context, bool* answered);
+                    std::string_view token, const HandshakeIds& ids, bool* answered);
+
+/// Client side, on an accepting HelloAck: a client with a token refuses a server that never
+/// challenged it (it did not prove the token) with Unauthenticated; OK otherwise.
+Status RequireServerProof(std::string_view token, bool answered, std::string_view backend);
 
 }  // namespace kvbridge::transfer::auth

@@ -28,7 +28,7 @@ Result<FrameHeader> DecodeFrameHeader(const uint8_t* data, size_t size) {
   FrameHeader h;
   uint8_t type = data[5];
   if (type < static_cast<uint8_t>(FrameType::kHello) ||
-      type > static_cast<uint8_t>(FrameType::kChallengeResp)) {
+      type > static_cast<uint8_t>(FrameType::kServerProof)) {
     return InvalidArgumentError("unknown frame type " + std::to_string(type));
   }
   h.type = static_cast<FrameType>(type);

@@ -34,7 +34,8 @@ enum class FrameType : uint8_t {
   kWriteAck = 6,
   kMsg = 7,
   kChallenge = 8,      ///< Handshake: server's nonce (auth.h).
-  kChallengeResp = 9,  ///< Handshake: client's HMAC proof (auth.h).
+  kChallengeResp = 9,  ///< Handshake: client's HMAC proof + client nonce (auth.h).
+  kServerProof = 10,   ///< Handshake: server's HMAC proof over the client nonce (auth.h).
 };
 
 struct FrameHeader {

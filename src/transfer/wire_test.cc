@@ -127,6 +127,17 @@ TEST(HandshakeAuth, ProofIsHmacSha256OfContextAndNonce) {
   EXPECT_FALSE(auth::ProofMatches("Jefe", "what do ya want ", "for nothing?", p.substr(1)));
   EXPECT_EQ(auth::HandshakeContext("tcp", 0xabcULL, "d/rank0"),
             "kvbridge-tcp-v1|0000000000000abc|d/rank0");
+  EXPECT_EQ(auth::ServerContext("tcp", 0xabcULL, "d/rank0"),
+            "kvbridge-tcp-v1-server|0000000000000abc|d/rank0");
+  // The challenge answer: empty (no token) or proof || client nonce, nothing else.
+  EXPECT_TRUE(auth::DecodeChallengeAnswer("").ok());
+  EXPECT_TRUE(auth::DecodeChallengeAnswer("").value().proof.empty());
+  auto ans = auth::DecodeChallengeAnswer(std::string(32, 'p') + std::string(32, 'n'));
+  ASSERT_TRUE(ans.ok());
+  EXPECT_EQ(ans->proof, std::string(32, 'p'));
+  EXPECT_EQ(ans->client_nonce, std::string(32, 'n'));
+  EXPECT_FALSE(auth::DecodeChallengeAnswer(std::string(32, 'p')).ok());
+  EXPECT_FALSE(auth::DecodeChallengeAnswer(std::string(65, 'p')).ok());
   auto n1 = auth::RandomNonce(), n2 = auth::RandomNonce();
   ASSERT_TRUE(n1.ok() && n2.ok());
   EXPECT_EQ(n1->size(), auth::kNonceBytes);

@@ -9,6 +9,7 @@
 #include <pwd.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@
 #include <thread>
 
 #include "kvbridge/transfer/agent.h"
+#include "transfer/auth.h"
 #include "transfer/fill_pattern.h"
 #include "transfer/socket_util.h"
 #include "transfer/wire.h"
@@ -490,16 +492,120 @@ TEST_P(TransferConformance, ClusterTokenRefusesTokenlessAndWrongTokenPeers) {
     EXPECT_NE(added.status().message().find(c.want), std::string::npos)
         << added.status().ToString();
   }
+  // Both refusals counted on the serving side; the refused clients count a refusal too.
+  EXPECT_EQ(b_->agent->HandshakeRefusalCounts().peers, 2);
+  EXPECT_EQ(b_->agent->HandshakeRefusalCounts().servers, 0);
   AgentConfig ca = ConfigFor("a", backend());
   ca.cluster_token = "s3cret-token";
   a_ = MakeSide(ca, SmallLayout());
   auto added = a_->agent->AddPeer(b_->Meta());
   ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(a_->agent->HandshakeRefusalCounts().servers, 0);
+  EXPECT_EQ(b_->agent->HandshakeRefusalCounts().peers, 2);
   a_->Poison();
   TransferHandle h = PostOk({TransferOp::kRead, "b", {{1, 7}}});
   ASSERT_TRUE(h.Wait(10000));
   EXPECT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
   EXPECT_EQ(0, std::memcmp(a_->Block(0, 1), b_->Block(0, 7), SmallLayout().BlockBytes()));
+}
+
+// Mutual proof (issue 22): a client holding the token refuses a serving side that does not
+// prove it back — a real agent without the token (it sends no challenge), and a fake server at
+// the endpoint the metadata names that answers the client's nonce with a proof under another
+// token, or reflects the client's own proof. The refused AddPeer leaves no peer (Post fails:
+// nothing can move) and is counted; the fake receives no data request.
+TEST_P(TransferConformance, ClusterTokenClientRefusesUnprovenServer) {
+  if (backend() != "shm" && backend() != "tcp")
+    GTEST_SKIP() << backend() << " does not check the cluster token (docs/transfer.md)";
+  AgentConfig ca = ConfigFor("a", backend());
+  ca.cluster_token = "s3cret-token";
+  a_ = MakeSide(ca, SmallLayout());
+  a_->Poison();
+  // 1. A tokenless agent: no challenge, an accepting ack.
+  b_ = MakeSide(ConfigFor("b", backend()), SmallLayout());
+  b_->FillAll(9);
+  auto added = a_->agent->AddPeer(b_->Meta());
+  ASSERT_FALSE(added.ok()) << "an unproven server was accepted";
+  EXPECT_EQ(added.status().code(), StatusCode::kUnauthenticated) << added.status().ToString();
+  EXPECT_NE(added.status().message().find("did not prove the cluster token"), std::string::npos)
+      << added.status().ToString();
+  EXPECT_EQ(a_->agent->HandshakeRefusalCounts().servers, 1);
+  EXPECT_FALSE(a_->agent->Prepare({TransferOp::kRead, "b", {{1, 7}}}).ok());
+  for (size_t i = 0; i < a_->buf.size(); ++i) ASSERT_EQ(a_->buf.data()[i], kPoison) << i;
+  if (backend() == "ucx") return;  // the fake below speaks the stream backends' frames
+  // 2. A fake server at the endpoint: a proof under another token; the client's own reflected.
+  const AgentMetadata real = b_->Meta();
+  for (const bool reflect : {false, true}) {
+    AgentMetadata meta = real;
+    net::Fd listen;
+    if (backend() == "tcp") {
+      int port = 0;
+      listen = net::TcpListen("127.0.0.1", 0, &port).value();
+      meta.endpoints["tcp"] = "127.0.0.1:" + std::to_string(port);
+    } else {
+      const std::string name = "@kvbridge-test-fake-" + std::to_string(::getpid());
+      listen = net::UnixListen(name).value();
+      meta.endpoints["shm"] = name;
+    }
+    std::atomic<int> data_requests{0};
+    std::thread fake([&] {
+      for (;;) {
+        const int fd = ::accept(listen.get(), nullptr, nullptr);
+        if (fd < 0) return;
+        net::Fd sock(fd);
+        net::SetTimeouts(sock.get(), 3000, 3000);
+        wire::FrameHeader h;
+        std::string m;
+        if (!net::RecvFrameHead(sock.get(), &h, &m).ok()) continue;
+        wire::Hello hello = wire::DecodeHello(m).value();
+        const std::string nonce(auth::kNonceBytes, 'n');
+        wire::FrameHeader c;
+        c.type = wire::FrameType::kChallenge;
+        if (!net::SendFrame(sock.get(), c, nonce).ok()) continue;
+        if (!net::RecvFrameHead(sock.get(), &h, &m).ok()) continue;
+        auto answer = auth::DecodeChallengeAnswer(m);
+        if (!answer.ok() || answer->proof.empty()) continue;
+        wire::FrameHeader p;
+        p.type = wire::FrameType::kServerProof;
+        const std::string proof =
+            reflect
+                ? answer->proof
+                : auth::Proof("another-token",
+                              auth::ServerContext(backend(), real.incarnation, hello.agent_name),
+                              answer->client_nonce);
+        if (!net::SendFrame(sock.get(), p, proof).ok()) continue;
+        wire::FrameHeader ack;
+        ack.type = wire::FrameType::kHelloAck;
+        if (!net::SendFrame(sock.get(), ack, "").ok()) continue;
+        // Anything further would be a data request the client must never send.
+        if (net::RecvFrameHead(sock.get(), &h, &m).ok()) data_requests += 1;
+      }
+    });
+    auto fake_added = a_->agent->AddPeer(meta);
+    net::Shutdown(listen.get());
+    fake.join();
+    ASSERT_FALSE(fake_added.ok()) << "a fake server was accepted (reflect=" << reflect << ")";
+    EXPECT_EQ(fake_added.status().code(), StatusCode::kUnauthenticated)
+        << fake_added.status().ToString();
+    EXPECT_NE(fake_added.status().message().find("proof of the cluster token is wrong"),
+              std::string::npos)
+        << fake_added.status().ToString();
+    EXPECT_EQ(data_requests.load(), 0);
+  }
+  EXPECT_EQ(a_->agent->HandshakeRefusalCounts().servers, 3);
+  for (size_t i = 0; i < a_->buf.size(); ++i) ASSERT_EQ(a_->buf.data()[i], kPoison) << i;
+  // The same token both ways connects and moves bytes.
+  AgentConfig cb = ConfigFor("b2", backend());
+  cb.cluster_token = "s3cret-token";
+  auto b2 = MakeSide(cb, SmallLayout());
+  b2->FillAll(11);
+  added = a_->agent->AddPeer(b2->Meta());
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  TransferHandle h = PostOk({TransferOp::kRead, "b2", {{1, 7}}});
+  ASSERT_TRUE(h.Wait(10000));
+  EXPECT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  EXPECT_EQ(0, std::memcmp(a_->Block(0, 1), b2->Block(0, 7), SmallLayout().BlockBytes()));
+  EXPECT_EQ(b2->agent->HandshakeRefusalCounts().peers, 0);
 }
 
 // shm hands the KV pool's memfds only to processes of its own uid: a client running as

@@ -62,12 +62,16 @@ struct AgentConfig {
   int tp_rank = 0;
   int head_begin = 0;  ///< First global KV head of this rank.
   std::string model_fingerprint;
-  /// The cluster's shared secret (serve --cluster-token). When set, the shm and tcp servers
-  /// accept a peer only after it proves it holds the same token (HMAC-SHA256 challenge-response
-  /// on the handshake; the token never crosses the socket); a peer without it or with another is
-  /// refused with Unauthenticated before any memory is reachable. shm also accepts only peers of
-  /// this process's uid (SO_PEERCRED), token or not. "" = no token check (the behaviour before
-  /// issue 22). ucx and cuda_ipc do not check it yet (docs/transfer.md "Threat model").
+  /// The cluster's shared secret (serve --cluster-token). When set, proven both ways on every
+  /// handshake (HMAC-SHA256 challenge-response; the token never crosses the wire): our servers
+  /// accept a peer only after it proves the token (a peer without it or with another is refused
+  /// with Unauthenticated before any memory is reachable), and AddPeer accepts a serving peer
+  /// only after it proved the token back (Unauthenticated otherwise: a peer impersonating the
+  /// agent its metadata names gets nothing). shm also accepts only peers of this process's uid
+  /// (SO_PEERCRED, both ends), token or not. "" = no token check (the behaviour before issue 22).
+  /// Covered: shm, tcp, ucx (active-message handshake; rkeys are sent only after it, see
+  /// docs/transfer.md "Threat model" for what UCX's tcp RMA still trusts); cuda_ipc does not
+  /// check it.
   std::string cluster_token;
   /// Asked by two-sided backends before serving a peer's request (nullptr = allow all).
   HoldCheck hold_check;
@@ -198,6 +202,13 @@ class TransferAgent {
   Status Reply(const Notification& n, std::string payload);
   /// Replaces the hold check (see AgentConfig::hold_check).
   void SetHoldCheck(HoldCheck check);
+
+  /// Handshakes refused since Create (monotonic; for metrics).
+  struct HandshakeRefusals {
+    int64_t peers = 0;    ///< Peers our servers refused (no / wrong cluster token, another uid).
+    int64_t servers = 0;  ///< Serving peers AddPeer refused (unproven token, wrong token, uid).
+  };
+  HandshakeRefusals HandshakeRefusalCounts() const;
 
   class Impl;
 

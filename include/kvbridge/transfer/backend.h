@@ -86,6 +86,9 @@ struct BackendContext {
   std::function<void(const std::string& peer_name)> on_peer_lost;
   /// Two-sided backends call this before serving a request; nullptr = allow.
   HoldCheck hold_check;
+  /// The serving side refused a peer at the handshake (no / wrong cluster token, another uid);
+  /// `peer_name` as the peer claimed it. nullptr = not counted.
+  std::function<void(const std::string& peer_name, const Status& why)> on_refused;
 };
 
 class BackendPeer {

@@ -278,17 +278,17 @@ class ShmBackend : public Backend {
     std::vector<net::Fd> fds;
     FrameHeader ack;
     std::string meta;
-    for (int round = 0;; ++round) {  // a challenge (token configured there) precedes the ack
+    const auth::HandshakeIds ids{"shm", peer.incarnation, ctx_.agent_name};
+    bool answered = false;
+    // A challenge (token configured there) and the server's proof precede the ack.
+    for (int round = 0; round < 2; ++round) {
       RETURN_IF_ERROR(net::RecvWithFds(sock.get(), head, sizeof(head), &fds));
       ASSIGN_OR_RETURN(ack, wire::DecodeFrameHeader(head, sizeof(head)));
       meta.assign(ack.meta_len, '\0');
       if (ack.meta_len) RETURN_IF_ERROR(net::RecvAll(sock.get(), meta.data(), meta.size()));
-      bool answered = false;
-      if (round == 0) {
-        RETURN_IF_ERROR(auth::ClientAnswer(
-            sock.get(), ack, meta, ctx_.cluster_token,
-            auth::HandshakeContext("shm", peer.incarnation, ctx_.agent_name), &answered));
-      }
+      if (round == 1) break;
+      RETURN_IF_ERROR(
+          auth::ClientAnswer(sock.get(), ack, meta, ctx_.cluster_token, ids, &answered));
       if (!answered) break;
       if (!fds.empty()) return UnavailableError("shm handshake: fds on a challenge");
     }
@@ -299,6 +299,8 @@ class ShmBackend : public Backend {
       r.Str(msg, 4096);
       return Status(static_cast<StatusCode>(ack.status), "shm handshake refused: " + msg);
     }
+    // An unproven server's fds are closed unmapped (fds' destructors).
+    RETURN_IF_ERROR(auth::RequireServerProof(ctx_.cluster_token, answered, "shm"));
     auto map = std::make_shared<RemoteMap>();
     for (net::Fd& f : fds) {
       struct stat st;
@@ -357,9 +359,8 @@ class ShmBackend : public Backend {
         st = FailedPreconditionError(hello.ok() ? "stale metadata: agent incarnation changed"
                                                 : hello.status().message());
       } else if (st = CheckPeerUid(sock.get(), "peer"); st.ok()) {
-        st = auth::ServerChallenge(
-            sock.get(), ctx_.cluster_token,
-            auth::HandshakeContext("shm", ctx_.incarnation, hello->agent_name));
+        st = auth::ServerChallenge(sock.get(), ctx_.cluster_token,
+                                   {"shm", ctx_.incarnation, hello->agent_name});
         if (st.code() == StatusCode::kUnavailable) continue;  // the socket is gone
       }
       if (!st.ok()) {
@@ -368,6 +369,7 @@ class ShmBackend : public Backend {
         if (hello.ok() && st.code() != StatusCode::kFailedPrecondition) {
           KVB_LOG_WARN("shm transfer server: refused peer '{}': {}", hello->agent_name,
                        st.message());
+          if (ctx_.on_refused) ctx_.on_refused(hello->agent_name, st);
         }
       } else {
         w.U32(static_cast<uint32_t>(reg_->layers.size()));

@@ -387,12 +387,12 @@ class ServerConn : public BackendPeer {
     if (hello.expect_incarnation != ctx_->incarnation) {
       st = FailedPreconditionError("stale metadata: agent incarnation changed");
     } else {
-      st =
-          auth::ServerChallenge(sock_.get(), ctx_->cluster_token,
-                                auth::HandshakeContext("tcp", ctx_->incarnation, hello.agent_name));
+      st = auth::ServerChallenge(sock_.get(), ctx_->cluster_token,
+                                 {"tcp", ctx_->incarnation, hello.agent_name});
       if (st.code() == StatusCode::kUnavailable) return st;  // the socket is gone
       if (!st.ok()) {
         KVB_LOG_WARN("tcp transfer server: refused peer '{}': {}", hello.agent_name, st.message());
+        if (ctx_->on_refused) ctx_->on_refused(hello.agent_name, st);
       }
     }
     RETURN_IF_ERROR(Reply(FrameType::kHelloAck, 0, st));
@@ -515,9 +515,8 @@ class TcpBackend : public Backend {
       std::string meta;
       RETURN_IF_ERROR(net::RecvFrameHead(sock.get(), &ack, &meta));
       bool answered = false;
-      RETURN_IF_ERROR(auth::ClientAnswer(
-          sock.get(), ack, meta, ctx_.cluster_token,
-          auth::HandshakeContext("tcp", peer.incarnation, ctx_.agent_name), &answered));
+      RETURN_IF_ERROR(auth::ClientAnswer(sock.get(), ack, meta, ctx_.cluster_token,
+                                         {"tcp", peer.incarnation, ctx_.agent_name}, &answered));
       if (answered) RETURN_IF_ERROR(net::RecvFrameHead(sock.get(), &ack, &meta));
       if (ack.type != FrameType::kHelloAck) return UnavailableError("tcp handshake: bad reply");
       if (ack.status != 0) {
@@ -526,6 +525,7 @@ class TcpBackend : public Backend {
         r.Str(msg, 4096);
         return Status(static_cast<StatusCode>(ack.status), "tcp handshake refused: " + msg);
       }
+      RETURN_IF_ERROR(auth::RequireServerProof(ctx_.cluster_token, answered, "tcp"));
       p->Add(std::make_unique<TcpConn>(std::move(sock), p.get()));
     }
     p->Start();
