@@ -114,9 +114,12 @@ class TransferConformance : public ::testing::TestWithParam<std::string> {
   void Pair(PagedKvLayout la = SmallLayout(), PagedKvLayout lb = SmallLayout(),
             std::function<void(AgentConfig&)> tweak_b = nullptr) {
     AgentConfig cb = ConfigFor("b", backend());
+    cb.cluster_token = token_;
     if (tweak_b) tweak_b(cb);
     b_ = MakeSide(cb, lb);
-    a_ = MakeSide(ConfigFor("a", backend()), la);
+    AgentConfig ca = ConfigFor("a", backend());
+    ca.cluster_token = token_;
+    a_ = MakeSide(ca, la);
     auto added = a_->agent->AddPeer(b_->Meta());
     ASSERT_TRUE(added.ok()) << added.status().ToString();
     ASSERT_EQ(*added, backend());
@@ -130,7 +133,10 @@ class TransferConformance : public ::testing::TestWithParam<std::string> {
     return *h;
   }
 
+  void ReadNotificationReplyPathCase();
+
   std::unique_ptr<Side> a_, b_;
+  std::string token_;  ///< Pair(): both sides' cluster token.
 };
 
 TEST_P(TransferConformance, ReadScatteredBlocksAllLayersEveryByte) {
@@ -263,8 +269,22 @@ TEST_P(TransferConformance, NotificationArrivesAfterWriteDataLanded) {
   EXPECT_EQ(tid, "tx-1");
 }
 
-TEST_P(TransferConformance, ReadNotificationReplyPath) {
+TEST_P(TransferConformance, ReadNotificationReplyPath) { ReadNotificationReplyPathCase(); }
+
+// The same with a cluster token on both sides: every handshake is proven both ways, and
+// notifications and replies flow over the authenticated paths (ucx: messages count only from
+// connections that completed the handshake).
+TEST_P(TransferConformance, ReadNotificationReplyPathWithClusterToken) {
+  token_ = "s3cret-token";
+  ReadNotificationReplyPathCase();
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(a_->agent->HandshakeRefusalCounts().servers, 0);
+  EXPECT_EQ(b_->agent->HandshakeRefusalCounts().peers, 0);
+}
+
+void TransferConformance::ReadNotificationReplyPathCase() {
   Pair();
+  if (HasFatalFailure()) return;
   b_->FillAll(19);
   a_->Poison();
   auto pairs = ScatteredPairs(8, 64, 4);
@@ -467,8 +487,8 @@ TEST_P(TransferConformance, DirectionCheckRefusesWriteIntoReadHold) {
 // or with another is refused at AddPeer (Unauthenticated, a clear reason, no memory reachable);
 // the same token connects and moves bytes.
 TEST_P(TransferConformance, ClusterTokenRefusesTokenlessAndWrongTokenPeers) {
-  if (backend() != "shm" && backend() != "tcp")
-    GTEST_SKIP() << backend() << " does not check the cluster token yet (docs/transfer.md)";
+  if (backend() != "shm" && backend() != "tcp" && backend() != "ucx")
+    GTEST_SKIP() << backend() << " does not check the cluster token (docs/transfer.md)";
   b_ = MakeSide(
       [&] {
         AgentConfig c = ConfigFor("b", backend());
@@ -515,7 +535,7 @@ TEST_P(TransferConformance, ClusterTokenRefusesTokenlessAndWrongTokenPeers) {
 // token, or reflects the client's own proof. The refused AddPeer leaves no peer (Post fails:
 // nothing can move) and is counted; the fake receives no data request.
 TEST_P(TransferConformance, ClusterTokenClientRefusesUnprovenServer) {
-  if (backend() != "shm" && backend() != "tcp")
+  if (backend() != "shm" && backend() != "tcp" && backend() != "ucx")
     GTEST_SKIP() << backend() << " does not check the cluster token (docs/transfer.md)";
   AgentConfig ca = ConfigFor("a", backend());
   ca.cluster_token = "s3cret-token";

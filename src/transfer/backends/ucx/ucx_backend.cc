@@ -4,20 +4,38 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <list>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "kvbridge/common/logging.h"
+#include "transfer/auth.h"
 
 namespace kvbridge::transfer {
 namespace {
 
 constexpr unsigned kAmHello = 10;
 constexpr unsigned kAmMsg = 11;
+// The cluster-token handshake (issue 22; auth.h), when the serving agent has a token (its
+// metadata blob then carries "-" for every rkey: the rkeys travel only in kCtlAccept):
+//   client -> kAmHello       our worker address (the server opens the reverse endpoint)
+//   server -> kCtlChallenge  server nonce
+//   client -> kCtlAnswer     proof || client nonce (empty without a token)
+//   server -> kCtlAccept     server proof || the rkey table  | kCtlRefuse: u16 code || reason
+// (kAmControl messages; the first data byte is the kCtl* id.) Peers are identified by the
+// endpoint an active message came in on (reply_ep), not by the name they claim; with a token,
+// messages count only from endpoints that completed the handshake.
+constexpr unsigned kAmControl = 12;
+constexpr unsigned kCtlChallenge = 1;
+constexpr unsigned kCtlAnswer = 2;
+constexpr unsigned kCtlAccept = 3;
+constexpr unsigned kCtlRefuse = 4;
+constexpr std::string_view kNoRkey = "-";
 
 Status UcsError(ucs_status_t s, const std::string& what) {
   return UnavailableError(what + ": " + ucs_status_string(s));
@@ -71,6 +89,16 @@ class UcxPeer : public BackendPeer, public std::enable_shared_from_this<UcxPeer>
   std::vector<uint64_t> base_, bytes_;
   std::atomic<bool> alive_{true};
   bool inbound_ = false;
+  // Handshake (token), under UcxBackend::mu_ unless noted.
+  enum class Hs { kNone, kWaitChallenge, kWaitAccept, kChallenged, kAuthed, kFailed };
+  Hs hs_ = Hs::kNone;
+  ucp_ep_h hs_ep_ = nullptr;  ///< The endpoint the peer's handshake messages come in on.
+  std::string nonce_;         ///< Ours: the server's challenge, the client's nonce.
+  Status hs_status_;          ///< kFailed: why.
+  size_t expect_layers_ = 0;  ///< Client: rkeys the accept must carry.
+  std::vector<uint64_t> expect_bytes_;
+  std::atomic<bool> hs_done_{false};  ///< Client: kAuthed or kFailed reached (hs_cv_).
+  uint64_t incarnation_ = 0;          ///< Client: the server's, from its metadata.
 };
 
 class UcxBackend : public Backend {
@@ -96,12 +124,14 @@ class UcxBackend : public Backend {
     if (s != UCS_OK) return UcsError(s, "ucp_worker_create");
     s = ucp_worker_get_efd(worker_, &efd_);
     if (s != UCS_OK) return UcsError(s, "ucp_worker_get_efd");
-    for (unsigned id : {kAmHello, kAmMsg}) {
+    for (unsigned id : {kAmHello, kAmMsg, kAmControl}) {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
       hp.id = id;
-      hp.cb = id == kAmHello ? &UcxBackend::OnHello : &UcxBackend::OnMsg;
+      hp.cb = id == kAmHello ? &UcxBackend::OnHello
+              : id == kAmMsg ? &UcxBackend::OnMsg
+                             : &UcxBackend::OnControl;
       hp.arg = this;
       s = ucp_worker_set_am_recv_handler(worker_, &hp);
       if (s != UCS_OK) return UcsError(s, "ucp_worker_set_am_recv_handler");
@@ -136,7 +166,12 @@ class UcxBackend : public Backend {
       size_t rk_len;
       s = ucp_rkey_pack(context_, memh, &rk, &rk_len);
       if (s != UCS_OK) return UcsError(s, "ucp_rkey_pack");
-      blob_.append(";").append(Hex(rk, rk_len)).append(",").append(std::to_string(r.bytes));
+      // With a token the rkeys are handed out only to peers that proved it (kCtlAccept).
+      const std::string sizes = "," + std::to_string(r.bytes);
+      rkeys_.append(rkeys_.empty() ? "" : ";").append(Hex(rk, rk_len)).append(sizes);
+      blob_.append(";")
+          .append(ctx_.cluster_token.empty() ? Hex(rk, rk_len) : std::string(kNoRkey))
+          .append(sizes);
       ucp_rkey_buffer_release(rk);
     }
     return std::string("ucp");
@@ -175,34 +210,100 @@ class UcxBackend : public Backend {
     // Validate everything before creating the endpoint (closing a half-wired endpoint trips
     // UCX 1.13 assertions).
     std::vector<std::string> rkeys;
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    bool withheld = false;
+    const std::vector<std::string> tail(parts.begin() + 1, parts.end());
+    RETURN_IF_ERROR(ParseRkeys(tail, peer.layer_bytes, /*allow_withheld=*/true, &rkeys, &withheld));
+    if (!withheld && !ctx_.cluster_token.empty()) {
+      // It published its rkeys: it runs without a token and would prove nothing.
+      return UnauthenticatedError(
+          "ucx handshake: the serving agent did not prove the cluster token (it has no "
+          "--cluster-token, or is not the agent its metadata names); refused");
+    }
+    auto p = std::make_shared<UcxPeer>(this, peer.agent_name);
+    p->incarnation_ = peer.incarnation;
+    {
+      std::lock_guard<std::recursive_mutex> l(mu_);
+      RETURN_IF_ERROR(CreateEp(p.get(), addr));
+      if (withheld) {
+        p->hs_ = UcxPeer::Hs::kWaitChallenge;
+        p->expect_layers_ = peer.layer_base.size();
+        p->expect_bytes_ = peer.layer_bytes;
+        p->base_ = peer.layer_base;
+        p->bytes_ = peer.layer_bytes;
+        handshaking_.push_back(p);
+      } else {
+        RETURN_IF_ERROR(UnpackRkeys(p.get(), rkeys));
+        p->base_ = peer.layer_base;
+        p->bytes_ = peer.layer_bytes;
+      }
+      // Hello: our name + worker address, so the peer can open the reverse path for replies.
+      RETURN_IF_ERROR(AmSend(p.get(), kAmHello, address_));
+      Wake();
+    }
+    if (withheld) {
+      std::unique_lock<std::mutex> hl(hs_mu_);
+      const bool done = hs_cv_.wait_for(hl, std::chrono::milliseconds(ctx_.peer_timeout_ms),
+                                        [&] { return p->hs_done_.load(); });
+      hl.unlock();
+      Status st;
+      {
+        std::lock_guard<std::recursive_mutex> l(mu_);
+        handshaking_.remove(p);
+        if (!done) {
+          st = UnavailableError("ucx handshake: no answer from '" + peer.agent_name + "' within " +
+                                std::to_string(ctx_.peer_timeout_ms) + " ms");
+        } else if (p->hs_ != UcxPeer::Hs::kAuthed) {
+          st = p->hs_status_;
+        }
+      }
+      if (!st.ok()) {
+        p->Close();
+        return st;
+      }
+    }
+    std::lock_guard<std::recursive_mutex> l(mu_);
+    peers_.push_back(p);
+    return std::shared_ptr<BackendPeer>(p);
+  }
+
+  // "hex,size" per layer (hex = kNoRkey when withheld: all or none).
+  static Status ParseRkeys(const std::vector<std::string>& parts,
+                           const std::vector<uint64_t>& layer_bytes, bool allow_withheld,
+                           std::vector<std::string>* rkeys, bool* withheld) {
+    if (parts.size() != layer_bytes.size()) {
+      return InvalidArgumentError("ucx blob does not have one rkey per layer");
+    }
+    size_t none = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
       std::string rk;
-      size_t comma = parts[i + 1].find(',');
-      if (comma == std::string::npos || !Unhex(parts[i + 1].substr(0, comma), &rk) || rk.empty()) {
+      size_t comma = parts[i].find(',');
+      if (comma == std::string::npos) return InvalidArgumentError("bad ucx rkey");
+      const std::string hex = parts[i].substr(0, comma);
+      if (allow_withheld && hex == kNoRkey) {
+        ++none;
+      } else if (!Unhex(hex, &rk) || rk.empty()) {
         return InvalidArgumentError("bad ucx rkey");
       }
-      if (parts[i + 1].substr(comma + 1) != std::to_string(peer.layer_bytes[i])) {
+      if (parts[i].substr(comma + 1) != std::to_string(layer_bytes[i])) {
         return UnavailableError("ucx: region " + std::to_string(i) +
                                 " size disagrees with the peer's metadata");
       }
-      rkeys.push_back(std::move(rk));
+      rkeys->push_back(std::move(rk));
     }
-    auto p = std::make_shared<UcxPeer>(this, peer.agent_name);
-    std::lock_guard<std::recursive_mutex> l(mu_);
-    RETURN_IF_ERROR(CreateEp(p.get(), addr));
-    for (size_t i = 0; i < rkeys.size(); ++i) {
+    if (none != 0 && none != parts.size()) return InvalidArgumentError("bad ucx rkey");
+    *withheld = none != 0;
+    return OkStatus();
+  }
+
+  // Callers hold mu_.
+  Status UnpackRkeys(UcxPeer* p, const std::vector<std::string>& rkeys) {
+    for (const std::string& rk : rkeys) {
       ucp_rkey_h h;
-      ucs_status_t s = ucp_ep_rkey_unpack(p->ep_, rkeys[i].data(), &h);
+      ucs_status_t s = ucp_ep_rkey_unpack(p->ep_, rk.data(), &h);
       if (s != UCS_OK) return UcsError(s, "ucp_ep_rkey_unpack");
       p->rkeys_.push_back(h);
-      p->base_.push_back(peer.layer_base[i]);
-      p->bytes_.push_back(peer.layer_bytes[i]);
     }
-    // Hello: our name + worker address, so the peer can open the reverse path for replies.
-    RETURN_IF_ERROR(AmSend(p.get(), kAmHello, address_));
-    peers_.push_back(p);
-    Wake();
-    return std::shared_ptr<BackendPeer>(p);
+    return OkStatus();
   }
 
   void Shutdown() override {
@@ -322,7 +423,20 @@ class UcxBackend : public Backend {
  private:
   static void OnEpError(void* arg, ucp_ep_h, ucs_status_t s) {
     auto* p = static_cast<UcxPeer*>(arg);
-    if (p->alive_.exchange(false) && p->b_->ctx_.on_peer_lost) p->b_->ctx_.on_peer_lost(p->name_);
+    // A connection that never proved the token names nobody: its loss is no peer's.
+    const bool counts = p->b_->ctx_.cluster_token.empty() || p->hs_ == UcxPeer::Hs::kAuthed;
+    if (p->alive_.exchange(false) && counts && p->b_->ctx_.on_peer_lost) {
+      p->b_->ctx_.on_peer_lost(p->name_);
+    }
+  }
+
+  struct Am {
+    unsigned id = 0;
+    std::string name, data;
+    ucp_ep_h from = nullptr;  ///< reply_ep: the connection it came in on (nullptr: none given).
+  };
+  static ucp_ep_h ReplyEp(const ucp_am_recv_param_t* param) {
+    return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
   }
 
   static ucs_status_t OnHello(void* arg, const void* header, size_t hlen, void* data, size_t len,
@@ -331,8 +445,9 @@ class UcxBackend : public Backend {
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || hlen == 0 || hlen > 4096 || len == 0) {
       return UCS_OK;  // malformed: ignore
     }
-    b->pending_hellos_.emplace_back(std::string(static_cast<const char*>(header), hlen),
-                                    std::string(static_cast<const char*>(data), len));
+    b->pending_hellos_.push_back({kAmHello, std::string(static_cast<const char*>(header), hlen),
+                                  std::string(static_cast<const char*>(data), len),
+                                  ReplyEp(param)});
     return UCS_OK;
   }
 
@@ -341,9 +456,189 @@ class UcxBackend : public Backend {
     auto* b = static_cast<UcxBackend*>(arg);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || hlen == 0 || hlen > 4096) return UCS_OK;
     // Delivered from the progress loop after pending hellos, so a reply path exists.
-    b->pending_msgs_.emplace_back(std::string(static_cast<const char*>(header), hlen),
-                                  std::string(static_cast<const char*>(data), len));
+    b->pending_msgs_.push_back({kAmMsg, std::string(static_cast<const char*>(header), hlen),
+                                std::string(static_cast<const char*>(data), len), ReplyEp(param)});
     return UCS_OK;
+  }
+
+  // kAmControl: the handshake, handled in the loop.
+  static ucs_status_t OnControl(void* arg, const void* header, size_t hlen, void* data, size_t len,
+                                const ucp_am_recv_param_t* param) {
+    auto* b = static_cast<UcxBackend*>(arg);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV || hlen == 0 || hlen > 4096 ||
+        len > (1u << 20)) {
+      return UCS_OK;
+    }
+    // The AM id is not passed to the callback: it is the first byte of the data.
+    if (len == 0) return UCS_OK;
+    const auto* d = static_cast<const char*>(data);
+    b->pending_msgs_.push_back({static_cast<unsigned char>(d[0]),
+                                std::string(static_cast<const char*>(header), hlen),
+                                std::string(d + 1, len - 1), ReplyEp(param)});
+    return UCS_OK;
+  }
+
+  // ---- the handshake (progress thread, mu_ held) ----
+  void OnHelloLocked(Am& h) {
+    auto p = std::make_shared<UcxPeer>(this, h.name);
+    p->inbound_ = true;
+    if (!CreateEp(p.get(), h.data).ok()) return;
+    inbound_.push_back(p);
+    if (ctx_.cluster_token.empty()) {
+      if (ctx_.on_inbound) ctx_.on_inbound(h.name, p);
+      return;
+    }
+    Result<std::string> nonce = auth::RandomNonce();
+    if (!h.from || !nonce.ok()) {
+      Refuse(p.get(), UnauthenticatedError("ucx handshake: no reply endpoint on the hello"));
+      return;
+    }
+    p->hs_ = UcxPeer::Hs::kChallenged;
+    p->hs_ep_ = h.from;
+    p->nonce_ = *nonce;
+    (void)Control(p.get(), kCtlChallenge, p->nonce_);
+  }
+
+  // Server: a peer's answer to our challenge.
+  void OnAnswerLocked(Am& a) {
+    UcxPeer* p = nullptr;
+    for (auto& q : inbound_) {
+      if (q->hs_ == UcxPeer::Hs::kChallenged && a.from && q->hs_ep_ == a.from) p = q.get();
+    }
+    if (!p) return;  // not a handshake we started: ignore
+    Result<auth::ChallengeAnswer> ans = auth::DecodeChallengeAnswer(a.data);
+    Status st;
+    if (!ans.ok()) {
+      st = UnauthenticatedError(ans.status().message());
+    } else if (ans->proof.empty()) {
+      st = UnauthenticatedError(
+          "this agent requires the cluster token (--cluster-token); the peer has none");
+    } else if (!auth::ProofMatches(ctx_.cluster_token,
+                                   auth::HandshakeContext("ucx", ctx_.incarnation, p->name_),
+                                   p->nonce_, ans->proof)) {
+      st = UnauthenticatedError("wrong cluster token (the peer's --cluster-token differs)");
+    }
+    if (!st.ok()) {
+      Refuse(p, st);
+      return;
+    }
+    p->hs_ = UcxPeer::Hs::kAuthed;
+    authed_.insert(p->hs_ep_);
+    std::string accept =
+        auth::Proof(ctx_.cluster_token, auth::ServerContext("ucx", ctx_.incarnation, p->name_),
+                    ans->client_nonce);
+    accept += rkeys_;
+    if (!Control(p, kCtlAccept, accept).ok()) return;
+    for (auto& q : inbound_) {
+      if (q.get() == p && ctx_.on_inbound) ctx_.on_inbound(p->name_, q);
+    }
+  }
+
+  void Refuse(UcxPeer* p, const Status& st) {
+    p->hs_ = UcxPeer::Hs::kFailed;
+    KVB_LOG_WARN("ucx transfer server: refused peer '{}': {}", p->name_, st.message());
+    if (ctx_.on_refused) ctx_.on_refused(p->name_, st);
+    std::string r(2, '\0');
+    const uint16_t code = static_cast<uint16_t>(st.code());
+    std::memcpy(r.data(), &code, 2);
+    r += st.message();
+    (void)Control(p, kCtlRefuse, r);
+  }
+
+  // Client: the server's challenge / accept / refusal, matched to the connection it came in on.
+  void OnClientControlLocked(Am& m) {
+    std::shared_ptr<UcxPeer> p;
+    for (auto& q : handshaking_) {
+      if (m.id == kCtlChallenge && q->hs_ == UcxPeer::Hs::kWaitChallenge && q->name_ == m.name) {
+        p = q;
+      } else if (m.id != kCtlChallenge && q->hs_ == UcxPeer::Hs::kWaitAccept && m.from &&
+                 q->hs_ep_ == m.from) {
+        p = q;
+      }
+      if (p) break;
+    }
+    if (!p) return;
+    Status st;
+    if (m.id == kCtlChallenge) {
+      if (m.data.size() != auth::kNonceBytes || !m.from) {
+        st = UnavailableError("ucx handshake: malformed cluster-token challenge");
+      } else {
+        std::string answer;
+        if (!ctx_.cluster_token.empty()) {
+          Result<std::string> nonce = auth::RandomNonce();
+          if (!nonce.ok()) {
+            st = nonce.status();
+          } else {
+            p->nonce_ = *nonce;
+            answer = auth::Proof(
+                         ctx_.cluster_token,
+                         auth::HandshakeContext("ucx", peer_incarnation(p.get()), ctx_.agent_name),
+                         m.data) +
+                     p->nonce_;
+          }
+        }
+        if (st.ok()) {
+          p->hs_ep_ = m.from;
+          p->hs_ = UcxPeer::Hs::kWaitAccept;
+          st = Control(p.get(), kCtlAnswer, answer);
+          if (st.ok()) return;
+        }
+      }
+    } else if (m.id == kCtlRefuse) {
+      uint16_t code = static_cast<uint16_t>(StatusCode::kUnauthenticated);
+      if (m.data.size() >= 2) std::memcpy(&code, m.data.data(), 2);
+      st = Status(static_cast<StatusCode>(code),
+                  "ucx handshake refused: " + m.data.substr(std::min<size_t>(2, m.data.size())));
+      if (st.ok()) st = UnauthenticatedError("ucx handshake refused");
+    } else if (m.id == kCtlAccept) {
+      const bool proven =
+          !ctx_.cluster_token.empty() && m.data.size() >= auth::kProofBytes &&
+          auth::ProofMatches(ctx_.cluster_token,
+                             auth::ServerContext("ucx", peer_incarnation(p.get()), ctx_.agent_name),
+                             p->nonce_, std::string_view(m.data).substr(0, auth::kProofBytes));
+      if (!proven) {
+        st = UnauthenticatedError(
+            "ucx handshake: the serving agent's proof of the cluster token is wrong (it is not "
+            "the agent its metadata names, or its --cluster-token differs); refused");
+      } else {
+        std::vector<std::string> parts;
+        const std::string table = m.data.substr(auth::kProofBytes);
+        for (size_t pos = 0;;) {
+          size_t e = table.find(';', pos);
+          parts.push_back(table.substr(pos, e == std::string::npos ? std::string::npos : e - pos));
+          if (e == std::string::npos) break;
+          pos = e + 1;
+        }
+        std::vector<std::string> rkeys;
+        bool withheld = false;
+        st = ParseRkeys(parts, p->expect_bytes_, /*allow_withheld=*/false, &rkeys, &withheld);
+        if (st.ok()) st = UnpackRkeys(p.get(), rkeys);
+        if (st.ok()) {
+          p->hs_ = UcxPeer::Hs::kAuthed;
+          authed_.insert(p->hs_ep_);
+        }
+      }
+    } else {
+      return;
+    }
+    if (!st.ok()) {
+      p->hs_ = UcxPeer::Hs::kFailed;
+      p->hs_status_ = st;
+    }
+    {
+      std::lock_guard<std::mutex> hl(hs_mu_);
+      p->hs_done_.store(true);
+    }
+    hs_cv_.notify_all();
+  }
+
+  static uint64_t peer_incarnation(const UcxPeer* p) { return p->incarnation_; }
+
+  // A handshake message: the id is the first data byte (one AM handler serves them all).
+  Status Control(UcxPeer* p, unsigned id, std::string_view data) {
+    std::string d(1, static_cast<char>(id));
+    d += data;
+    return AmSend(p, kAmControl, d);
   }
 
   void ProgressLoop() {
@@ -356,18 +651,20 @@ class UcxBackend : public Backend {
         }
         // Reverse paths for peers that said hello (created outside the AM callback).
         while (!pending_hellos_.empty()) {
-          auto [name, addr] = std::move(pending_hellos_.front());
+          Am h = std::move(pending_hellos_.front());
           pending_hellos_.pop_front();
-          auto p = std::make_shared<UcxPeer>(this, name);
-          p->inbound_ = true;
-          if (!CreateEp(p.get(), addr).ok()) continue;
-          inbound_.push_back(p);
-          if (ctx_.on_inbound) ctx_.on_inbound(name, p);
+          OnHelloLocked(h);
         }
         while (!pending_msgs_.empty()) {
-          auto [name, bytes] = std::move(pending_msgs_.front());
+          Am m = std::move(pending_msgs_.front());
           pending_msgs_.pop_front();
-          if (ctx_.on_message) ctx_.on_message(name, std::move(bytes));
+          if (m.id == kCtlAnswer) {
+            OnAnswerLocked(m);
+          } else if (m.id != kAmMsg) {
+            OnClientControlLocked(m);
+          } else if (ctx_.cluster_token.empty() || (m.from && authed_.count(m.from))) {
+            if (ctx_.on_message) ctx_.on_message(m.name, std::move(m.data));
+          }  // else: from a connection that did not complete the handshake: dropped
         }
         std::deque<std::pair<std::shared_ptr<TransferJob>, std::shared_ptr<UcxPeer>>> jobs;
         {
@@ -391,8 +688,13 @@ class UcxBackend : public Backend {
   std::vector<ucp_mem_h> memh_;
   std::list<std::weak_ptr<UcxPeer>> peers_;
   std::list<std::shared_ptr<UcxPeer>> inbound_;
-  std::deque<std::pair<std::string, std::string>> pending_hellos_;
-  std::deque<std::pair<std::string, std::string>> pending_msgs_;
+  std::deque<Am> pending_hellos_;
+  std::deque<Am> pending_msgs_;  ///< Messages and handshake controls, in arrival order.
+  std::string rkeys_;            ///< Our rkey table ("hex,size;..."): in kCtlAccept.
+  std::set<ucp_ep_h> authed_;    ///< Connections whose handshake completed (token).
+  std::list<std::shared_ptr<UcxPeer>> handshaking_;  ///< Client: Connects waiting.
+  std::mutex hs_mu_;
+  std::condition_variable hs_cv_;
   bool shut_ = false;
   std::thread progress_;
 };
