@@ -43,6 +43,7 @@ struct ServeOptions {
   bool enable_prefix_caching = true;
   uint64_t seed = 0;
   std::string api_key;
+  std::string ssl_certfile, ssl_keyfile, ssl_ca_certs;  // vLLM's TLS options
   int max_waiting_requests = 1024;
   int http_threads = 128;
   int model_threads = 0;
@@ -115,6 +116,13 @@ int RunServe(const ServeOptions& o) {
         "reach it",
         o.host);
   }
+  if (!o.ssl_certfile.empty() && !o.kv_transfer_config.empty()) {
+    // The proxy's legs to engines and the decode's /v1/kv/metadata fetch speak plain HTTP.
+    return Fail(InvalidArgumentError(
+        "--ssl-certfile with --kv-transfer-config is not supported yet: the proxy and the P/D "
+        "connector call engines over plain HTTP (docs/protocol.md \"Threat model\"); TLS "
+        "serves colocated engines"));
+  }
   auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads, .dtype = *weight_dtype});
   if (!model.ok()) return Fail(model.status());
   KVB_LOG_INFO("model: weights {} resident: {} bytes ({:.1f} MiB; safetensors files {:.1f} MiB)",
@@ -155,6 +163,9 @@ int RunServe(const ServeOptions& o) {
   sc.api_key = o.api_key;
   sc.num_http_threads = o.http_threads;
   sc.cluster_token = o.cluster_token;
+  sc.ssl_certfile = o.ssl_certfile;
+  sc.ssl_keyfile = o.ssl_keyfile;
+  sc.ssl_ca_certs = o.ssl_ca_certs;
   auto templates = LoadChatTemplates(o.model_dir, o.chat_template);
   if (!templates.ok()) return Fail(templates.status().WithPrefix("chat template"));
   if (!templates->empty()) {
@@ -311,6 +322,12 @@ const bool kRegistered = RegisterCommand(
       sub.add_option(
           "--api-key", o->api_key,
           "Require \"Authorization: Bearer KEY\" on /v1/* (health and metrics stay open)");
+      sub.add_option("--ssl-certfile", o->ssl_certfile,
+                     "PEM certificate (chain): serve HTTPS only (with --ssl-keyfile), as vLLM");
+      sub.add_option("--ssl-keyfile", o->ssl_keyfile, "PEM private key of --ssl-certfile");
+      sub.add_option("--ssl-ca-certs", o->ssl_ca_certs,
+                     "PEM CA bundle: require client certificates it signed (mutual TLS; "
+                     "vLLM's --ssl-ca-certs with --ssl-cert-reqs 2)");
       sub.add_option("--max-waiting-requests", o->max_waiting_requests,
                      "Queued requests beyond which new ones get HTTP 503")
           ->capture_default_str();

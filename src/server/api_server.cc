@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -207,10 +208,14 @@ HttpRequest ToHttpRequest(const httplib::Request& req) {
 // cpp-httplib 0.11.4 listens with a backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG, compiled into
 // Debian's library): 64 clients connecting at once overflow the accept queue and some see their
 // connection dropped ("Read" errors). Re-calling listen() on the bound socket raises it.
-class HttpServer : public httplib::Server {
+template <typename Base>
+class BacklogServer : public Base {
  public:
-  bool RaiseListenBacklog(int backlog) const { return ::listen(svr_sock_, backlog) == 0; }
+  using Base::Base;
+  bool RaiseListenBacklog(int backlog) const { return ::listen(this->svr_sock_, backlog) == 0; }
 };
+using HttpServer = BacklogServer<httplib::Server>;
+using HttpsServer = BacklogServer<httplib::SSLServer>;  // --ssl-certfile / --ssl-keyfile
 
 // One HTTP generation request: its engine requests (one per prompt) and their outputs.
 struct Job {
@@ -232,7 +237,8 @@ struct ApiServer::Impl {
   Engine* engine = nullptr;
   Tokenizer tokenizer;
   ProtocolLimits limits;
-  HttpServer svr;
+  std::unique_ptr<httplib::Server> svr;  // HttpServer, or HttpsServer with TLS
+  std::function<bool(int)> raise_backlog;
   std::thread listen_thread;
   int bound_port = -1;
   bool started = false;
@@ -422,13 +428,13 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
 }
 
 void ApiServer::Impl::InstallRoutes() {
-  svr.Post("/v1/completions", Counted([this](const httplib::Request& req, httplib::Response& res) {
-             HandleGenerate(Endpoint::kCompletions, req, res);
-           }));
-  svr.Post("/v1/chat/completions",
-           Counted([this](const httplib::Request& req, httplib::Response& res) {
-             HandleGenerate(Endpoint::kChatCompletions, req, res);
-           }));
+  svr->Post("/v1/completions", Counted([this](const httplib::Request& req, httplib::Response& res) {
+              HandleGenerate(Endpoint::kCompletions, req, res);
+            }));
+  svr->Post("/v1/chat/completions",
+            Counted([this](const httplib::Request& req, httplib::Response& res) {
+              HandleGenerate(Endpoint::kChatCompletions, req, res);
+            }));
   // vLLM's tokenizer endpoints (outside /v1/, as vLLM has them; no API key, as vLLM).
   auto tokenizer_route = [this](bool tokenize) {
     return Counted([this, tokenize](const httplib::Request& req, httplib::Response& res) {
@@ -446,23 +452,24 @@ void ApiServer::Impl::InstallRoutes() {
       res.set_content(DumpJson(out), "application/json");
     });
   };
-  svr.Post("/tokenize", tokenizer_route(true));
-  svr.Post("/detokenize", tokenizer_route(false));
-  svr.Get("/v1/models", Counted([this](const httplib::Request&, httplib::Response& res) {
-            json model{{"id", config.served_model_name},   {"object", "model"},
-                       {"created", UnixSeconds()},         {"owned_by", "kvbridge"},
-                       {"root", config.served_model_name}, {"max_model_len", config.max_model_len}};
-            res.set_content(DumpJson(json{{"object", "list"}, {"data", json::array({model})}}),
-                            "application/json");
-          }));
-  svr.Get("/health", Counted([this](const httplib::Request&, httplib::Response& res) {
-            if (stopping.load()) return SetError(res, 503, "the server is shutting down");
-            res.set_content("{}", "application/json");
-          }));
-  svr.Get("/metrics", Counted([this](const httplib::Request&, httplib::Response& res) {
-            res.set_content(engine->metrics().Render() + metrics.Render(),
-                            "text/plain; version=0.0.4; charset=utf-8");
-          }));
+  svr->Post("/tokenize", tokenizer_route(true));
+  svr->Post("/detokenize", tokenizer_route(false));
+  svr->Get("/v1/models", Counted([this](const httplib::Request&, httplib::Response& res) {
+             json model{
+                 {"id", config.served_model_name},   {"object", "model"},
+                 {"created", UnixSeconds()},         {"owned_by", "kvbridge"},
+                 {"root", config.served_model_name}, {"max_model_len", config.max_model_len}};
+             res.set_content(DumpJson(json{{"object", "list"}, {"data", json::array({model})}}),
+                             "application/json");
+           }));
+  svr->Get("/health", Counted([this](const httplib::Request&, httplib::Response& res) {
+             if (stopping.load()) return SetError(res, 503, "the server is shutting down");
+             res.set_content("{}", "application/json");
+           }));
+  svr->Get("/metrics", Counted([this](const httplib::Request&, httplib::Response& res) {
+             res.set_content(engine->metrics().Render() + metrics.Render(),
+                             "text/plain; version=0.0.4; charset=utf-8");
+           }));
 }
 
 ApiServer::ApiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -494,11 +501,40 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
       "kvbridge_http_engine_rejections_total",
       "Generation requests refused with 503 because the engine queue was full.");
 
+  const ServerConfig& c = d->config;
+  if (c.ssl_certfile.empty() != c.ssl_keyfile.empty()) {
+    return InvalidArgumentError("TLS needs both --ssl-certfile and --ssl-keyfile");
+  }
+  if (!c.ssl_ca_certs.empty() && c.ssl_certfile.empty()) {
+    return InvalidArgumentError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile");
+  }
+  if (c.ssl_certfile.empty()) {
+    auto plain = std::make_unique<HttpServer>();
+    d->raise_backlog = [p = plain.get()](int b) { return p->RaiseListenBacklog(b); };
+    d->svr = std::move(plain);
+  } else {
+    for (const std::string* f : {&c.ssl_certfile, &c.ssl_keyfile, &c.ssl_ca_certs}) {
+      if (!f->empty() && ::access(f->c_str(), R_OK) != 0) {
+        return InvalidArgumentError("TLS: cannot read '" + *f + "'");
+      }
+    }
+    auto tls =
+        std::make_unique<HttpsServer>(c.ssl_certfile.c_str(), c.ssl_keyfile.c_str(),
+                                      c.ssl_ca_certs.empty() ? nullptr : c.ssl_ca_certs.c_str());
+    if (!tls->is_valid()) {
+      return InvalidArgumentError(
+          "TLS: cannot load --ssl-certfile '" + c.ssl_certfile + "' / --ssl-keyfile '" +
+          c.ssl_keyfile + "' (PEM; the key must match the certificate)" +
+          (c.ssl_ca_certs.empty() ? "" : " or --ssl-ca-certs '" + c.ssl_ca_certs + "'"));
+    }
+    d->raise_backlog = [p = tls.get()](int b) { return p->RaiseListenBacklog(b); };
+    d->svr = std::move(tls);
+  }
   const int threads = d->config.num_http_threads;
-  d->svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  d->svr.set_keep_alive_timeout(d->config.keep_alive_timeout_s);
-  d->svr.set_payload_max_length(64u << 20);
-  d->svr.set_pre_routing_handler([d](const httplib::Request& req, httplib::Response& res) {
+  d->svr->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  d->svr->set_keep_alive_timeout(d->config.keep_alive_timeout_s);
+  d->svr->set_payload_max_length(64u << 20);
+  d->svr->set_pre_routing_handler([d](const httplib::Request& req, httplib::Response& res) {
     if (!d->config.api_key.empty() && req.path.rfind("/v1/", 0) == 0) {
       const std::string auth = req.get_header_value("Authorization");
       const std::string prefix = "Bearer ";
@@ -510,7 +546,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
     }
     return httplib::Server::HandlerResponse::Unhandled;
   });
-  d->svr.set_error_handler(httplib::Server::HandlerWithResponse(
+  d->svr->set_error_handler(httplib::Server::HandlerWithResponse(
       [d](const httplib::Request& req, httplib::Response& res) {
         d->CountResponse(res.status);
         if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
@@ -520,7 +556,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
         res.set_content(OpenAiErrorBody(res.status, message), "application/json");
         return httplib::Server::HandlerResponse::Handled;
       }));
-  d->svr.set_exception_handler(
+  d->svr->set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "internal error";
         try {
@@ -531,7 +567,7 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
         }
         SetError(res, 500, what);
       });
-  d->svr.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+  d->svr->set_logger([](const httplib::Request& req, const httplib::Response& res) {
     KVB_LOG_DEBUG("{} {} -> {}", req.method, req.path, res.status);
   });
   d->InstallRoutes();
@@ -553,13 +589,13 @@ Status ApiServer::RegisterRoute(std::string_view method, const std::string& patt
         res.set_content(r.body, r.content_type);
       });
   if (method == "GET") {
-    impl_->svr.Get(pattern, wrapped);
+    impl_->svr->Get(pattern, wrapped);
   } else if (method == "POST") {
-    impl_->svr.Post(pattern, wrapped);
+    impl_->svr->Post(pattern, wrapped);
   } else if (method == "PUT") {
-    impl_->svr.Put(pattern, wrapped);
+    impl_->svr->Put(pattern, wrapped);
   } else if (method == "DELETE") {
-    impl_->svr.Delete(pattern, wrapped);
+    impl_->svr->Delete(pattern, wrapped);
   } else {
     return InvalidArgumentError("unsupported method '" + std::string(method) + "'");
   }
@@ -570,29 +606,30 @@ Status ApiServer::Start() {
   Impl* d = impl_.get();
   if (d->started) return FailedPreconditionError("ApiServer already started");
   if (d->config.port == 0) {
-    d->bound_port = d->svr.bind_to_any_port(d->config.host);
+    d->bound_port = d->svr->bind_to_any_port(d->config.host);
     if (d->bound_port < 0) {
       return UnavailableError("cannot bind " + d->config.host + " on any port");
     }
   } else {
-    if (!d->svr.bind_to_port(d->config.host, d->config.port)) {
+    if (!d->svr->bind_to_port(d->config.host, d->config.port)) {
       return UnavailableError("cannot bind " + d->config.host + ":" +
                               std::to_string(d->config.port) + " (in use or bad address)");
     }
     d->bound_port = d->config.port;
   }
-  if (!d->svr.RaiseListenBacklog(1024)) KVB_LOG_WARN("could not raise the listen backlog");
+  if (!d->raise_backlog(1024)) KVB_LOG_WARN("could not raise the listen backlog");
   d->started = true;
-  d->listen_thread = std::thread([d] { d->svr.listen_after_bind(); });
+  d->listen_thread = std::thread([d] { d->svr->listen_after_bind(); });
   // cpp-httplib's stop() does nothing until the listen loop has marked itself running, and the
   // loop then blocks in accept() for good: a Stop() right after Start() (tests, a failed start
   // of a later part) would hang joining this thread. Return only once the loop runs.
-  for (int i = 0; i < 5000 && !d->svr.is_running(); ++i) {
+  for (int i = 0; i < 5000 && !d->svr->is_running(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (!d->svr.is_running()) KVB_LOG_WARN("the HTTP listen loop did not start within 5 s");
-  KVB_LOG_INFO("kvbridge serve: listening on http://{}:{} (model '{}')", d->config.host,
-               d->bound_port, d->config.served_model_name);
+  if (!d->svr->is_running()) KVB_LOG_WARN("the HTTP listen loop did not start within 5 s");
+  KVB_LOG_INFO("kvbridge serve: listening on {}://{}:{} (model '{}')",
+               d->config.ssl_certfile.empty() ? "http" : "https", d->config.host, d->bound_port,
+               d->config.served_model_name);
   return OkStatus();
 }
 
@@ -609,7 +646,7 @@ void ApiServer::Stop() {
   }
   for (auto& job : jobs) d->AbortJob(*job);
   if (d->started) {
-    d->svr.stop();
+    d->svr->stop();
     if (d->listen_thread.joinable()) d->listen_thread.join();
   }
   {

@@ -10,12 +10,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <numeric>
 #include <thread>
 
 #include "kvbridge/common/metrics.h"
 #include "server/fake_engine.h"
 #include "server/openai_protocol.h"
+#include "support/test_cert.h"
 
 namespace kvbridge::server {
 namespace {
@@ -24,6 +27,8 @@ using nlohmann::json;
 using testing::ByteCodec;
 using testing::FakeEngine;
 using testing::FakeEngineOptions;
+using kvbridge::testing::MakeSelfSignedCert;
+using kvbridge::testing::TestCert;
 
 // Raw HTTP/1.1 over a socket, for tests that must control when the client goes away.
 class RawClient {
@@ -677,6 +682,84 @@ TEST_F(ApiServerTest, StopEndsAStreamPromptly) {
   client.join();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
   EXPECT_TRUE(Drained());
+}
+
+// TLS (issue 22; vLLM's --ssl-certfile / --ssl-keyfile / --ssl-ca-certs): with a certificate
+// the server answers HTTPS only — a client that trusts the certificate gets the API, a plain
+// HTTP client gets no answer, a client that does not trust it fails the handshake; with a CA
+// bundle, a client without a certificate it signed is refused. Bad TLS configs fail Create.
+TEST_F(ApiServerTest, TlsServesHttpsOnly) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("kvb_tls_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  const TestCert server_cert = MakeSelfSignedCert(dir, "server");
+  const TestCert other = MakeSelfSignedCert(dir, "other");
+  ServerConfig cfg;
+  cfg.ssl_certfile = server_cert.cert;
+  cfg.ssl_keyfile = server_cert.key;
+  StartServer({}, cfg);
+  {
+    httplib::SSLClient c("127.0.0.1", server_->port());
+    c.set_ca_cert_path(server_cert.cert.c_str());
+    c.enable_server_certificate_verification(true);
+    auto r = c.Get("/health");
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    EXPECT_EQ(r->status, 200);
+    auto gen = c.Post("/v1/completions",
+                      json{{"model", "tiny"}, {"prompt", "hi"}, {"max_tokens", 2}}.dump(),
+                      "application/json");
+    ASSERT_TRUE(gen) << httplib::to_string(gen.error());
+    EXPECT_EQ(gen->status, 200) << gen->body;
+  }
+  {
+    httplib::Client plain("127.0.0.1", server_->port());
+    plain.set_read_timeout(2, 0);
+    EXPECT_FALSE(plain.Get("/health")) << "plain HTTP was answered";
+  }
+  {
+    httplib::SSLClient untrusting("127.0.0.1", server_->port());
+    untrusting.set_ca_cert_path(other.cert.c_str());  // trusts another certificate only
+    untrusting.enable_server_certificate_verification(true);
+    auto r = untrusting.Get("/health");
+    EXPECT_FALSE(r);
+    if (!r) {
+      EXPECT_EQ(r.error(), httplib::Error::SSLServerVerification);
+    }
+  }
+  server_->Stop();
+  server_.reset();
+  // Mutual TLS: only clients with a certificate the bundle vouches for.
+  cfg.ssl_ca_certs = other.cert;
+  StartServer({}, cfg);
+  {
+    httplib::SSLClient anonymous("127.0.0.1", server_->port());
+    anonymous.set_ca_cert_path(server_cert.cert.c_str());
+    EXPECT_FALSE(anonymous.Get("/health")) << "a client without a certificate was served";
+    httplib::SSLClient known("127.0.0.1", server_->port(), other.cert, other.key);
+    known.set_ca_cert_path(server_cert.cert.c_str());
+    auto r = known.Get("/health");
+    ASSERT_TRUE(r) << httplib::to_string(r.error());
+    EXPECT_EQ(r->status, 200);
+  }
+  // Bad configurations name the problem.
+  struct Bad {
+    std::string cert, key, ca, want;
+  };
+  for (const Bad& b : {Bad{server_cert.cert, "", "", "both --ssl-certfile and --ssl-keyfile"},
+                       Bad{"", "", other.cert, "--ssl-ca-certs needs"},
+                       Bad{dir + "/missing.crt", server_cert.key, "", "cannot read"},
+                       Bad{server_cert.cert, other.key, "", "the key must match"}}) {
+    ServerConfig bad;
+    bad.ssl_certfile = b.cert;
+    bad.ssl_keyfile = b.key;
+    bad.ssl_ca_certs = b.ca;
+    auto created = ApiServer::Create(bad, engine_.get(), ByteCodec::Make());
+    ASSERT_FALSE(created.ok()) << b.want;
+    EXPECT_EQ(created.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(created.status().message().find(b.want), std::string::npos)
+        << created.status().ToString();
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

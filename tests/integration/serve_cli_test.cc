@@ -9,6 +9,7 @@
 #include "kvbridge/common/metrics.h"
 #include "support/free_port.h"
 #include "support/subprocess.h"
+#include "support/test_cert.h"
 
 namespace kvbridge {
 namespace {
@@ -209,6 +210,59 @@ TEST(ServeCliArchs, MakeModelAndServeEveryArchitecture) {
   EXPECT_NE(bad.ReadLog().find("preset 'qwen3-0.6b' is a qwen3 model, not llama"),
             std::string::npos)
       << bad.ReadLog();
+}
+
+// TLS as vLLM spells it (issue 22): --ssl-certfile/--ssl-keyfile serve HTTPS only (a cert made
+// at test time); a P/D engine with TLS refuses to start (the proxy and the connector speak
+// plain HTTP), and so does a certificate without its key.
+TEST_F(ServeCliTest, SslCertfileServesHttps) {
+  const std::string dir = MakeTempDir("kvb_serve_tls");
+  const testing::TestCert cert = testing::MakeSelfSignedCert(dir, "engine");
+  const int port = FreePort();
+  Subprocess serve(
+      {KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(port), "--served-model-name",
+       "tiny", "--num-kv-blocks", "64", "--ssl-certfile", cert.cert, "--ssl-keyfile", cert.key},
+      dir + "/serve.log");
+  httplib::SSLClient c("127.0.0.1", port);
+  c.set_ca_cert_path(cert.cert.c_str());
+  c.enable_server_certificate_verification(true);
+  c.set_read_timeout(60, 0);
+  bool up = false;
+  for (int i = 0; i < 600 && !up; ++i) {
+    auto h = c.Get("/health");
+    up = h && h->status == 200;
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(up) << serve.ReadLog();
+  EXPECT_NE(serve.ReadLog().find("listening on https://127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << serve.ReadLog();
+  auto r = c.Post("/v1/completions",
+                  json{{"model", "tiny"}, {"prompt", "abc"}, {"max_tokens", 3}}.dump(),
+                  "application/json");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  httplib::Client plain("127.0.0.1", port);
+  plain.set_read_timeout(2, 0);
+  EXPECT_FALSE(plain.Get("/health")) << "plain HTTP was answered";
+  serve.Signal(SIGTERM);
+  EXPECT_EQ(serve.Wait(15'000), 0) << serve.ReadLog();
+
+  const std::string pd = R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_producer"})";
+  Subprocess tls_pd(
+      {KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(FreePort()),
+       "--kv-transfer-config", pd, "--ssl-certfile", cert.cert, "--ssl-keyfile", cert.key},
+      dir + "/pd.log");
+  EXPECT_EQ(tls_pd.Wait(30'000), 1);
+  EXPECT_NE(tls_pd.ReadLog().find("--ssl-certfile with --kv-transfer-config is not supported"),
+            std::string::npos)
+      << tls_pd.ReadLog();
+  Subprocess no_key({KvbridgeBin(), "serve", *model_dir_, "--port", std::to_string(FreePort()),
+                     "--ssl-certfile", cert.cert},
+                    dir + "/nokey.log");
+  EXPECT_EQ(no_key.Wait(30'000), 1);
+  EXPECT_NE(no_key.ReadLog().find("both --ssl-certfile and --ssl-keyfile"), std::string::npos)
+      << no_key.ReadLog();
 }
 
 // A vLLM command line's flags with no effect here are accepted and logged once as ignored.

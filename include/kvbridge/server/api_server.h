@@ -110,6 +110,14 @@ struct ServerConfig {
   /// Non-empty: kv_transfer_params (and routes that call CheckClusterToken) need header
   /// "X-KVBridge-Cluster-Token: <token>".
   std::string cluster_token;
+  /// TLS, as vLLM names it (--ssl-certfile / --ssl-keyfile, PEM files): both set = the server
+  /// speaks HTTPS only (OpenSSL via cpp-httplib). Create fails with InvalidArgument when only one
+  /// is set or they do not load (a missing file, a key that does not match the certificate).
+  std::string ssl_certfile;
+  std::string ssl_keyfile;
+  /// PEM CA bundle (--ssl-ca-certs): with TLS, clients must present a certificate it signed
+  /// (mutual TLS; vLLM's --ssl-ca-certs with --ssl-cert-reqs 2). Needs ssl_certfile.
+  std::string ssl_ca_certs;
 };
 
 class ApiServer {
