@@ -224,23 +224,20 @@ class UcxBackend : public Backend {
     {
       std::lock_guard<std::recursive_mutex> l(mu_);
       RETURN_IF_ERROR(CreateEp(p.get(), addr));
-      if (withheld) {
-        p->hs_ = UcxPeer::Hs::kWaitChallenge;
-        p->expect_layers_ = peer.layer_base.size();
-        p->expect_bytes_ = peer.layer_bytes;
-        p->base_ = peer.layer_base;
-        p->bytes_ = peer.layer_bytes;
-        handshaking_.push_back(p);
-      } else {
-        RETURN_IF_ERROR(UnpackRkeys(p.get(), rkeys));
-        p->base_ = peer.layer_base;
-        p->bytes_ = peer.layer_bytes;
-      }
+      // Every Connect waits for the server's first answer (challenge, or an unchallenged accept
+      // without a token): both directions are wired up before AddPeer returns.
+      p->hs_ = UcxPeer::Hs::kWaitChallenge;
+      p->expect_layers_ = peer.layer_base.size();
+      p->expect_bytes_ = peer.layer_bytes;
+      p->base_ = peer.layer_base;
+      p->bytes_ = peer.layer_bytes;
+      if (!withheld) RETURN_IF_ERROR(UnpackRkeys(p.get(), rkeys));
       // Hello: our name + worker address, so the peer can open the reverse path for replies.
       RETURN_IF_ERROR(AmSend(p.get(), kAmHello, address_));
+      handshaking_.push_back(p);
       Wake();
     }
-    if (withheld) {
+    {
       std::unique_lock<std::mutex> hl(hs_mu_);
       const bool done = hs_cv_.wait_for(hl, std::chrono::milliseconds(ctx_.peer_timeout_ms),
                                         [&] { return p->hs_done_.load(); });
@@ -485,7 +482,11 @@ class UcxBackend : public Backend {
     if (!CreateEp(p.get(), h.data).ok()) return;
     inbound_.push_back(p);
     if (ctx_.cluster_token.empty()) {
+      // An empty accept over the reverse path: the client's AddPeer returns only once both
+      // directions are wired up (UCX 1.13 asserts in ucp_worker_destroy on a wireup reply still
+      // pending: a peer torn down right after AddPeer left one behind; issue 22).
       if (ctx_.on_inbound) ctx_.on_inbound(h.name, p);
+      (void)Control(p.get(), kCtlAccept, "");
       return;
     }
     Result<std::string> nonce = auth::RandomNonce();
@@ -549,8 +550,8 @@ class UcxBackend : public Backend {
   void OnClientControlLocked(Am& m) {
     std::shared_ptr<UcxPeer> p;
     for (auto& q : handshaking_) {
-      if (m.id == kCtlChallenge && q->hs_ == UcxPeer::Hs::kWaitChallenge && q->name_ == m.name) {
-        p = q;
+      if (q->hs_ == UcxPeer::Hs::kWaitChallenge && q->name_ == m.name) {
+        p = q;  // the server's first message: its challenge, or (no token) accept / refusal
       } else if (m.id != kCtlChallenge && q->hs_ == UcxPeer::Hs::kWaitAccept && m.from &&
                  q->hs_ep_ == m.from) {
         p = q;
@@ -590,6 +591,18 @@ class UcxBackend : public Backend {
       st = Status(static_cast<StatusCode>(code),
                   "ucx handshake refused: " + m.data.substr(std::min<size_t>(2, m.data.size())));
       if (st.ok()) st = UnauthenticatedError("ucx handshake refused");
+    } else if (m.id == kCtlAccept && p->hs_ == UcxPeer::Hs::kWaitChallenge) {
+      // A server without a token: accepted unchallenged — only on the published-rkey path (a
+      // client with a token refused such metadata in Connect; withheld rkeys mean a token).
+      if (!m.data.empty() || p->rkeys_.empty()) {
+        st = UnauthenticatedError(
+            "ucx handshake: the serving agent did not prove the cluster token (it has no "
+            "--cluster-token, or is not the agent its metadata names); refused");
+      } else {
+        p->hs_ep_ = m.from;
+        p->hs_ = UcxPeer::Hs::kAuthed;
+        if (m.from) authed_.insert(m.from);
+      }
     } else if (m.id == kCtlAccept) {
       const bool proven =
           !ctx_.cluster_token.empty() && m.data.size() >= auth::kProofBytes &&
