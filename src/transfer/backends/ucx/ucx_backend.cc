@@ -393,19 +393,41 @@ class UcxBackend : public Backend {
     return s == UCS_OK ? OkStatus() : UcsError(s, "ucp_am_send_nbx");
   }
 
-  struct FlushCtx {
+  // One posted job: every RMA operation and the flush hold a reference; the job finishes when
+  // the last completes, failed if any of them failed. (The flush alone is not enough: when the
+  // peer dies UCX 1.13 can complete the flush OK after purging operations that never moved
+  // their bytes — seen as a "done" READ with wrong data after SIGKILL of the peer.)
+  struct XferCtx {
+    XferCtx(std::shared_ptr<TransferJob> j, std::string p)
+        : job(std::move(j)), peer(std::move(p)) {}
     std::shared_ptr<TransferJob> job;
-    UcxPeer* peer;
+    std::string peer;
+    std::atomic<int> refs{1};              // the flush's
+    std::atomic<int> status{int{UCS_OK}};  // the first failure
+    void Fail(ucs_status_t s) {
+      int ok = UCS_OK;
+      status.compare_exchange_strong(ok, static_cast<int>(s));
+    }
+    void Release() {
+      if (refs.fetch_sub(1) != 1) return;
+      const auto s = static_cast<ucs_status_t>(status.load());
+      job->finish(s == UCS_OK
+                      ? OkStatus()
+                      : UnavailableError("ucx peer '" + peer + "': " + ucs_status_string(s)));
+      delete this;
+    }
   };
+  static void OpDone(void* req, ucs_status_t s, void* user) {
+    auto* x = static_cast<XferCtx*>(user);
+    if (s != UCS_OK) x->Fail(s);
+    ucp_request_free(req);
+    x->Release();
+  }
   static void FlushDone(void* req, ucs_status_t s, void* user) {
-    auto* f = static_cast<FlushCtx*>(user);
+    auto* x = static_cast<XferCtx*>(user);
     if (req) ucp_request_free(req);
-    Status st =
-        s == UCS_OK
-            ? OkStatus()
-            : UnavailableError("ucx peer '" + f->peer->name_ + "': " + ucs_status_string(s));
-    f->job->finish(std::move(st));
-    delete f;
+    if (s != UCS_OK) x->Fail(s);
+    x->Release();
   }
 
   void Wake() {
@@ -754,27 +776,35 @@ void UcxPeer::Post(const std::shared_ptr<TransferJob>& job) {
       return;
     }
   }
+  auto* x = new UcxBackend::XferCtx(job, name_);
   ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.send = &UcxBackend::OpDone;
+  rp.user_data = x;
   for (const Segment& s : *job->segments) {
     uint64_t raddr = base_[s.remote_layer] + s.remote_offset;
+    x->refs.fetch_add(1);  // the operation's, released by OpDone unless it completes here
     ucs_status_ptr_t r =
         read ? ucp_get_nbx(ep_, s.local, s.length, raddr, rkeys_[s.remote_layer], &rp)
              : ucp_put_nbx(ep_, s.local, s.length, raddr, rkeys_[s.remote_layer], &rp);
-    if (UCS_PTR_IS_ERR(r)) break;                // the flush below reports the endpoint's error
-    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released by UCX when it completes
+    if (UCS_PTR_IS_PTR(r)) continue;
+    x->refs.fetch_sub(1);  // completed (or failed) at once: no callback; the flush's ref stays
+    if (UCS_PTR_IS_ERR(r)) {
+      x->Fail(UCS_PTR_STATUS(r));
+      break;
+    }
   }
   // Flush: completes when every operation above is complete at the target.
-  auto* f = new UcxBackend::FlushCtx{job, this};
   ucp_request_param_t fp{};
   fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   fp.cb.send = &UcxBackend::FlushDone;
-  fp.user_data = f;
+  fp.user_data = x;
   ucs_status_ptr_t r = ucp_ep_flush_nbx(ep_, &fp);
   if (UCS_PTR_IS_PTR(r)) {
     b_->Wake();
     return;
   }
-  UcxBackend::FlushDone(nullptr, UCS_PTR_STATUS(r), f);
+  UcxBackend::FlushDone(nullptr, UCS_PTR_STATUS(r), x);
 }
 
 Status UcxPeer::SendMessage(std::string_view bytes) {
