@@ -166,17 +166,29 @@ void AttendKvHead(const float* qg, int group, const SequenceChunk& sq, int pos,
   std::fill(s->den.begin(), s->den.end(), 0.0f);
   for (int c0 = 0; c0 <= pos; c0 += kAttentionChunk) {
     const int n = std::min(kAttentionChunk, pos + 1 - c0);
-    for (int t = 0; t < n; ++t) {
+    // The chunk's positions in runs of consecutive slots of one block: a run's K rows (and V
+    // rows) are contiguous in the cache. scores[j][t] = q_j . k_t (the fixed-order dot:
+    // MatMulNT gives the same bits for any n and tile), read straight from the cache when it
+    // holds fp32 or bf16 (the kernel widens bf16 exactly, as LoadKv does); V widened per run.
+    for (int t = 0; t < n;) {
       const int p = c0 + t;
       const int block = sq.block_table[p / layout.block_size];
       const int slot = p % layout.block_size;
-      LoadKv(base + layout.Offset(block, 0, kv_head, slot), hd, layout.dtype, k_scale,
-             s->kbuf.data() + static_cast<size_t>(t) * hd);
-      LoadKv(base + layout.Offset(block, 1, kv_head, slot), hd, layout.dtype, v_scale,
-             s->vbuf.data() + static_cast<size_t>(t) * hd);
+      const int run = std::min(n - t, layout.block_size - slot);
+      const uint8_t* kp = base + layout.Offset(block, 0, kv_head, slot);
+      const uint8_t* vp = base + layout.Offset(block, 1, kv_head, slot);
+      float* sc = s->scores.data() + t;
+      if (layout.dtype == KvDtype::kFp32) {
+        MatMulNT(qg, group, hd, WeightPtr{kp, WeightType::kF32}, run, hd, hd, sc, kAttentionChunk);
+      } else if (layout.dtype == KvDtype::kBf16) {
+        MatMulNT(qg, group, hd, WeightPtr{kp, WeightType::kBf16}, run, hd, hd, sc, kAttentionChunk);
+      } else {
+        LoadKv(kp, run * hd, layout.dtype, k_scale, s->kbuf.data());
+        MatMulNT(qg, group, hd, s->kbuf.data(), run, hd, hd, sc, kAttentionChunk);
+      }
+      LoadKv(vp, run * hd, layout.dtype, v_scale, s->vbuf.data() + static_cast<size_t>(t) * hd);
+      t += run;
     }
-    // scores[j][t] = q_j . k_t (fixed-order dot), then * 1/sqrt(head_dim).
-    MatMulNT(qg, group, hd, s->kbuf.data(), n, hd, hd, s->scores.data(), kAttentionChunk);
     // Online softmax per query head (kernels.h: fixed operation order on every path).
     for (int j = 0; j < group; ++j) {
       OnlineSoftmaxChunk(s->scores.data() + static_cast<size_t>(j) * kAttentionChunk, n, attn_scale,
