@@ -2,7 +2,8 @@
 // answers through the proxy equal to one colocated engine's (n>1, streaming and not),
 // client-supplied kv_transfer_params without effect, `kvbridge bench --check-drain` exits 0, and
 // SIGTERM stops the topology with exit 0; WRITE mode too, also with TP 2 prefills (2x2, 2x1);
-// `up 1p1d --prefill-forward-n` under concurrency 16 with n=8 drains clean. Skips, saying why,
+// `up 1p1d --prefill-forward-n` under concurrency 16 with n=8 drains clean; the qwen3-0.6b preset
+// (real shape, Qwen3 tokenizer) P/D bitwise equal to colocated. Skips, saying why,
 // while the engine does not speak P/D.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -13,7 +14,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -428,6 +431,109 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
 
   up.Signal(SIGTERM);
   EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+}
+
+// `up 1p1d` on the qwen3-0.6b preset (random bf16 weights, the real shape: 28 layers, 16/8 heads
+// of 128, q/k norm, tied 151936 x 1024 embeddings; 1.19 GB) with the Qwen3 tokenizer: P/D answers
+// are bitwise the colocated engine's — ids and logprobs (return_tokens_as_token_ids; JSON numbers
+// print floats round-trip exactly) — for a greedy completion, n = 3 seeded samples and a chat
+// request; every instance drains. Few tokens each: a decode step reads the whole 1.2 GB.
+TEST(UpRealShape, Qwen3_0_6bPdAnswersEqualColocatedBitwise) {
+  std::string why = SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string tok_dir = SharedTokenizer("qwen3");
+  if (tok_dir.empty()) GTEST_SKIP() << "../shared/data/tokenizers/qwen3 is absent";
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string bin = KvbridgeBin();
+  const std::string dir = testing::MakeTempDir("kvb-upq3-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "qwen3-0.6b", "--seed", "0", "--out", model,
+                   "--tokenizer", tok_dir},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(300'000), 0) << make.ReadLog();
+  std::ifstream cf(model + "/config.json");
+  const json config = json::parse(cf, nullptr, false);
+  EXPECT_EQ(config.value("architectures", json()), json({"Qwen3ForCausalLM"})) << config.dump();
+  EXPECT_EQ(config.value("num_hidden_layers", 0), 28) << config.dump();
+  EXPECT_EQ(config.value("vocab_size", 0), 151936) << config.dump();
+
+  // Both started at once; the engines memory-map the same file (one copy in the page cache).
+  const int solo_port = testing::FreePort();
+  Subprocess solo(
+      {bin, "serve", model, "--port", std::to_string(solo_port), "--no-enable-prefix-caching"},
+      dir + "/solo.log");
+  const int port = testing::FreePort();
+  Subprocess up({bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs",
+                 "--model", model, "--no-prefix-caching", "--ready-timeout", "600"},
+                dir + "/up.log");
+  ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 600'000)) << solo.ReadLog();
+  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+  const double ready_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  auto expect_same_choices = [](const json& got, const json& want, size_t n, const char* what) {
+    ASSERT_EQ(want["_status"], 200) << what << ": " << want.dump();
+    ASSERT_EQ(got["_status"], 200) << what << ": " << got.dump();
+    ASSERT_EQ(want["choices"].size(), n) << what << ": " << want.dump();
+    ASSERT_EQ(got["choices"].size(), n) << what << ": " << got.dump();
+    for (size_t i = 0; i < n; ++i) {
+      const json& g = got["choices"][i];
+      const json& w = want["choices"][i];
+      EXPECT_FALSE(w["logprobs"].is_null()) << what << " choice " << i;
+      EXPECT_EQ(g["logprobs"].dump(), w["logprobs"].dump()) << what << " choice " << i;
+      EXPECT_EQ(g.value("text", json()), w.value("text", json())) << what << " choice " << i;
+      EXPECT_EQ(g.value("message", json()), w.value("message", json())) << what << " choice " << i;
+    }
+    // usage.prompt_tokens_details.cached_tokens differs: the decode leg counts the KV it pulled
+    // from the prefill (so it is > 0: the answer really went through P/D).
+    EXPECT_GT(got["usage"]["prompt_tokens_details"].value("cached_tokens", 0), 0) << what;
+    EXPECT_EQ(got["usage"]["prompt_tokens"], want["usage"]["prompt_tokens"]) << what;
+    EXPECT_EQ(got["usage"]["completion_tokens"], want["usage"]["completion_tokens"]) << what;
+  };
+
+  // Greedy, the prompt's ids through the real tokenizer.
+  json greedy = {{"prompt", "The capital of France is"},
+                 {"max_tokens", 4},
+                 {"temperature", 0},
+                 {"ignore_eos", true},
+                 {"logprobs", 3},
+                 {"return_tokens_as_token_ids", true}};
+  json want = Post(solo_port, "/v1/completions", greedy);
+  expect_same_choices(Post(port, "/v1/completions", greedy), want, 1, "greedy");
+  EXPECT_EQ(want["usage"]["prompt_tokens"], 5) << want.dump();  // Qwen3 ids, no BOS
+  EXPECT_EQ(want["choices"][0]["logprobs"]["tokens"].size(), 4u) << want.dump();
+
+  // n = 3 seeded samples (the prefill leg samples nothing for them; each sibling its own stream).
+  json sampled = {{"prompt", "Écris un poème sur la mer 🌊:"},
+                  {"max_tokens", 3},
+                  {"n", 3},
+                  {"temperature", 1.0},
+                  {"seed", 42},
+                  {"ignore_eos", true},
+                  {"logprobs", 2},
+                  {"return_tokens_as_token_ids", true}};
+  expect_same_choices(Post(port, "/v1/completions", sampled),
+                      Post(solo_port, "/v1/completions", sampled), 3, "n=3 seeded");
+
+  // Chat: Qwen3's own template (tokenizer_config.json), top-2 logprobs per token.
+  json chat = {{"messages", {{{"role", "user"}, {"content", "hello world"}}}},
+               {"max_tokens", 3},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"logprobs", true},
+               {"top_logprobs", 2}};
+  expect_same_choices(Post(port, "/v1/chat/completions", chat),
+                      Post(solo_port, "/v1/chat/completions", chat), 1, "chat");
+
+  EXPECT_EQ(ExpectEveryInstanceDrained("http://127.0.0.1:" + std::to_string(port)).size(), 2u);
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+  solo.Signal(SIGTERM);
+  solo.Wait(60'000);
+  std::filesystem::remove_all(dir + "/model");  // 1.2 GB
+  const double total_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("qwen3-0.6b up 1p1d: ready after %.1f s, %.1f s in all\n", ready_s, total_s);
 }
 
 // A listening socket on 127.0.0.1 (port 0: any free one); returns the fd (-1 on failure) and
