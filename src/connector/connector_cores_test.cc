@@ -50,17 +50,15 @@ TEST(ConnectorCores, EveryCoreGetsTheConfigAndShape) {
   EXPECT_EQ(d.load_failure_policy, LoadFailurePolicy::kFail);
 
   ASSERT_EQ(cores.wprefill.tp_size(), 2);
-  for (int r = 0; r < 2; ++r) {
-    const WritePrefillCore::Options& w = cores.wprefill.rank(r).options();
-    EXPECT_EQ(w.engine_id, "e0");
-    EXPECT_EQ(w.rank, r);
-    EXPECT_EQ(w.tp_size, 2);
-    EXPECT_EQ(w.num_kv_heads, 4);
-    EXPECT_EQ(w.block_size, 32);
-    EXPECT_EQ(w.num_layers, 3);
-    EXPECT_EQ(w.lease, 8 * kSecond);
-    EXPECT_EQ(w.max_parked_messages, 7);
-  }
+  const WritePrefillCore::Options& w = cores.wprefill.options();
+  EXPECT_EQ(w.engine_id, "e0");
+  EXPECT_TRUE(w.all_ranks);  // one core for every rank, as the READ prefill core
+  EXPECT_EQ(w.tp_size, 2);
+  EXPECT_EQ(w.num_kv_heads, 4);
+  EXPECT_EQ(w.block_size, 32);
+  EXPECT_EQ(w.num_layers, 3);
+  EXPECT_EQ(w.lease, 8 * kSecond);
+  EXPECT_EQ(w.max_parked_messages, 7);
 
   const WriteDecodeCore::Options& wd = cores.wdecode.options();
   EXPECT_EQ(wd.engine_id, "e0");

@@ -19,15 +19,6 @@ constexpr size_t kMaxParsedParents = 16384;
 
 }  // namespace
 
-KvTransferMode TransferOp(const TransferAction& a) {
-  return std::holds_alternative<PostReadAction>(a) ? KvTransferMode::kRead : KvTransferMode::kWrite;
-}
-
-uint64_t TransferId(const TransferAction& a) {
-  if (const auto* r = std::get_if<PostReadAction>(&a)) return r->read_id;
-  return std::get<PostWriteAction>(a).write_id;
-}
-
 ConnectorLogic::ConnectorLogic(const KvTransferConfig& config, const ConnectorCores::Shape& shape,
                                ConnectorSink* sink)
     : config_(config), shape_(shape), sink_(sink), cores_(config, shape) {}
@@ -331,22 +322,11 @@ void ConnectorLogic::Drain(TimePoint now) {
 }
 
 void ConnectorLogic::Perform(ConnectorAction& a, TimePoint now) {
-  if (auto* r = std::get_if<PostReadAction>(&a)) {
-    if (Status st = sink_->PostTransfer(*r); !st.ok()) {
-      EndTransfer(KvTransferMode::kRead, r->read_id, st, now);
-    }
-  } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
-    if (Status st = sink_->PostTransfer(*w); !st.ok()) {
-      EndTransfer(KvTransferMode::kWrite, w->write_id, st, now);
-    }
-  } else if (auto* cr = std::get_if<CancelReadAction>(&a)) {
-    if (Status st = sink_->CancelTransfer(KvTransferMode::kRead, cr->read_id); !st.ok()) {
-      EndTransfer(KvTransferMode::kRead, cr->read_id, st, now);
-    }
-  } else if (auto* cw = std::get_if<CancelWriteAction>(&a)) {
-    if (Status st = sink_->CancelTransfer(KvTransferMode::kWrite, cw->write_id); !st.ok()) {
-      EndTransfer(KvTransferMode::kWrite, cw->write_id, st, now);
-    }
+  if (auto* t = std::get_if<PostTransferAction>(&a)) {
+    if (Status st = sink_->PostTransfer(*t); !st.ok()) EndTransfer(t->op, t->id, st, now);
+  } else if (auto* c = std::get_if<CancelTransferAction>(&a)) {
+    if (Status st = sink_->CancelTransfer(c->op, c->id); !st.ok())
+      EndTransfer(c->op, c->id, st, now);
   } else if (auto* s = std::get_if<SendMessageAction>(&a)) {
     if (auto* wb = std::get_if<WriteBlocksMsg>(&s->msg)) {
       // Where the prefill's WRITEs and WriteDone find this decode.

@@ -76,12 +76,12 @@ TEST(ConnectorLogic, DecodeLegReadsThenProceedsAfterTheHoldReply) {
   const std::vector<int32_t> table = {1, 2, 3};
   logic.UpdateStateAfterAlloc(req, table, 0, 39, 10);
   ASSERT_EQ(sink.posted.size(), 1u);
-  const auto& read = std::get<PostReadAction>(sink.posted[0]);
-  EXPECT_EQ(TransferOp(sink.posted[0]), KvTransferMode::kRead);
+  const PostTransferAction& read = sink.posted[0];
+  EXPECT_EQ(sink.posted[0].op, KvTransferMode::kRead);
   EXPECT_EQ(read.local_block_ids, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(read.remote_block_ids, (std::vector<int32_t>{7, 8, 9}));
 
-  logic.OnTransferEnded(KvTransferMode::kRead, read.read_id, OkStatus(), 20);
+  logic.OnTransferEnded(KvTransferMode::kRead, read.id, OkStatus(), 20);
   ASSERT_EQ(sink.sent.size(), 1u);
   const auto& done = std::get<ReadDoneMsg>(sink.sent[0].msg);
   EXPECT_EQ(done.transfer_id, "tid-1");

@@ -142,16 +142,18 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
     pair.deadline = now + options_.read_timeout;
     by_read_[pair.read_id] = request_id;
     ++counters_.reads_posted;
-    actions_.push_back(PostReadAction{.read_id = pair.read_id,
-                                      .request_id = request_id,
-                                      .transfer_id = r.params.transfer_id,
-                                      .prefill = Peer(r.params, pair.prefill_rank),
-                                      .decode_rank = pair.decode_rank,
-                                      .src_head_begin = pair.src_head_begin,
-                                      .dst_head_begin = pair.dst_head_begin,
-                                      .head_count = pair.head_count,
-                                      .local_block_ids = local,
-                                      .remote_block_ids = remote});
+    actions_.push_back(PostTransferAction{.op = KvTransferMode::kRead,
+                                          .id = pair.read_id,
+                                          .request_id = request_id,
+                                          .transfer_id = r.params.transfer_id,
+                                          .peer = Peer(r.params, pair.prefill_rank),
+                                          .local_rank = pair.decode_rank,
+                                          .peer_tp_size = r.params.tp_size,
+                                          .src_head_begin = pair.src_head_begin,
+                                          .dst_head_begin = pair.dst_head_begin,
+                                          .head_count = pair.head_count,
+                                          .local_block_ids = local,
+                                          .remote_block_ids = remote});
   }
 }
 
@@ -161,7 +163,7 @@ void DecodeCore::Fail(const std::string& request_id, Request& r, Status status) 
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kReading) {
       pair.state = PairState::kCancelling;
-      actions_.push_back(CancelReadAction{pair.read_id});
+      actions_.push_back(CancelTransferAction{KvTransferMode::kRead, pair.read_id});
     } else if (pair.state == PairState::kIdle) {
       pair.state = PairState::kFailed;  // never read: the prefill may release now
       SendReadDone(request_id, r, pair, ReadOutcome::kFailed, false);
@@ -184,7 +186,7 @@ bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) 
       pair.state = PairState::kFailed;
     } else if (pair.state == PairState::kReading) {
       pair.state = PairState::kCancelling;
-      actions_.push_back(CancelReadAction{pair.read_id});
+      actions_.push_back(CancelTransferAction{KvTransferMode::kRead, pair.read_id});
       in_flight = true;
     } else if (pair.state == PairState::kCancelling) {
       in_flight = true;

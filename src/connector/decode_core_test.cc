@@ -93,16 +93,16 @@ TEST(DecodeCore, ReadsOnlyMissingBlocksNotifiesWithSharedTransferIdAndWaitsForHo
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("cmpl-local-7", Params(40), 40, 16, 0).ok());
   core.OnBlocksAllocated("cmpl-local-7", kTable, 16, 23, 1);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 1u);
   EXPECT_EQ(reads[0].local_block_ids, (std::vector<int32_t>{21, 22}));
   EXPECT_EQ(reads[0].remote_block_ids, (std::vector<int32_t>{101, 102}));
   EXPECT_EQ(reads[0].transfer_id, "xfer-1");
-  EXPECT_EQ(reads[0].prefill.rank, 0);
-  EXPECT_EQ(reads[0].decode_rank, 0);
+  EXPECT_EQ(reads[0].peer.rank, 0);
+  EXPECT_EQ(reads[0].local_rank, 0);
   EXPECT_EQ(core.NumReadsInFlight(), 1);
 
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 2);
+  core.OnReadCompleted(reads[0].id, OkStatus(), 2);
   auto acts = core.TakeActions();
   auto dones = ReadDones(acts);
   ASSERT_EQ(dones.size(), 1u);
@@ -121,7 +121,7 @@ TEST(DecodeCore, ReadsOnlyMissingBlocksNotifiesWithSharedTransferIdAndWaitsForHo
   EXPECT_TRUE(core.Idle());
   // Late duplicates change nothing and are counted.
   core.OnHoldReply(Reply(true), 4);
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 5);
+  core.OnReadCompleted(reads[0].id, OkStatus(), 5);
   EXPECT_TRUE(core.TakeActions().empty());
   EXPECT_EQ(core.counters().notifications_ignored, 2);
   EXPECT_EQ(core.counters().loads_done, 1);
@@ -131,9 +131,9 @@ TEST(DecodeCore, HoldGoneAppliesRecomputePolicy) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads[0].local_block_ids, kTable);
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 1);
+  core.OnReadCompleted(reads[0].id, OkStatus(), 1);
   core.TakeActions();
   core.OnHoldReply(Reply(false), 2);
   auto fails = Of<ReportLoadFailedAction>(core.TakeActions());
@@ -150,8 +150,8 @@ TEST(DecodeCore, NoReplyInTimeAppliesFailPolicy) {
   DecodeCore core = MakeCore(LoadFailurePolicy::kFail);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 10);
+  auto reads = Of<PostTransferAction>(core.TakeActions());
+  core.OnReadCompleted(reads[0].id, OkStatus(), 10);
   core.TakeActions();
   core.OnTick(10 + kReply - 1);
   EXPECT_TRUE(Of<ReportLoadFailedAction>(core.TakeActions()).empty());
@@ -168,14 +168,14 @@ TEST(DecodeCore, AbortMidReadKeepsBlocksUntilTheReadEnds) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   EXPECT_TRUE(core.OnRequestAborted("a", 1));
   auto acts = core.TakeActions();
-  ASSERT_EQ(Of<CancelReadAction>(acts).size(), 1u);
-  EXPECT_EQ(Of<CancelReadAction>(acts)[0].read_id, reads[0].read_id);
+  ASSERT_EQ(Of<CancelTransferAction>(acts).size(), 1u);
+  EXPECT_EQ(Of<CancelTransferAction>(acts)[0].id, reads[0].id);
   EXPECT_TRUE(Of<ReportBlocksFreeAction>(acts).empty());  // bytes may still land
   EXPECT_FALSE(core.Idle());
-  core.OnReadCompleted(reads[0].read_id, CancelledError("cancelled"), 2);
+  core.OnReadCompleted(reads[0].id, CancelledError("cancelled"), 2);
   acts = core.TakeActions();
   ASSERT_EQ(Of<ReportBlocksFreeAction>(acts).size(), 1u);
   EXPECT_EQ(Of<ReportBlocksFreeAction>(acts)[0].request_id, "a");
@@ -203,8 +203,8 @@ TEST(DecodeCore, AbortWhileAwaitingReplyFreesNowAndAbsorbsTheReply) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 1);
+  auto reads = Of<PostTransferAction>(core.TakeActions());
+  core.OnReadCompleted(reads[0].id, OkStatus(), 1);
   core.TakeActions();
   EXPECT_FALSE(core.OnRequestAborted("a", 2));  // no READ in flight: free now
   EXPECT_TRUE(core.TakeActions().empty());
@@ -220,15 +220,15 @@ TEST(DecodeCore, PrefillTpTwoNeedsBothReadsAndBothReplies) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40, 2), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
-  EXPECT_EQ(reads[0].prefill.rank, 0);
-  EXPECT_EQ(reads[1].prefill.rank, 1);
-  EXPECT_NE(reads[0].read_id, reads[1].read_id);
-  core.OnReadCompleted(reads[1].read_id, OkStatus(), 1);
+  EXPECT_EQ(reads[0].peer.rank, 0);
+  EXPECT_EQ(reads[1].peer.rank, 1);
+  EXPECT_NE(reads[0].id, reads[1].id);
+  core.OnReadCompleted(reads[1].id, OkStatus(), 1);
   core.OnHoldReply(Reply(true, 1), 2);
   EXPECT_TRUE(Of<ReportLoadDoneAction>(core.TakeActions()).empty());
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 3);
+  core.OnReadCompleted(reads[0].id, OkStatus(), 3);
   core.OnHoldReply(Reply(true, 0), 4);
   EXPECT_EQ(Of<ReportLoadDoneAction>(core.TakeActions()).size(), 1u);
   EXPECT_TRUE(core.Idle());
@@ -238,15 +238,15 @@ TEST(DecodeCore, OneFailedReadCancelsTheOtherAndReportsOnlyAfterItEnds) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40, 2), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
-  core.OnReadCompleted(reads[0].read_id, UnavailableError("peer lost"), 1);
+  auto reads = Of<PostTransferAction>(core.TakeActions());
+  core.OnReadCompleted(reads[0].id, UnavailableError("peer lost"), 1);
   auto acts = core.TakeActions();
-  ASSERT_EQ(Of<CancelReadAction>(acts).size(), 1u);
-  EXPECT_EQ(Of<CancelReadAction>(acts)[0].read_id, reads[1].read_id);
+  ASSERT_EQ(Of<CancelTransferAction>(acts).size(), 1u);
+  EXPECT_EQ(Of<CancelTransferAction>(acts)[0].id, reads[1].id);
   EXPECT_TRUE(Of<ReportLoadFailedAction>(acts).empty());
   ASSERT_EQ(ReadDones(acts).size(), 1u);
   EXPECT_EQ(ReadDones(acts)[0].outcome, ReadOutcome::kFailed);
-  core.OnReadCompleted(reads[1].read_id, OkStatus(), 2);  // landed before the cancel took
+  core.OnReadCompleted(reads[1].id, OkStatus(), 2);  // landed before the cancel took
   acts = core.TakeActions();
   ASSERT_EQ(Of<ReportLoadFailedAction>(acts).size(), 1u);
   EXPECT_EQ(Of<ReportLoadFailedAction>(acts)[0].status.code(), StatusCode::kUnavailable);
@@ -258,12 +258,12 @@ TEST(DecodeCore, ReadTimeoutCancelsThenFails) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", kTable, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   core.OnTick(kRead);
   auto acts = core.TakeActions();
-  ASSERT_EQ(Of<CancelReadAction>(acts).size(), 1u);
+  ASSERT_EQ(Of<CancelTransferAction>(acts).size(), 1u);
   EXPECT_TRUE(Of<ReportLoadFailedAction>(acts).empty());
-  core.OnReadCompleted(reads[0].read_id, CancelledError("cancelled"), kRead + 1);
+  core.OnReadCompleted(reads[0].id, CancelledError("cancelled"), kRead + 1);
   auto fails = Of<ReportLoadFailedAction>(core.TakeActions());
   ASSERT_EQ(fails.size(), 1u);
   EXPECT_EQ(fails[0].status.code(), StatusCode::kDeadlineExceeded);

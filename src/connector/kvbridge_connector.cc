@@ -523,16 +523,10 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   // ---- ConnectorSink: what the logic asks, performed on the agents. ----
 
   Status PostTransfer(const TransferAction& t) override {
-    if (const auto* r = std::get_if<PostReadAction>(&t)) {
-      PeerState* peer = Ready(r->prefill);
-      if (peer == nullptr) return QueueBehindPeer(r->prefill, *r);
-      timeline_.Mark(false, r->transfer_id, "read_posted");
-      return PostRead(*r, peer->agent_name);
-    }
-    const auto& w = std::get<PostWriteAction>(t);
-    PeerState* peer = Ready(w.decode);
-    if (peer == nullptr) return QueueBehindPeer(w.decode, w);
-    return PostWrite(w, peer->agent_name);
+    PeerState* peer = Ready(t.peer);
+    if (peer == nullptr) return QueueBehindPeer(t.peer, t);
+    if (t.op == KvTransferMode::kRead) timeline_.Mark(false, t.transfer_id, "read_posted");
+    return Post(t, peer->agent_name);
   }
 
   Status CancelTransfer(KvTransferMode op, uint64_t id) override {
@@ -545,11 +539,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     for (auto& [key, peer] : peers_) {
       auto& q = peer.queued;
       auto qi = std::find_if(q.begin(), q.end(), [&](const ConnectorAction& x) {
-        if (const auto* pr = std::get_if<PostReadAction>(&x))
-          return op == KvTransferMode::kRead && pr->read_id == id;
-        if (const auto* pw = std::get_if<PostWriteAction>(&x))
-          return op == KvTransferMode::kWrite && pw->write_id == id;
-        return false;
+        const auto* t = std::get_if<PostTransferAction>(&x);
+        return t != nullptr && t->op == op && t->id == id;
       });
       if (qi != q.end()) {
         q.erase(qi);
@@ -674,11 +665,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       KVB_LOG_WARN("kv connector: {}", e.agent_name.status().ToString());
       peers_.erase(it);  // the next request retries the fetch
       for (ConnectorAction& a : queued) {
-        if (auto* r = std::get_if<PostReadAction>(&a)) {
-          logic_.OnTransferEnded(KvTransferMode::kRead, r->read_id, e.agent_name.status(), now);
-        } else if (auto* w = std::get_if<PostWriteAction>(&a)) {
-          logic_.OnTransferEnded(KvTransferMode::kWrite, w->write_id, e.agent_name.status(), now);
-        }
+        if (auto* t = std::get_if<PostTransferAction>(&a))
+          logic_.OnTransferEnded(t->op, t->id, e.agent_name.status(), now);
         // Messages to an unreachable prefill are dropped: its lease frees the hold.
       }
       return;
@@ -690,12 +678,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         Send(*s);
         continue;
       }
-      TransferAction t = std::holds_alternative<PostReadAction>(a)
-                             ? TransferAction(std::get<PostReadAction>(a))
-                             : TransferAction(std::get<PostWriteAction>(a));
-      if (Status st = PostTransfer(t); !st.ok()) {
-        logic_.OnTransferEnded(TransferOp(t), TransferId(t), st, now);
-      }
+      const auto& t = std::get<PostTransferAction>(a);
+      if (Status st = PostTransfer(t); !st.ok()) logic_.OnTransferEnded(t.op, t.id, st, now);
     }
   }
 
@@ -909,20 +893,33 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     return OkStatus();
   }
 
-  // Prepares and posts a READ or WRITE on local rank `rank`'s agent; the watcher reports its end.
-  // Not OK: it did not start.
-  Status Post(KvTransferMode op, uint64_t id, int rank, const xfer::TransferSpec& spec,
-              xfer::PostOptions po, int32_t first_local_block) {
-    xfer::TransferAgent* agent = AgentFor(rank);
+  // Prepares and posts a READ or WRITE on its local rank's agent, to the peer agent `peer`; the
+  // watcher reports its end. Not OK: it did not start.
+  Status Post(const PostTransferAction& t, const std::string& peer) {
+    xfer::TransferAgent* agent = AgentFor(t.local_rank);
     if (agent == nullptr)
-      return InternalError("no transfer agent for rank " + std::to_string(rank));
+      return InternalError("no transfer agent for rank " + std::to_string(t.local_rank));
+    const bool read = t.op == KvTransferMode::kRead;
+    xfer::TransferSpec spec;
+    spec.op = read ? xfer::TransferOp::kRead : xfer::TransferOp::kWrite;
+    spec.peer = peer;
+    spec.layer = t.layer;
+    for (size_t i = 0; i < t.local_block_ids.size(); ++i) {
+      spec.blocks.push_back({t.local_block_ids[i], t.remote_block_ids[i]});
+    }
+    SetHeadSlice(t, spec);
+    xfer::PostOptions po;
+    po.transfer_id = t.transfer_id;
+    if (t.notification) po.notification = EncodeMessage(*t.notification);
+    const int32_t first_local_block =
+        read && !t.local_block_ids.empty() ? t.local_block_ids[0] : -1;
     ASSIGN_OR_RETURN(auto prepared, agent->Prepare(spec));
     const uint64_t bytes = prepared->bytes();
     ASSIGN_OR_RETURN(xfer::TransferHandle h, agent->Post(prepared, po));
-    handles_[{op, id}] = Posted{h, bytes, first_local_block, SteadyNow()};
-    (op == KvTransferMode::kRead ? reads_inflight_ : writes_inflight_) += 1;
+    handles_[{t.op, t.id}] = Posted{h, bytes, first_local_block, SteadyNow()};
+    (read ? reads_inflight_ : writes_inflight_) += 1;
     impl_->reads_inflight.store(reads_inflight_);
-    watcher_->Add(op, id, h);
+    watcher_->Add(t.op, t.id, h);
     return OkStatus();
   }
 
@@ -930,35 +927,6 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     (it->first.first == KvTransferMode::kRead ? reads_inflight_ : writes_inflight_) -= 1;
     handles_.erase(it);
     impl_->reads_inflight.store(reads_inflight_);
-  }
-
-  Status PostRead(const PostReadAction& r, const std::string& peer) {
-    xfer::TransferSpec spec;
-    spec.op = xfer::TransferOp::kRead;
-    spec.peer = peer;
-    for (size_t i = 0; i < r.local_block_ids.size(); ++i) {
-      spec.blocks.push_back({r.local_block_ids[i], r.remote_block_ids[i]});
-    }
-    SetHeadSlice(r, spec);
-    xfer::PostOptions po;
-    po.transfer_id = r.transfer_id;
-    return Post(KvTransferMode::kRead, r.read_id, r.decode_rank, spec, po,
-                r.local_block_ids.empty() ? -1 : r.local_block_ids[0]);
-  }
-
-  Status PostWrite(const PostWriteAction& w, const std::string& peer) {
-    xfer::TransferSpec spec;
-    spec.op = xfer::TransferOp::kWrite;
-    spec.peer = peer;
-    spec.layer = w.layer;
-    for (size_t i = 0; i < w.local_block_ids.size(); ++i) {
-      spec.blocks.push_back({w.local_block_ids[i], w.remote_block_ids[i]});
-    }
-    RETURN_IF_ERROR(SetWriteHeadSlice(w, spec));
-    xfer::PostOptions po;
-    po.transfer_id = w.transfer_id;
-    if (w.notification) po.notification = EncodeMessage(*w.notification);
-    return Post(KvTransferMode::kWrite, w.write_id, w.prefill_rank, spec, po, -1);
   }
 
   void SendMessage(const SendMessageAction& s) {
@@ -1051,14 +1019,20 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     return 0;
   }
 
-  // A READ of a head slice (the TP plan): the same head range inside each K and V half block.
-  void SetHeadSlice(const PostReadAction& r, xfer::TransferSpec& spec) const {
-    if (r.head_count <= 0) return;
+  // A head slice (the TP plan, from the core): the same head range inside each K and V half
+  // block; src is the prefill side (remote for a READ, local for a WRITE).
+  void SetHeadSlice(const PostTransferAction& t, xfer::TransferSpec& spec) const {
+    if (t.head_count <= 0) return;
     const PagedKvLayout& l = hooks_.kv_view.layout;  // block_size/head_dim/dtype equal on all ranks
-    const xfer::ByteRange src = xfer::HeadRangeBytes(l, r.src_head_begin, r.head_count);
-    const xfer::ByteRange dst = xfer::HeadRangeBytes(l, r.dst_head_begin, r.head_count);
-    spec.remote_range = src;
-    spec.local_range = dst;
+    const xfer::ByteRange src = xfer::HeadRangeBytes(l, t.src_head_begin, t.head_count);
+    const xfer::ByteRange dst = xfer::HeadRangeBytes(l, t.dst_head_begin, t.head_count);
+    if (t.op == KvTransferMode::kRead) {
+      spec.remote_range = src;
+      spec.local_range = dst;
+    } else {
+      spec.local_range = src;
+      spec.remote_range = dst;
+    }
   }
 
   // Checks the engine's rank hooks against the TP plan's head split and starts the agents of
@@ -1120,32 +1094,6 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
 
   void Wake() {
     if (hooks_.wake) hooks_.wake();
-  }
-
-  // ---- WRITE mode: the TP plan's head slices. ----
-
-  // A WRITE with TP: the head slice of the TP plan that decode rank w.decode.rank reads from
-  // prefill rank w.prefill_rank, inside each K and V half block on both sides (whole blocks
-  // when both halves are whole).
-  Status SetWriteHeadSlice(const PostWriteAction& w, xfer::TransferSpec& spec) const {
-    if (EngineTp(hooks_) == 1 && w.decode_tp_size == 1) return OkStatus();
-    const PagedKvLayout& l = hooks_.kv_view.layout;
-    ASSIGN_OR_RETURN(TpPlan plan, PlanTpTransfer({.prefill_tp = EngineTp(hooks_),
-                                                  .decode_tp = w.decode_tp_size,
-                                                  .num_kv_heads = GlobalKvHeads(hooks_),
-                                                  .head_dim = l.head_dim,
-                                                  .block_size = l.block_size,
-                                                  .dtype_bytes = 1}));
-    for (const TpSlice& s : plan.slices) {
-      if (s.decode_rank != w.decode.rank || s.prefill_rank != w.prefill_rank) continue;
-      if (s.src_whole && s.dst_whole) return OkStatus();
-      spec.local_range = xfer::HeadRangeBytes(l, s.src_head_begin, s.head_count);
-      spec.remote_range = xfer::HeadRangeBytes(l, s.dst_head_begin, s.head_count);
-      return OkStatus();
-    }
-    return InternalError("the TP plan has no slice from prefill rank " +
-                         std::to_string(w.prefill_rank) + " to decode rank " +
-                         std::to_string(w.decode.rank));
   }
 
   // What the agents' hold check lets a peer touch: READs of blocks held for a READ transfer

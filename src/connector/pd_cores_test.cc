@@ -28,7 +28,7 @@ struct Pipe {
         }
       }
       for (auto& a : da) {
-        if (auto* r = std::get_if<PostReadAction>(&a)) reads.push_back(r->read_id);
+        if (auto* r = std::get_if<PostTransferAction>(&a)) reads.push_back(r->id);
         if (auto* d = std::get_if<ReportLoadDoneAction>(&a)) loads_done.push_back(d->request_id);
         if (auto* s = std::get_if<SendMessageAction>(&a)) {
           if (auto* rd = std::get_if<ReadDoneMsg>(&s->msg)) prefill.OnReadDone(*rd, 1, now);

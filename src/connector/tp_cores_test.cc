@@ -185,20 +185,20 @@ TEST(DecodeCoreTp, ReadsThePlansHeadSlicesAndNotifiesEachSourceRank) {
   DecodeCore core = MakeDecode(1, 4);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(2), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
-  EXPECT_EQ(reads[0].prefill.rank, 0);
+  EXPECT_EQ(reads[0].peer.rank, 0);
   EXPECT_EQ(reads[0].src_head_begin, 0);
   EXPECT_EQ(reads[0].dst_head_begin, 0);
   EXPECT_EQ(reads[0].head_count, 2);
-  EXPECT_EQ(reads[1].prefill.rank, 1);
+  EXPECT_EQ(reads[1].peer.rank, 1);
   EXPECT_EQ(reads[1].src_head_begin, 0);
   EXPECT_EQ(reads[1].dst_head_begin, 2);
   EXPECT_EQ(reads[1].head_count, 2);
   EXPECT_EQ(reads[1].local_block_ids, (std::vector<int32_t>{20, 21, 22}));
   EXPECT_EQ(reads[1].remote_block_ids, (std::vector<int32_t>{100, 101, 102}));
-  core.OnReadCompleted(reads[0].read_id, OkStatus(), 1);
-  core.OnReadCompleted(reads[1].read_id, OkStatus(), 1);
+  core.OnReadCompleted(reads[0].id, OkStatus(), 1);
+  core.OnReadCompleted(reads[1].id, OkStatus(), 1);
   auto dones = ReadDones(core.TakeActions());
   ASSERT_EQ(dones.size(), 2u);
   EXPECT_EQ(dones[0].prefill_rank, 0);
@@ -228,11 +228,11 @@ TEST(DecodeCoreTp, HomogeneousTpReadsWholeBlocksRankToRank) {
   DecodeCore core = MakeDecode(2, 4);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(2), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(reads[r].decode_rank, r);
-    EXPECT_EQ(reads[r].prefill.rank, r);
+    EXPECT_EQ(reads[r].local_rank, r);
+    EXPECT_EQ(reads[r].peer.rank, r);
     EXPECT_EQ(reads[r].head_count, 0);  // whole blocks
   }
 }
@@ -241,10 +241,10 @@ TEST(DecodeCoreTp, DecodeTp2FromPrefillTp1ReadsSubRangesOfOneRank) {
   DecodeCore core = MakeDecode(2, 4);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(1), 40, 0, 0).ok());
   core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
-  auto reads = Of<PostReadAction>(core.TakeActions());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
-  EXPECT_EQ(reads[1].decode_rank, 1);
-  EXPECT_EQ(reads[1].prefill.rank, 0);
+  EXPECT_EQ(reads[1].local_rank, 1);
+  EXPECT_EQ(reads[1].peer.rank, 0);
   EXPECT_EQ(reads[1].src_head_begin, 2);
   EXPECT_EQ(reads[1].dst_head_begin, 0);
   EXPECT_EQ(reads[1].head_count, 2);
@@ -274,10 +274,10 @@ TEST(TpCores, EndToEndEveryPairNotifiesAndTheHoldIsFreedOnce) {
     ASSERT_TRUE(p.OnRequestFinished("req", "t1", kBlocks, 0));
     ASSERT_TRUE(d.OnRequestAdded("a", Params(c.tp), 40, 0, 0).ok());
     d.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
-    auto reads = Of<PostReadAction>(d.TakeActions());
+    auto reads = Of<PostTransferAction>(d.TakeActions());
     int freed = 0, done = 0;
     for (size_t i = 0; i < reads.size(); ++i) {
-      d.OnReadCompleted(reads[i].read_id, OkStatus(), 1);
+      d.OnReadCompleted(reads[i].id, OkStatus(), 1);
       for (const ReadDoneMsg& m : ReadDones(d.TakeActions())) {
         EXPECT_EQ(freed, 0) << "freed before the last pair notified";
         p.OnReadDone(m, 1, 2);
@@ -315,13 +315,14 @@ KvTransferParams WriteParams(int prefill_tp) {
   return p;
 }
 
-WritePrefillRanks MakeWritePrefill(int tp, int heads) {
-  return WritePrefillRanks({.engine_id = "p0",
-                            .tp_size = tp,
-                            .num_kv_heads = heads,
-                            .block_size = 16,
-                            .num_layers = kWriteLayers,
-                            .lease = kLease});
+WritePrefillCore MakeWritePrefill(int tp, int heads) {
+  return WritePrefillCore({.engine_id = "p0",
+                           .tp_size = tp,
+                           .all_ranks = true,
+                           .num_kv_heads = heads,
+                           .block_size = 16,
+                           .num_layers = kWriteLayers,
+                           .lease = kLease});
 }
 
 WriteDecodeCore MakeWriteDecode(int tp, int heads) {
@@ -342,7 +343,7 @@ std::vector<M> Msgs(const std::vector<ConnectorAction>& acts) {
 }
 
 // Delivers decode -> prefill messages.
-void Deliver(WritePrefillRanks& p, const std::vector<ConnectorAction>& decode_acts, TimePoint now) {
+void Deliver(WritePrefillCore& p, const std::vector<ConnectorAction>& decode_acts, TimePoint now) {
   for (const auto& s : Of<SendMessageAction>(decode_acts)) {
     if (auto* wb = std::get_if<WriteBlocksMsg>(&s.msg)) p.OnWriteBlocks(*wb, now);
     if (auto* wc = std::get_if<WriteCancelMsg>(&s.msg)) p.OnWriteCancel(*wc, now);
@@ -392,7 +393,7 @@ TEST(WriteCoresTp, DecodeSkipsThePrefillRanksThePlanWritesNothingFrom) {
 }
 
 TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheLastWrite) {
-  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WritePrefillCore p = MakeWritePrefill(4, 2);
   WriteDecodeCore d = MakeWriteDecode(1, 2);
   ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
   ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 0).ok());
@@ -400,16 +401,16 @@ TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheL
   EXPECT_TRUE(p.TakeActions().empty());
   d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
   Deliver(p, d.TakeActions(), 2);
-  std::vector<PostWriteAction> writes;
+  std::vector<PostTransferAction> writes;
   for (int l = 0; l < kWriteLayers; ++l) {
     p.OnLayerComputed("p-1", l, kPrefillTable, 3);
-    for (const auto& w : Of<PostWriteAction>(p.TakeActions())) writes.push_back(w);
+    for (const auto& w : Of<PostTransferAction>(p.TakeActions())) writes.push_back(w);
   }
   // Two layers from each writing rank (0 and 2), none from the replicas.
   ASSERT_EQ(writes.size(), 4u);
   for (const auto& w : writes) {
-    EXPECT_TRUE(w.prefill_rank == 0 || w.prefill_rank == 2) << w.prefill_rank;
-    EXPECT_EQ(w.decode.rank, 0);
+    EXPECT_TRUE(w.local_rank == 0 || w.local_rank == 2) << w.local_rank;
+    EXPECT_EQ(w.peer.rank, 0);
   }
   // Finished with writes in flight: held (by ranks 0 and 2 only).
   EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 4));
@@ -418,7 +419,7 @@ TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheL
   std::vector<WriteDoneMsg> dones;
   for (size_t i = 0; i < writes.size(); ++i) {
     EXPECT_TRUE(freed.empty()) << "freed before the last writing pair drained";
-    p.OnWriteCompleted(writes[i].write_id, OkStatus(), 5 + static_cast<TimePoint>(i));
+    p.OnWriteCompleted(writes[i].id, OkStatus(), 5 + static_cast<TimePoint>(i));
     auto acts = p.TakeActions();
     for (const auto& f : Freed(acts)) freed.push_back(f);
     // Layer 1's WRITEs were posted with layer 0's in flight: WriteDone follows as a message.
@@ -442,8 +443,8 @@ TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheL
   EXPECT_EQ(c.notifications_ignored, 0);
   EXPECT_EQ(c.holds, 2);
   EXPECT_EQ(c.holds_freed, 2);
-  EXPECT_EQ(p.rank(1).counters().holds, 0);
-  EXPECT_EQ(p.rank(3).counters().holds, 0);
+  EXPECT_EQ(p.rank_counters(1).holds, 0);
+  EXPECT_EQ(p.rank_counters(3).holds, 0);
   EXPECT_TRUE(p.Idle());
   EXPECT_TRUE(d.Idle());
 }
@@ -451,7 +452,7 @@ TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheL
 TEST(WriteCoresTp, ALateSkipIsWhatFreesTheReplicaRanksHold) {
   // The prefill finishes before any decode message: every rank holds (the decode's TP is not
   // known yet). The writing ranks drain first; the free comes exactly when the last skip lands.
-  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WritePrefillCore p = MakeWritePrefill(4, 2);
   WriteDecodeCore d = MakeWriteDecode(1, 2);
   ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
   EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 1));
@@ -460,11 +461,11 @@ TEST(WriteCoresTp, ALateSkipIsWhatFreesTheReplicaRanksHold) {
   ASSERT_EQ(skips.size(), 2u);
   d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 2);
   Deliver(p, d.TakeActions(), 3);  // the block ids: one all-layer WRITE per writing rank
-  auto writes = Of<PostWriteAction>(p.TakeActions());
+  auto writes = Of<PostTransferAction>(p.TakeActions());
   ASSERT_EQ(writes.size(), 2u);
   for (const auto& w : writes) {
     EXPECT_EQ(w.layer, -1);
-    p.OnWriteCompleted(w.write_id, OkStatus(), 4);
+    p.OnWriteCompleted(w.id, OkStatus(), 4);
     ASSERT_TRUE(w.notification.has_value());
     d.OnWriteDone(*w.notification, 4);
   }
@@ -491,7 +492,7 @@ TEST(WriteCoresTp, ALateSkipIsWhatFreesTheReplicaRanksHold) {
 TEST(WriteCoresTp, WithoutTheSkipAReplicaRankHoldsUntilTheLease) {
   // The safety net still works (and shows what the skip saves): rank 3's skip is lost, so the
   // engine's blocks stay held until rank 3's lease fires.
-  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WritePrefillCore p = MakeWritePrefill(4, 2);
   WriteDecodeCore d = MakeWriteDecode(1, 2);
   ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
   ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 0).ok());
@@ -501,8 +502,8 @@ TEST(WriteCoresTp, WithoutTheSkipAReplicaRankHoldsUntilTheLease) {
   d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
   Deliver(p, d.TakeActions(), 1);
   EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 2));
-  for (const auto& w : Of<PostWriteAction>(p.TakeActions())) {
-    p.OnWriteCompleted(w.write_id, OkStatus(), 3);
+  for (const auto& w : Of<PostTransferAction>(p.TakeActions())) {
+    p.OnWriteCompleted(w.id, OkStatus(), 3);
   }
   EXPECT_TRUE(Freed(p.TakeActions()).empty());
   p.OnTick(2 + kLease - 1);
@@ -510,13 +511,13 @@ TEST(WriteCoresTp, WithoutTheSkipAReplicaRankHoldsUntilTheLease) {
   p.OnTick(2 + kLease);
   EXPECT_EQ(Freed(p.TakeActions()), (std::vector<std::string>{"p-1"}));
   EXPECT_EQ(p.counters().lease_expired, 1);
-  EXPECT_EQ(p.rank(3).counters().lease_expired, 1);
+  EXPECT_EQ(p.rank_counters(3).lease_expired, 1);
 }
 
 TEST(WriteCoresTp, ASkipNamingAWritingRankOrAnotherTpIsNotASettlement) {
   // Rank 0 writes to decode rank 0 at Td = 1: a skip is that pair's "nothing needed", not the
   // replica settlement. A replica's skip for a second Td after the first is ignored.
-  WritePrefillRanks p = MakeWritePrefill(4, 2);
+  WritePrefillCore p = MakeWritePrefill(4, 2);
   ASSERT_TRUE(p.OnRequestAdded("p-1", 1, "w1", 40, 0).ok());
   WriteCancelMsg skip{.transfer_id = "w1",
                       .prefill_engine_id = "p0",

@@ -46,7 +46,7 @@ std::vector<WriteBlocksMsg> TakeWriteBlocks(WriteDecodeCore& decode) {
 }
 
 struct Posted {
-  PostWriteAction a;
+  PostTransferAction a;
   bool cancelled = false;
 };
 
@@ -74,8 +74,8 @@ struct Pipe {
       for (auto& a : pa) {
         if (auto* f = std::get_if<ReportBlocksFreeAction>(&a))
           prefill_freed.push_back(f->request_id);
-        if (auto* w = std::get_if<PostWriteAction>(&a)) writes[w->write_id] = Posted{*w};
-        if (auto* c = std::get_if<CancelWriteAction>(&a)) writes.at(c->write_id).cancelled = true;
+        if (auto* w = std::get_if<PostTransferAction>(&a)) writes[w->id] = Posted{*w};
+        if (auto* c = std::get_if<CancelTransferAction>(&a)) writes.at(c->id).cancelled = true;
         if (auto* s = std::get_if<SendMessageAction>(&a)) to_decode.push_back(s->msg);
       }
       for (auto& a : da) {
@@ -150,10 +150,10 @@ TEST(WriteCores, BlockIdsFirstThenPerLayerWritesThenDone) {
     p.prefill.OnLayerComputed("p-1", l, kPrefillTable, 10 + l);
     p.Pump(10 + l);
     ASSERT_EQ(p.writes.size(), static_cast<size_t>(l + 1));
-    const PostWriteAction& w = p.writes.rbegin()->second.a;
+    const PostTransferAction& w = p.writes.rbegin()->second.a;
     EXPECT_EQ(w.layer, l);
     EXPECT_EQ(w.transfer_id, "x1");
-    EXPECT_EQ(w.decode.engine_id, "d0");
+    EXPECT_EQ(w.peer.engine_id, "d0");
     EXPECT_EQ(w.local_block_ids, kPrefillTable);
     EXPECT_EQ(w.remote_block_ids, kDecodeTable);
   }
@@ -195,7 +195,7 @@ TEST(WriteCores, RequestFirstComputedBeforeBlockIdsWritesAllLayersAtOnce) {
   p.decode.OnBlocksAllocated("d-1", std::vector<int32_t>{7, 8, 9}, 16, 23, 4);
   p.Pump(4);
   ASSERT_EQ(p.writes.size(), 1u);
-  const PostWriteAction& w = p.writes.begin()->second.a;
+  const PostTransferAction& w = p.writes.begin()->second.a;
   EXPECT_EQ(w.layer, -1);  // every layer in one transfer
   EXPECT_EQ(w.local_block_ids, (std::vector<int32_t>{11, 12}));
   EXPECT_EQ(w.remote_block_ids, (std::vector<int32_t>{8, 9}));
@@ -501,8 +501,8 @@ TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
   std::vector<uint64_t> ids;
   std::optional<WriteDoneMsg> first_done;
   for (auto& a : prefill.TakeActions()) {
-    ids.push_back(std::get<PostWriteAction>(a).write_id);
-    first_done = std::get<PostWriteAction>(a).notification;
+    ids.push_back(std::get<PostTransferAction>(a).id);
+    first_done = std::get<PostTransferAction>(a).notification;
   }
   ASSERT_EQ(ids.size(), 1u);
   prefill.OnWriteCompleted(ids[0], OkStatus(), 3);
@@ -514,12 +514,12 @@ TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
   prefill.OnWriteBlocks(wbs[1], 4);
   auto acts = prefill.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
-  const auto& w = std::get<PostWriteAction>(acts[0]);
-  EXPECT_EQ(w.decode.rank, 1);
+  const auto& w = std::get<PostTransferAction>(acts[0]);
+  EXPECT_EQ(w.peer.rank, 1);
   EXPECT_EQ(w.layer, -1);
   ASSERT_TRUE(w.notification.has_value());
   const WriteDoneMsg second_done = *w.notification;
-  prefill.OnWriteCompleted(w.write_id, OkStatus(), 5);
+  prefill.OnWriteCompleted(w.id, OkStatus(), 5);
   acts = prefill.TakeActions();
   ASSERT_EQ(acts.size(), 1u);  // the blocks are free (WriteDone rode on the WRITE)
   EXPECT_TRUE(std::holds_alternative<ReportBlocksFreeAction>(acts[0]));
@@ -583,13 +583,13 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
   p0.OnLayerComputed("p-1", 0, kPrefillTable, 2);
   acts = p0.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
-  const auto& w = std::get<PostWriteAction>(acts[0]);
-  EXPECT_EQ(w.decode.rank, 0);
+  const auto& w = std::get<PostTransferAction>(acts[0]);
+  EXPECT_EQ(w.peer.rank, 0);
   EXPECT_EQ(w.local_block_ids, std::vector<int32_t>(kPrefillTable.begin(), kPrefillTable.end()));
   EXPECT_EQ(w.remote_block_ids, std::vector<int32_t>(kDecodeTable.begin(), kDecodeTable.end()));
   ASSERT_TRUE(w.notification.has_value());
   const WriteDoneMsg done = *w.notification;
-  p0.OnWriteCompleted(w.write_id, OkStatus(), 3);
+  p0.OnWriteCompleted(w.id, OkStatus(), 3);
   EXPECT_FALSE(p0.OnRequestFinished("p-1", kPrefillTable, 3));  // complete: free at once
   EXPECT_EQ(p0.counters().transfers_completed, 1);
   decode.OnWriteDone(done, 3);
@@ -611,8 +611,12 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
 TEST(WriteCores, PrefillRanksHoldTheSharedBlocksUntilTheLastRankIsDone) {
   // Prefill tp 2 -> decode tp 2, 2 KV heads: pairs (0 <- 0) and (1 <- 1). The engine's one block
   // table is freed once, after both ranks' writes landed; the decode goes on after both.
-  WritePrefillRanks prefill(
-      {.engine_id = "p0", .tp_size = 2, .num_kv_heads = 2, .block_size = 16, .num_layers = 1});
+  WritePrefillCore prefill({.engine_id = "p0",
+                            .tp_size = 2,
+                            .all_ranks = true,
+                            .num_kv_heads = 2,
+                            .block_size = 16,
+                            .num_layers = 1});
   WriteDecodeCore decode({.engine_id = "d0", .tp_size = 2, .num_kv_heads = 2, .block_size = 16});
   KvTransferParams params = WriteParams("x1");
   params.tp_size = 2;
@@ -627,24 +631,24 @@ TEST(WriteCores, PrefillRanksHoldTheSharedBlocksUntilTheLastRankIsDone) {
   }
   prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
   EXPECT_TRUE(prefill.OnRequestFinished("p-1", kPrefillTable, 2));
-  std::vector<PostWriteAction> ws;
-  for (auto& a : prefill.TakeActions()) ws.push_back(std::get<PostWriteAction>(a));
+  std::vector<PostTransferAction> ws;
+  for (auto& a : prefill.TakeActions()) ws.push_back(std::get<PostTransferAction>(a));
   ASSERT_EQ(ws.size(), 2u);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(ws[r].prefill_rank, r);
-    EXPECT_EQ(ws[r].decode.rank, r);
-    EXPECT_EQ(ws[r].decode_tp_size, 2);
-    EXPECT_EQ(ws[r].write_id >> WritePrefillRanks::kRankShift, static_cast<uint64_t>(r));
+    EXPECT_EQ(ws[r].local_rank, r);
+    EXPECT_EQ(ws[r].peer.rank, r);
+    EXPECT_EQ(ws[r].peer_tp_size, 2);
+    EXPECT_EQ(ws[r].id >> WritePrefillCore::kRankShift, static_cast<uint64_t>(r));
     ASSERT_TRUE(ws[r].notification.has_value());
     EXPECT_EQ(ws[r].notification->prefill_rank, r);
   }
   EXPECT_EQ(prefill.NumWritesInFlight(), 2);
-  prefill.OnWriteCompleted(ws[0].write_id, OkStatus(), 3);
+  prefill.OnWriteCompleted(ws[0].id, OkStatus(), 3);
   EXPECT_TRUE(prefill.TakeActions().empty());  // rank 1 still writes: still held
   EXPECT_EQ(prefill.NumHeldBlocks(), 3);
   decode.OnWriteDone(*ws[0].notification, 3);
   EXPECT_TRUE(decode.TakeActions().empty());  // one pair of two
-  prefill.OnWriteCompleted(ws[1].write_id, OkStatus(), 4);
+  prefill.OnWriteCompleted(ws[1].id, OkStatus(), 4);
   auto acts = prefill.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
   EXPECT_EQ(std::get<ReportBlocksFreeAction>(acts[0]).request_id, "p-1");
@@ -655,7 +659,7 @@ TEST(WriteCores, PrefillRanksHoldTheSharedBlocksUntilTheLastRankIsDone) {
   EXPECT_EQ(prefill.counters().transfers_completed, 2);
   EXPECT_EQ(prefill.counters().targets_ok, 2);
   // A completion for an unknown rank is counted, not routed.
-  prefill.OnWriteCompleted(uint64_t{7} << WritePrefillRanks::kRankShift, OkStatus(), 5);
+  prefill.OnWriteCompleted(uint64_t{7} << WritePrefillCore::kRankShift, OkStatus(), 5);
   EXPECT_EQ(prefill.counters().notifications_ignored, 1);
   EXPECT_TRUE(prefill.Idle());
   EXPECT_TRUE(decode.Idle());

@@ -243,7 +243,7 @@ class SimConnector final : public KvConnector, private ConnectorSink {
   void Push(InEvent e) { inbox_.push_back(std::move(e)); }
   const PrefillCore& prefill() const { return logic_.cores().prefill; }
   const DecodeCore& decode() const { return logic_.cores().decode; }
-  const WritePrefillRanks& wprefill() const { return logic_.cores().wprefill; }
+  const WritePrefillCore& wprefill() const { return logic_.cores().wprefill; }
   const WriteDecodeCore& wdecode() const { return logic_.cores().wdecode; }
   size_t num_ledger_held() const { return held_.size(); }
   size_t num_ledger_held_read() const {
@@ -401,10 +401,10 @@ class Sim {
 
   // Used by SimConnector.
   void Violate(ViolationKind kind, const std::string& message);
-  void PostRead(int engine, const PostReadAction& a);
+  void PostRead(int engine, const PostTransferAction& a);
   void DrawTpKnobs();
   void CancelRead(int engine, uint64_t read_id);
-  void PostWrite(int engine, const PostWriteAction& a);
+  void PostWrite(int engine, const PostTransferAction& a);
   void CancelWrite(int engine, uint64_t write_id);
   void CheckWriteLoad(int engine, const std::string& request_id, const std::string& transfer_id);
   void CheckReadsAtPrefillFree(int engine, const std::string& transfer_id, bool excused);
@@ -589,10 +589,10 @@ KvConnector::StepReport SimConnector::Poll(TimePoint now) {
 }
 
 Status SimConnector::PostTransfer(const TransferAction& t) {
-  if (const auto* r = std::get_if<PostReadAction>(&t)) {
-    sim_->PostRead(engine_, *r);
+  if (t.op == KvTransferMode::kRead) {
+    sim_->PostRead(engine_, t);
   } else {
-    sim_->PostWrite(engine_, std::get<PostWriteAction>(t));
+    sim_->PostWrite(engine_, t);
   }
   return OkStatus();  // every simulated transfer ends through the inbox
 }
@@ -1390,26 +1390,26 @@ void Sim::InjectJunk() {
 // ------------------------------------------------------------------------------------------
 // Transfers
 
-void Sim::PostRead(int engine, const PostReadAction& a) {
+void Sim::PostRead(int engine, const PostTransferAction& a) {
   ++result_.reads;
   Engine& d = engines_[engine];
   const uint64_t key = next_read_key_++;
   Read r;
   r.dst = engine;
   r.dst_inc = d.incarnation;
-  r.read_id = a.read_id;
+  r.read_id = a.id;
   r.request_id = a.request_id;
   r.transfer_id = a.transfer_id;
-  r.decode_rank = a.decode_rank;
-  r.prefill_rank = a.prefill.rank;
-  r.src = a.prefill.port - kPortBase;
+  r.decode_rank = a.local_rank;
+  r.prefill_rank = a.peer.rank;
+  r.src = a.peer.port - kPortBase;
   r.src_blocks = a.remote_block_ids;
   r.dst_blocks = a.local_block_ids;
   DurationUs dur = 200 + 20 * static_cast<DurationUs>(a.remote_block_ids.size()) + Uniform(0, 3000);
   if (r.src < 0 || r.src >= static_cast<int>(engines_.size()) || !engines_[r.src].up ||
-      engines_[r.src].engine_id != a.prefill.engine_id) {
+      engines_[r.src].engine_id != a.peer.engine_id) {
     r.tainted = true;
-    r.status = UnavailableError("no such peer " + a.prefill.engine_id);
+    r.status = UnavailableError("no such peer " + a.peer.engine_id);
     dur = Uniform(100, 3000);
   } else {
     const Engine& s = engines_[r.src];
@@ -1424,7 +1424,7 @@ void Sim::PostRead(int engine, const PostReadAction& a) {
     }
     DrawTransferFault(r.status, dur);
     pending_pairs_.insert(
-        {r.src, r.src_inc, a.transfer_id, d.engine_id, a.decode_rank, a.prefill.rank});
+        {r.src, r.src_inc, a.transfer_id, d.engine_id, a.local_rank, a.peer.rank});
   }
   for (int32_t b : r.dst_blocks) {
     if (b < 0 || b >= d.pool->num_blocks()) {
@@ -1434,8 +1434,8 @@ void Sim::PostRead(int engine, const PostReadAction& a) {
   }
   r.end_at = now_ + dur;
   Trace("xfer: %s posts READ %llu for %s: %zu blocks from %s (%.3fms%s)", d.engine_id.c_str(),
-        static_cast<unsigned long long>(a.read_id), a.request_id.c_str(), r.src_blocks.size(),
-        a.prefill.engine_id.c_str(), static_cast<double>(dur) / kMillisecond,
+        static_cast<unsigned long long>(a.id), a.request_id.c_str(), r.src_blocks.size(),
+        a.peer.engine_id.c_str(), static_cast<double>(dur) / kMillisecond,
         r.status.ok() ? "" : ", will fail");
   read_key_[{r.dst, r.dst_inc, r.read_id}] = key;
   const uint64_t v = r.version;
@@ -1502,22 +1502,22 @@ void Sim::EndRead(uint64_t key, uint64_t version) {
   Wake(r.dst);
 }
 
-void Sim::PostWrite(int engine, const PostWriteAction& a) {
+void Sim::PostWrite(int engine, const PostTransferAction& a) {
   ++result_.writes;
   const Engine& p = engines_[engine];
   const uint64_t key = next_read_key_++;
   Write w;
   w.src = engine;
   w.src_inc = p.incarnation;
-  w.write_id = a.write_id;
+  w.write_id = a.id;
   w.transfer_id = a.transfer_id;
-  w.decode_rank = a.decode.rank;
-  w.prefill_rank = a.prefill_rank;
+  w.decode_rank = a.peer.rank;
+  w.prefill_rank = a.local_rank;
   w.layer = a.layer;
   w.src_blocks = a.local_block_ids;
   w.dst_blocks = a.remote_block_ids;
   w.notification = a.notification;
-  w.dst = a.decode.port - kPortBase;
+  w.dst = a.peer.port - kPortBase;
   for (int32_t b : w.src_blocks) {
     if (b < 0 || b >= p.pool->num_blocks()) {
       Violate(ViolationKind::kCrash, "WRITE from a block out of range");
@@ -1527,8 +1527,8 @@ void Sim::PostWrite(int engine, const PostWriteAction& a) {
   }
   DurationUs dur = 100 + 10 * static_cast<DurationUs>(w.dst_blocks.size()) + Uniform(0, 1500);
   if (w.dst < 0 || w.dst >= static_cast<int>(engines_.size()) || !engines_[w.dst].up ||
-      engines_[w.dst].engine_id != a.decode.engine_id) {
-    w.status = UnavailableError("no such peer " + a.decode.engine_id);
+      engines_[w.dst].engine_id != a.peer.engine_id) {
+    w.status = UnavailableError("no such peer " + a.peer.engine_id);
     dur = Uniform(100, 3000);
   } else {
     const Engine& d = engines_[w.dst];
@@ -1544,8 +1544,8 @@ void Sim::PostWrite(int engine, const PostWriteAction& a) {
   }
   w.end_at = now_ + dur;
   Trace("xfer: %s posts WRITE %llx of %s layer %d: %zu blocks to %s rank %d (%.3fms%s%s)",
-        p.engine_id.c_str(), static_cast<unsigned long long>(a.write_id), a.transfer_id.c_str(),
-        a.layer, w.dst_blocks.size(), a.decode.engine_id.c_str(), a.decode.rank,
+        p.engine_id.c_str(), static_cast<unsigned long long>(a.id), a.transfer_id.c_str(), a.layer,
+        w.dst_blocks.size(), a.peer.engine_id.c_str(), a.peer.rank,
         static_cast<double>(dur) / kMillisecond, w.status.ok() ? "" : ", will fail",
         a.notification ? ", carries write_done" : "");
   write_key_[{w.src, w.src_inc, w.write_id}] = key;

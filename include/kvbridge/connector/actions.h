@@ -1,10 +1,12 @@
 // kvbridge/connector/actions.h — what the sans-IO connector cores ask their runtime to do.
 //
-// PrefillCore and DecodeCore (prefill_core.h, decode_core.h) take events (engine hooks, messages,
-// transfer completions, `now`) and queue actions; ConnectorLogic (connector_logic.h) drains them
-// with TakeActions() and performs them through its sink (the runtime or the simulator): posts/cancels READs on the transfer
-// agent, sends control messages, and turns the three Report* actions into the engine's
-// KvConnector::StepReport. None of the cores reads a clock, a socket or a thread.
+// The four protocol cores (prefill_core.h, decode_core.h, write_prefill_core.h,
+// write_decode_core.h) take events (engine hooks, messages, transfer completions, `now`) and
+// queue actions; ConnectorLogic (connector_logic.h) drains them with TakeActions() and performs
+// them through its sink (the runtime or the simulator): posts and cancels READs and WRITEs (one
+// PostTransferAction / CancelTransferAction kind for both), sends control messages, and turns the
+// three Report* actions into the engine's KvConnector::StepReport. None of the cores reads a
+// clock, a socket or a thread.
 //
 //   for (ConnectorAction& a : core.TakeActions()) std::visit(runtime_visitor, a);
 //
@@ -17,6 +19,7 @@
 #include <variant>
 #include <vector>
 
+#include "kvbridge/common/kv_transfer_mode.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/connector/messages.h"
 
@@ -32,27 +35,43 @@ struct PeerEndpoint {
   friend bool operator==(const PeerEndpoint&, const PeerEndpoint&) = default;
 };
 
-/// Decode: READ `remote_block_ids[i]` of `prefill` into local `local_block_ids[i]` (all layers of
-/// decode rank `decode_rank`'s heads). Report the end with DecodeCore::OnReadCompleted(read_id).
-/// With head_count > 0 only a head slice of each block moves (the TP plan, tp_plan.h): the
-/// prefill rank's heads [src_head_begin, +head_count) into the decode rank's [dst_head_begin,
-/// +head_count), rank-local indices, in both the K and the V half; 0: whole blocks.
-struct PostReadAction {
-  uint64_t read_id = 0;  ///< unique per DecodeCore, > 0
-  std::string request_id;
+/// Either side: start one transfer. Both modes have the same shape and the same TP strategy:
+/// one core per engine covers every rank, and each (prefill rank, decode rank) pair of the TP
+/// plan (tp_plan.h) is its own transfer, on the local rank's agent.
+///  - op kRead (the decode, READ mode): READ the prefill's blocks `remote_block_ids[i]` into the
+///    local `local_block_ids[i]`, every layer; its end is DecodeCore::OnReadCompleted(id).
+///  - op kWrite (the prefill, WRITE mode): WRITE local blocks `local_block_ids[i]` into the
+///    decode's `remote_block_ids[i]` for layer `layer` (-1: every layer); its end is
+///    WritePrefillCore::OnWriteCompleted(id).
+/// With head_count > 0 only a head slice of each block moves: the prefill rank's heads
+/// [src_head_begin, +head_count) into the decode rank's [dst_head_begin, +head_count) (src is
+/// always the prefill side, dst the decode side), rank-local indices, in both the K and the V
+/// half; 0: whole blocks. ConnectorLogic's sink reports the end as OnTransferEnded(op, id).
+struct PostTransferAction {
+  KvTransferMode op = KvTransferMode::kRead;
+  uint64_t id = 0;         ///< unique per op within one engine's cores, > 0
+  std::string request_id;  ///< kRead: the decode request that waits for it; kWrite: empty
   std::string transfer_id;
-  PeerEndpoint prefill;
-  int decode_rank = 0;
+  /// The remote rank: kRead the prefill rank read from, kWrite the decode rank written to.
+  PeerEndpoint peer;
+  int local_rank = 0;    ///< the local TP rank whose agent moves it (kRead decode, kWrite prefill)
+  int peer_tp_size = 1;  ///< the peer engine's TP size
+  int layer = -1;        ///< -1: every layer (always, for kRead)
   int src_head_begin = 0;
   int dst_head_begin = 0;
   int head_count = 0;
   std::vector<int32_t> local_block_ids;
   std::vector<int32_t> remote_block_ids;
+  /// kWrite only. When set (the target's last WRITE, nothing else in flight): send this
+  /// WriteDone to the decode as the transfer's notification, which the agent delivers only after
+  /// the data landed (and not at all when the WRITE fails or is cancelled).
+  std::optional<WriteDoneMsg> notification;
 };
-/// Decode: cancel READ `read_id`; its OnReadCompleted (status Cancelled or its real end) follows
-/// only once no more bytes can land.
-struct CancelReadAction {
-  uint64_t read_id = 0;
+/// Either side: cancel transfer `id` of `op`; its end (status Cancelled or its real end) is
+/// reported only once no more bytes can land.
+struct CancelTransferAction {
+  KvTransferMode op = KvTransferMode::kRead;
+  uint64_t id = 0;
 };
 /// Either side: send `msg`. A prefill's HoldReplyMsg goes back on the reply path of the ReadDone
 /// it answers (`reply_token`, as handed to PrefillCore::OnReadDone); other messages go to `to`.
@@ -77,31 +96,8 @@ struct ReportBlocksFreeAction {
   std::string request_id;
 };
 
-/// Prefill (WRITE mode): WRITE local blocks `local_block_ids[i]` into `decode`'s blocks
-/// `remote_block_ids[i]`, for layer `layer` (-1: every layer). Report the end with
-/// WritePrefillCore::OnWriteCompleted(write_id).
-struct PostWriteAction {
-  uint64_t write_id = 0;  ///< unique per WritePrefillCore, > 0
-  std::string transfer_id;
-  PeerEndpoint decode;  ///< engine_id / host / port / rank of the decode rank written to
-  int prefill_rank = 0;
-  int decode_tp_size = 1;  ///< the decode's TP size (with the TP plan: which head slice)
-  int layer = -1;
-  std::vector<int32_t> local_block_ids;
-  std::vector<int32_t> remote_block_ids;
-  /// When set (the target's last WRITE, nothing else in flight): send this WriteDone to the
-  /// decode as the transfer's notification, which the agent delivers only after the data landed
-  /// (and not at all when the WRITE fails or is cancelled).
-  std::optional<WriteDoneMsg> notification;
-};
-/// Prefill (WRITE mode): cancel write `write_id`; its OnWriteCompleted follows only once no more
-/// bytes can land.
-struct CancelWriteAction {
-  uint64_t write_id = 0;
-};
-
-using ConnectorAction = std::variant<PostReadAction, CancelReadAction, SendMessageAction,
-                                     ReportLoadDoneAction, ReportLoadFailedAction,
-                                     ReportBlocksFreeAction, PostWriteAction, CancelWriteAction>;
+using ConnectorAction =
+    std::variant<PostTransferAction, CancelTransferAction, SendMessageAction, ReportLoadDoneAction,
+                 ReportLoadFailedAction, ReportBlocksFreeAction>;
 
 }  // namespace kvbridge

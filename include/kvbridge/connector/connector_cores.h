@@ -1,7 +1,8 @@
 // kvbridge/connector/connector_cores.h — the four sans-IO protocol cores of one engine (READ
-// prefill, READ decode, WRITE prefill ranks, WRITE decode), built from one KvTransferConfig and
-// driven together. ConnectorLogic (connector_logic.h) owns one and maps the engine's hooks onto
-// it, for the runtime and the simulator alike: same options, same action order, same deadlines.
+// prefill, READ decode, WRITE prefill, WRITE decode; each covers every TP rank of the engine),
+// built from one KvTransferConfig and driven together. ConnectorLogic (connector_logic.h) owns one
+// and maps the engine's hooks onto it, for the runtime and the simulator alike: same options, same
+// action order, same deadlines.
 //
 //   ConnectorCores cores(config, {.engine_id = "p0-1a2b", .tp_size = 2, .num_kv_heads = 8,
 //                                 .block_size = 16, .num_layers = 32});
@@ -31,7 +32,7 @@ struct ConnectorCores {
   /// What the cores need to know of the engine (the rest comes from the KvTransferConfig).
   struct Shape {
     std::string engine_id;  ///< this engine incarnation
-    int rank = 0;           ///< the READ prefill core's rank (it serves all ranks anyway)
+    int rank = 0;           ///< this process's rank (the prefill cores serve all ranks anyway)
     int tp_size = 1;        ///< this engine's TP ranks, >= 1
     int num_kv_heads = 0;   ///< the model's global KV heads (0: they split evenly)
     int block_size = 16;    ///< tokens per KV block
@@ -59,8 +60,8 @@ struct ConnectorCores {
 
   PrefillCore prefill;
   DecodeCore decode;
-  WritePrefillRanks wprefill;  // WRITE mode, prefill side (one core per TP rank)
-  WriteDecodeCore wdecode;     // WRITE mode, decode side
+  WritePrefillCore wprefill;  // WRITE mode, prefill side
+  WriteDecodeCore wdecode;    // WRITE mode, decode side
 };
 
 }  // namespace kvbridge

@@ -9,9 +9,8 @@
 //   class Shell : public KvConnector, private ConnectorSink { ... };   // the driver
 //   ConnectorLogic logic(config, {.engine_id = id, .tp_size = 2, .block_size = 16}, &shell);
 //   ASSIGN_OR_RETURN(auto m, logic.GetNumNewMatchedTokens(req, 0, now));  // → sink.PostTransfer...
-//   logic.OnTransferEnded(KvTransferMode::kRead, read_id, OkStatus(), now);  // →
-//   sink.Send(ReadDone) KvConnector::StepReport r = logic.Poll(now);  // timers, then what the
-//   engine must hear
+//   logic.OnTransferEnded(KvTransferMode::kRead, id, OkStatus(), now);  // → sink.Send(ReadDone)
+//   KvConnector::StepReport r = logic.Poll(now);  // timers, then what the engine must hear
 //
 // Every entry point runs the cores, then performs their actions through the sink until none is
 // left (a transfer the sink could not start ends at once with the sink's status). A request's
@@ -43,13 +42,9 @@
 
 namespace kvbridge {
 
-/// A transfer to post: a READ (decode side, READ mode) or a WRITE (prefill side, WRITE mode).
-/// Its op is the mode of the cores that asked for it (TransferOp).
-using TransferAction = std::variant<PostReadAction, PostWriteAction>;
-/// KvTransferMode::kRead for a READ, kWrite for a WRITE.
-KvTransferMode TransferOp(const TransferAction& a);
-/// The action's read_id / write_id (unique per op within one engine's cores).
-uint64_t TransferId(const TransferAction& a);
+/// A transfer to post: a READ (decode side, READ mode) or a WRITE (prefill side, WRITE mode),
+/// one shape for both (actions.h); `op` and `id` name it in OnTransferEnded and CancelTransfer.
+using TransferAction = PostTransferAction;
 
 /// What the logic decided about one request, told to the sink before the actions that follow
 /// (a runtime's timeline, a simulator's ledger). It has no effect on the protocol.
@@ -72,8 +67,8 @@ class ConnectorSink {
  public:
   virtual ~ConnectorSink() = default;
   /// Starts a READ or WRITE. OK: it is under way and its end comes back through
-  /// ConnectorLogic::OnTransferEnded(op, id, ...). Not OK: it did not start; the logic ends it
-  /// with this status now (the sink never reports it).
+  /// ConnectorLogic::OnTransferEnded(transfer.op, transfer.id, ...). Not OK: it did not start; the
+  /// logic ends it with this status now (the sink never reports it).
   virtual Status PostTransfer(const TransferAction& transfer) = 0;
   /// Cancels transfer `id` of `op`. OK: its end (Cancelled or real) still comes back through
   /// OnTransferEnded, once no more bytes can land (or it is unknown: nothing). Not OK: it had not
@@ -133,7 +128,8 @@ class ConnectorLogic {
 
   // ---- Transport events. ----
 
-  /// Transfer `id` of `op` (TransferOp) ended: OK, or why not (Cancelled after CancelTransfer).
+  /// Transfer `id` of `op` (PostTransferAction::op / id) ended: OK, or why not (Cancelled after
+  /// CancelTransfer).
   void OnTransferEnded(KvTransferMode op, uint64_t id, const Status& status, TimePoint now);
   /// A control message from a peer; `reply_token` != 0 when the sender waits for a reply (a
   /// HoldReplyMsg goes back through Send with that token). Returns a release's result (NotFound
@@ -149,7 +145,7 @@ class ConnectorLogic {
   const ConnectorCores& cores() const { return cores_; }
   /// WRITE mode, for metrics: the decode's load timings and the prefill's per-target transfer
   /// times (µs) since the last call (WriteDecodeCore::TakeLoadTimings,
-  /// WritePrefillRanks::TakeTransferTimes).
+  /// WritePrefillCore::TakeTransferTimes).
   std::vector<WriteDecodeCore::LoadTiming> TakeWriteLoadTimings() {
     return cores_.wdecode.TakeLoadTimings();
   }

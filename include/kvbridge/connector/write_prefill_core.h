@@ -51,11 +51,14 @@
 
 namespace kvbridge {
 
-/// The prefill half of WRITE mode (one per prefill TP rank).
+/// The prefill half of WRITE mode: one core per engine (Options::all_ranks, every TP rank) or
+/// one rank's. Each rank keeps its own state machine (its own lease, parked messages and write
+/// ids: each rank's agent writes on its own); the engine's events go to every rank, a decode's
+/// block-id or cancel message to the rank it names. Counters are summed over the ranks.
 ///
-/// Transfer entry states: kCollecting (request and/or block-id messages present; writes posted
-/// as layers are computed) → kClosing (aborted, released or lease expired: in-flight writes are
-/// cancelled and every decode rank is told WriteDone(failed) once they drained) → gone (a
+/// Transfer entry states (per rank): kCollecting (request and/or block-id messages present; writes
+/// posted as layers are computed) → kClosing (aborted, released or lease expired: in-flight writes
+/// are cancelled and every decode rank is told WriteDone(failed) once they drained) → gone (a
 /// tombstone of TTL = lease remembers why, so late messages are answered consistently).
 /// A transfer completes when every expected decode rank has had WriteDone(ok) (or skipped). A
 /// rank that is the source of no slice for the decode's TP (replicated KV heads, Tp > Td) is
@@ -64,8 +67,14 @@ class WritePrefillCore {
  public:
   struct Options {
     std::string engine_id;  ///< this engine incarnation
-    int rank = 0;           ///< this TP rank
+    int rank = 0;           ///< this TP rank (ignored when all_ranks)
     int tp_size = 1;
+    /// true: one core for every rank of the engine, as PrefillCore's all_ranks (the ranks share
+    /// one block table; ConnectorCores, the runtime and the simulator use this): it takes
+    /// messages for any prefill rank in [0, tp_size), rank r's write ids count up from
+    /// (r << kRankShift) + 1, and the request's blocks are freed once, when the last rank that
+    /// held them lets go. false: the single rank `rank` (write ids from first_write_id).
+    bool all_ranks = false;
     /// The model's global KV heads, for the TP plan (tp_plan.h) that says which decode ranks
     /// this rank writes to (TpPlanPairs). 0: assume enough heads that they split evenly.
     int num_kv_heads = 0;
@@ -74,7 +83,7 @@ class WritePrefillCore {
     DurationUs lease = 60 * kSecond;
     int64_t max_parked_messages = 4096;
     int64_t max_tombstones = 65536;
-    uint64_t first_write_id = 1;  ///< write ids count up from here (>= 1)
+    uint64_t first_write_id = 1;  ///< write ids count up from here (>= 1; not all_ranks)
   };
   struct Counters {
     int64_t holds = 0;                ///< requests whose blocks were held at finish
@@ -95,13 +104,13 @@ class WritePrefillCore {
     int64_t compute_us_sum = 0;         ///< over completed transfers: first → last layer computed
   };
 
+  /// With all_ranks, a write id's prefill rank is `id >> kRankShift`.
+  static constexpr int kRankShift = 40;
+
   explicit WritePrefillCore(Options options);
-  /// Per target written completely: first WRITE posted → last WRITE done (µs), in order.
-  std::vector<int64_t> TakeTransferTimes() {
-    std::vector<int64_t> out;
-    out.swap(transfer_times_);
-    return out;
-  }
+  /// Per target written completely: first WRITE posted → last WRITE done (µs), in order (rank
+  /// by rank).
+  std::vector<int64_t> TakeTransferTimes();
 
   /// A parent request with do_remote_decode in write mode entered the engine. The prefill leg
   /// of a WRITE transfer carries n = 1 (the proxy's shape): InvalidArgument otherwise, and for a
@@ -117,7 +126,8 @@ class WritePrefillCore {
                        std::span<const int32_t> block_table, TimePoint now);
   /// The engine finished `request_id` (any reason but abort). True: hold its blocks until
   /// ReportBlocksFree(request_id) (writes pending, or the block-id messages not all in yet,
-  /// under the lease); false: free them now.
+  /// under the lease; with all_ranks one ReportBlocksFree follows, after the last holding
+  /// rank); false: free them now.
   bool OnRequestFinished(const std::string& request_id, std::span<const int32_t> block_ids,
                          TimePoint now);
   /// The engine aborted `request_id`. Cancels its writes and tells every decode rank
@@ -129,33 +139,37 @@ class WritePrefillCore {
   /// OnRequestAdded (still queued): answers its parked block-id messages WriteDone(failed
   /// "aborted") and remembers the transfer as aborted (TTL = lease) for later ones.
   void OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now);
-  /// A decode rank's block ids. Answered with WriteDone(failed) when the transfer was aborted,
-  /// released or expired, the incarnation is not ours, or the prompt does not match.
+  /// A decode rank's block ids, for the prefill rank the message names (out of range: refused).
+  /// Answered with WriteDone(failed) when the transfer was aborted, released or expired, the
+  /// incarnation is not ours, or the prompt does not match.
   void OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now);
   /// A decode rank stops (abort) or never needed writes (skip, want_done = false).
   void OnWriteCancel(const WriteCancelMsg& msg, TimePoint now);
-  /// Explicit release (the proxy: the decode leg failed). NotFound for another incarnation.
+  /// Explicit release (the proxy: the decode leg failed), on every rank. NotFound for another
+  /// incarnation.
   Status OnRelease(const ReleaseMsg& msg, TimePoint now);
   /// WRITE `write_id` ended: OK (landed at the decode) or an error / Cancelled (no more bytes).
+  /// An id of no rank here is counted as ignored.
   void OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now);
   /// Fires leases, write bounds and parked-message TTLs.
   void OnTick(TimePoint now);
 
   std::vector<ConnectorAction> TakeActions();
   std::optional<TimePoint> NextDeadline() const;
-  /// True when no transfer is registered and nothing is parked.
-  bool Idle() const { return transfers_.empty() && parked_.empty(); }
-  int64_t NumTransfers() const { return static_cast<int64_t>(transfers_.size()); }
-  int64_t NumParked() const { return static_cast<int64_t>(parked_.size()); }
+  /// True when no transfer is registered, nothing is parked and no blocks are held.
+  bool Idle() const;
+  int64_t NumTransfers() const;  ///< max over ranks
+  int64_t NumParked() const;     ///< sum over ranks
   /// True when `transfer_id` is registered or recently ended here (routes a proxy release).
-  bool Knows(const std::string& transfer_id) const {
-    return transfers_.count(transfer_id) > 0 || tombstones_.count(transfer_id) > 0;
-  }
-  /// Distinct blocks held for unfinished writes (requests finished and held).
+  bool Knows(const std::string& transfer_id) const;
+  /// Distinct blocks held for unfinished writes (requests finished and held; max over ranks:
+  /// they share one block table).
   int64_t NumHeldBlocks() const;
-  /// WRITEs posted and not yet completed.
-  int64_t NumWritesInFlight() const { return static_cast<int64_t>(writes_.size()); }
-  const Counters& counters() const { return counters_; }
+  /// WRITEs posted and not yet completed (sum over ranks).
+  int64_t NumWritesInFlight() const;
+  Counters counters() const;                   ///< sums over ranks
+  const Counters& rank_counters(int r) const;  ///< r indexes the ranks this core runs
+  int tp_size() const { return options_.tp_size; }
   const Options& options() const { return options_; }
 
  private:
@@ -202,94 +216,64 @@ class WritePrefillCore {
     TimePoint expires;
   };
 
-  void AddTarget(const std::string& tid, Transfer& t, const WriteBlocksMsg& msg, TimePoint now);
-  void ApplyCancel(const std::string& tid, Transfer& t, const WriteCancelMsg& msg, TimePoint now);
-  void PostLayer(const std::string& tid, Transfer& t, Target& g, int layer, TimePoint now);
-  void CancelTarget(Target& g, WriteOutcome outcome, std::string reason);
-  void Close(const std::string& tid, Transfer& t, CloseReason reason, TimePoint now);
-  void SendDone(const Transfer& t, Target& g, TimePoint now);
-  WriteDoneMsg MakeDone(const Transfer& t, const Target& g, TimePoint now) const;
-  void Reject(const WriteBlocksMsg& msg, std::string reason);
+  // One rank's state machine.
+  struct Rank {
+    int rank = 0;
+    uint64_t next_write_id = 1;
+    std::map<std::string, Transfer> transfers;               // transfer_id -> entry
+    std::map<std::string, std::string> request_to_transfer;  // request id -> transfer_id
+    std::map<uint64_t, std::pair<std::string, int>> writes;  // write id -> (tid, decode rank)
+    std::map<std::string, Tombstone> tombstones;
+    std::deque<std::pair<TimePoint, std::string>> tombstone_order;
+    std::multimap<std::string, Parked> parked;  // transfer_id -> parked, in order
+    // (transfer_id, decode engine, decode rank) settled by a WriteCancel(want_done) that came
+    // before its WriteBlocks; forgotten with the transfer's tombstone.
+    std::set<std::tuple<std::string, std::string, int>> overtaken_cancels;
+    std::vector<ConnectorAction> actions;
+    std::vector<int64_t> transfer_times;
+    Counters counters;
+  };
+
+  Status AddRequest(Rank& k, const std::string& request_id, const std::string& transfer_id,
+                    int num_prompt_tokens, TimePoint now);
+  bool Finish(Rank& k, const std::string& request_id, std::span<const int32_t> block_ids,
+              TimePoint now);
+  bool Abort(Rank& k, const std::string& request_id, TimePoint now);
+  void AbortQueued(Rank& k, const std::string& transfer_id, TimePoint now);
+  Status Release(Rank& k, const ReleaseMsg& msg, TimePoint now);
+  void Tick(Rank& k, TimePoint now);
+  void AddTarget(Rank& k, const std::string& tid, Transfer& t, const WriteBlocksMsg& msg,
+                 TimePoint now);
+  void ApplyCancel(Rank& k, const std::string& tid, Transfer& t, const WriteCancelMsg& msg);
+  void PostLayer(Rank& k, const std::string& tid, Transfer& t, Target& g, int layer, TimePoint now);
+  void CancelTarget(Rank& k, Target& g, WriteOutcome outcome, std::string reason);
+  void Close(Rank& k, Transfer& t, CloseReason reason);
+  void SendDone(Rank& k, const Transfer& t, Target& g, TimePoint now);
+  WriteDoneMsg MakeDone(const Rank& k, const Transfer& t, const Target& g, TimePoint now) const;
+  void Reject(Rank& k, const WriteBlocksMsg& msg, std::string reason);
   // A decode's WriteCancel(want_done) that overtook its WriteBlocks settled the pair without a
   // route back; when the block ids arrive, confirm the (empty) drain to them. True: answered.
-  bool AnswerOvertakenCancel(const WriteBlocksMsg& msg);
+  bool AnswerOvertakenCancel(Rank& k, const WriteBlocksMsg& msg);
   // Sends finished targets' WriteDone, frees blocks and erases the entry when everything ended.
-  void Advance(const std::string& tid, TimePoint now);
-  void Park(ControlMessage msg, const std::string& tid, TimePoint now);
-  void Bury(const std::string& tid, CloseReason reason, TimePoint now);
-  std::vector<int> ExpectedDecodeRanks(const Transfer& t) const;
-  // Decode ranks this rank writes to (the TP plan's pairs with this prefill rank).
-  std::vector<int> DecodeRanksWrittenBy(int decode_tp) const;
+  void Advance(Rank& k, const std::string& tid, TimePoint now);
+  void Park(Rank& k, ControlMessage msg, const std::string& tid, TimePoint now);
+  void Bury(Rank& k, const std::string& tid, CloseReason reason, TimePoint now);
+  void RecordOk(Rank& k, const Target& g);
+  std::vector<int> ExpectedDecodeRanks(const Rank& k, const Transfer& t) const;
+  // Decode ranks rank k writes to (the TP plan's pairs with this prefill rank).
+  std::vector<int> DecodeRanksWrittenBy(const Rank& k, int decode_tp) const;
+  // The TP plan's head slice from `prefill_rank` to `decode_rank` (none: whole blocks).
+  void SetHeadSlice(int prefill_rank, int decode_rank, int decode_tp, PostTransferAction& a) const;
+  // The rank a decode's message names (a rank this core does not run: the first, which refuses).
+  Rank& RankFor(int prefill_rank);
+  // With all_ranks: the request's blocks stay held while any rank in `ranks` holds them.
+  bool Hold(const std::string& request_id, const std::set<int>& ranks);
   static std::string_view ReasonName(CloseReason r);
 
   Options options_;
-  std::map<std::string, Transfer> transfers_;               // transfer_id -> entry
-  std::map<std::string, std::string> request_to_transfer_;  // request id -> transfer_id
-  std::map<uint64_t, std::pair<std::string, int>> writes_;  // write id -> (tid, decode rank)
-  std::map<std::string, Tombstone> tombstones_;
-  std::deque<std::pair<TimePoint, std::string>> tombstone_order_;
-  std::multimap<std::string, Parked> parked_;  // transfer_id -> parked, in order
-  // (transfer_id, decode engine, decode rank) settled by a WriteCancel(want_done) that came
-  // before its WriteBlocks; forgotten with the transfer's tombstone.
-  std::set<std::tuple<std::string, std::string, int>> overtaken_cancels_;
-  uint64_t next_write_id_ = 1;
-  std::vector<ConnectorAction> actions_;
-  std::vector<int64_t> transfer_times_;
-  Counters counters_;
-  void RecordOk(const Target& g);
-};
-
-/// Every rank of a prefill engine in WRITE mode: one WritePrefillCore per TP rank (rank r writes,
-/// through its own transfer agent, the head slices the TP plan reads from it), sharing the
-/// engine's one block table. Engine events go to every rank; a decode's block-id or cancel
-/// message to the rank it names; write ids carry the rank (bits 40..). The request's blocks are
-/// held while any rank holds them: ReportBlocksFree is passed on when the last holding rank
-/// lets go. Thread-safety: not thread-safe (one owner thread).
-class WritePrefillRanks {
- public:
-  static constexpr int kRankShift = 40;
-  /// `options.tp_size` ranks (>= 1); options.rank and first_write_id are set per rank.
-  explicit WritePrefillRanks(WritePrefillCore::Options options);
-
-  /// As WritePrefillCore's, on every rank; the first error.
-  Status OnRequestAdded(const std::string& request_id, int n, const std::string& transfer_id,
-                        int num_prompt_tokens, TimePoint now);
-  void OnLayerComputed(const std::string& request_id, int layer,
-                       std::span<const int32_t> block_table, TimePoint now);
-  /// True when any rank holds the blocks (one ReportBlocksFree follows, after the last rank).
-  bool OnRequestFinished(const std::string& request_id, std::span<const int32_t> block_ids,
-                         TimePoint now);
-  bool OnRequestAborted(const std::string& request_id, TimePoint now);
-  void OnAbortedBeforeAdmission(const std::string& transfer_id, TimePoint now);
-  /// To the rank the message names (out of range: refused by rank 0).
-  void OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now);
-  void OnWriteCancel(const WriteCancelMsg& msg, TimePoint now);
-  /// Every rank; OK when any rank knew the transfer.
-  Status OnRelease(const ReleaseMsg& msg, TimePoint now);
-  /// To the rank in the id's high bits.
-  void OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now);
-  void OnTick(TimePoint now);
-
-  std::vector<ConnectorAction> TakeActions();
-  std::vector<int64_t> TakeTransferTimes();
-  std::optional<TimePoint> NextDeadline() const;
-  bool Idle() const;
-  int64_t NumTransfers() const;  ///< max over ranks
-  int64_t NumParked() const;     ///< sum over ranks
-  bool Knows(const std::string& transfer_id) const;
-  int64_t NumHeldBlocks() const;                ///< max over ranks (one shared block table)
-  int64_t NumWritesInFlight() const;            ///< sum over ranks
-  WritePrefillCore::Counters counters() const;  ///< sums over ranks
-  int tp_size() const { return static_cast<int>(cores_.size()); }
-  const WritePrefillCore& rank(int r) const { return cores_[static_cast<size_t>(r)]; }
-
- private:
-  WritePrefillCore& CoreFor(int prefill_rank);
-  bool Hold(const std::string& request_id, const std::set<int>& ranks);
-
-  std::vector<WritePrefillCore> cores_;
+  std::vector<Rank> ranks_;                       // [rank] or, with all_ranks, [0, tp_size)
   std::map<std::string, std::set<int>> holders_;  // request id -> ranks holding its blocks
-  int64_t ignored_ = 0;
+  int64_t ignored_ = 0;                           // completions for a rank not run here
 };
 
 }  // namespace kvbridge

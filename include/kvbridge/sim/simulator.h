@@ -3,7 +3,7 @@
 // One run puts M prefill and N decode engines, a proxy and a client workload in one process on a
 // virtual clock, and drives the REAL code: each engine is the real Scheduler + BlockPool
 // (src/engine) with the real connector cores PrefillCore + DecodeCore (READ mode) and
-// WritePrefillRanks + WriteDecodeCore (WRITE mode, src/connector) behind a KvConnector adapter;
+// WritePrefillCore + WriteDecodeCore (WRITE mode, src/connector) behind a KvConnector adapter;
 // each client request is driven by the real proxy PdFlow (src/proxy). Only the edges are
 // simulated: the model step (seeded duration and logits, no forward pass; its layers end in
 // order over the step), the KV transfer layer (READs and per-layer WRITEs of seeded duration,
