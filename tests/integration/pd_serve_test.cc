@@ -6,6 +6,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -294,6 +295,177 @@ TEST_P(PdServeNetns, ReadModeAcrossNamespacesEqualsColocated) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, PdServeNetns, ::testing::Values("tcp", "ucx"),
                          [](const auto& info) { return info.param; });
+
+// The topology of issue 22 across the two namespaces: `kvbridge proxy` and the prefill in A, the
+// decode in B, over tcp and ucx, in READ and WRITE mode (param "transport-mode"). The client (a
+// thread in A) talks to the proxy only; answers bitwise equal to a colocated engine; drained.
+class PdProxyNetns : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PdProxyNetns, ProxyAndPrefillInOneNamespaceDecodeInAnother) {
+  const std::string transport = GetParam().substr(0, GetParam().find('-'));
+  const std::string mode = GetParam().substr(GetParam().find('-') + 1);
+  const std::string tag = std::to_string(::getpid() % 100000);
+  const std::string na = "kvbpx-a-" + tag, nb = "kvbpx-b-" + tag, va = "vxa" + tag,
+                    vb = "vxb" + tag;
+  if (!Sh("ip netns add " + na))
+    GTEST_SKIP() << "ip netns does not work here (need root and iproute2)";
+  struct Cleanup {
+    std::string a, b;
+    ~Cleanup() {
+      Sh("ip netns del " + a);
+      Sh("ip netns del " + b);
+    }
+  } cleanup{na, nb};
+  const std::string ha = "169.254.75.1", hb = "169.254.75.2";
+  const bool ok =
+      Sh("ip netns add " + nb) &&
+      Sh("ip link add " + va + " netns " + na + " type veth peer name " + vb + " netns " + nb) &&
+      Sh("ip -n " + na + " addr add " + ha + "/30 dev " + va) &&
+      Sh("ip -n " + nb + " addr add " + hb + "/30 dev " + vb) &&
+      Sh("ip -n " + na + " link set " + va + " up") &&
+      Sh("ip -n " + nb + " link set " + vb + " up") && Sh("ip -n " + na + " link set lo up") &&
+      Sh("ip -n " + nb + " link set lo up");
+  if (!ok) GTEST_SKIP() << "could not create a veth pair between network namespaces";
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return Sh("ip -n " + na + " link show dev " + va + " | grep -q 'state UP'") &&
+               Sh("ip -n " + nb + " link show dev " + vb + " | grep -q 'state UP'");
+      },
+      5000))
+      << "the veth pair did not come up";
+
+  const std::string dir = MakeTempDir("kvb_pd_proxy_netns");
+  const std::string model = dir + "/tiny";
+  ASSERT_EQ(MakeModel(model, "tiny", 5, 60'000), 0);
+  const int cport = FreePort(), pport = FreePort(), dport = FreePort(), xport = FreePort();
+  const json extra = {{"transport", transport}, {"mode", mode}, {"lease_ms", 30000}};
+  auto serve_in = [&](const std::string& ns, const std::string& host, int port,
+                      const std::string& role, const std::string& log) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{IpBin(),
+                                 "netns",
+                                 "exec",
+                                 ns,
+                                 KvbridgeBin(),
+                                 "serve",
+                                 model,
+                                 "--host",
+                                 host,
+                                 "--port",
+                                 std::to_string(port),
+                                 "--served-model-name",
+                                 "tiny",
+                                 "--num-kv-blocks",
+                                 "128",
+                                 "--kv-transfer-config",
+                                 testing::TransferConfigJson(role, extra).dump(),
+                                 "--cluster-token",
+                                 kToken,
+                                 "--proxy",
+                                 ha + ":" + std::to_string(xport)},
+        log);
+  };
+  // The engines register with the proxy (engine ids, roles, mode) and heartbeat to it.
+  Subprocess proxy({IpBin(), "netns", "exec", na, KvbridgeBin(), "proxy", "--host", ha, "--port",
+                    std::to_string(xport), "--mode", mode, "--cluster-token", kToken},
+                   dir + "/proxy.log");
+  auto colo = Serve(model, cport, dir + "/colo.log", "");
+  auto pre = serve_in(na, ha, pport, "kv_producer", dir + "/prefill.log");
+  auto dec = serve_in(nb, hb, dport, "kv_consumer", dir + "/decode.log");
+
+  ASSERT_TRUE(WaitForHttpOk("127.0.0.1", cport, "/health", 60'000)) << colo->ReadLog();
+  bool up = false;
+  InNetns(na, [&] { up = WaitForHttpOk(ha, pport, "/health", 60'000); });
+  ASSERT_TRUE(up) << pre->ReadLog();
+  InNetns(nb, [&] { up = WaitForHttpOk(hb, dport, "/health", 60'000); });
+  ASSERT_TRUE(up) << dec->ReadLog();
+  InNetns(na, [&] {
+    httplib::Client px(ha, xport);
+    up = WaitFor(
+        [&] {
+          auto r = px.Get("/health");
+          if (!r || r->status != 200) return false;
+          json j = json::parse(r->body, nullptr, false);
+          return j.is_object() && j.value("prefill_healthy", 0) >= 1 &&
+                 j.value("decode_healthy", 0) >= 1;
+        },
+        60'000);
+  });
+  ASSERT_TRUE(up) << proxy.ReadLog() << pre->ReadLog() << dec->ReadLog();
+
+  httplib::Client cc("127.0.0.1", cport);
+  cc.set_read_timeout(60, 0);
+  for (int n : {1, 4}) {
+    json client{{"model", "tiny"},
+                {"prompt", std::string(40, 'w') + " " + GetParam() + " n=" + std::to_string(n)},
+                {"max_tokens", 8},
+                {"n", n},
+                {"temperature", 1.0},
+                {"seed", 42},
+                {"logprobs", 5},
+                {"ignore_eos", true}};
+    std::string via_proxy;
+    InNetns(na, [&] {
+      httplib::Client px(ha, xport);
+      px.set_read_timeout(60, 0);
+      auto r = px.Post("/v1/completions", client.dump(), "application/json");
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->status, 200) << r->body;
+      via_proxy = r->body;
+    });
+    ASSERT_FALSE(via_proxy.empty()) << proxy.ReadLog();
+    auto cr = cc.Post("/v1/completions", client.dump(), "application/json");
+    ASSERT_TRUE(cr);
+    ASSERT_EQ(cr->status, 200) << cr->body;
+    json a = json::parse(via_proxy)["choices"], b = json::parse(cr->body)["choices"];
+    ASSERT_EQ(a.size(), static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(a[i]["text"], b[i]["text"]) << GetParam() << " n=" << n << " i=" << i;
+      EXPECT_EQ(a[i]["logprobs"].dump(), b[i]["logprobs"].dump()) << GetParam() << " n=" << n;
+    }
+  }
+  // The KV crossed the link on the decode's side, nothing recomputed, both sides drained.
+  double bytes = 0, fails = -1;
+  bool drained = false;
+  InNetns(nb, [&] {
+    httplib::Client m(hb, dport);
+    auto get = [&](const std::string& name) {
+      auto r = m.Get("/metrics");
+      return r ? ScrapeMetric(r->body, name) : -2.0;
+    };
+    fails = get("kvbridge_kv_load_failures_total");
+    bytes = get("kvbridge_kv_transfer_bytes_total");
+    drained = WaitFor([&] { return get("kvbridge_kv_transfers_inflight") == 0; }, 5000);
+  });
+  EXPECT_EQ(fails, 0);
+  EXPECT_TRUE(drained);
+  double pbytes = 0;
+  InNetns(na, [&] {
+    httplib::Client m(ha, pport);
+    auto get = [&](const std::string& name) {
+      auto r = m.Get("/metrics");
+      return r ? ScrapeMetric(r->body, name) : -2.0;
+    };
+    pbytes = get("kvbridge_kv_transfer_bytes_total");
+    drained = WaitFor(
+        [&] {
+          return get("kvbridge_kv_blocks_held_for_transfer") == 0 &&
+                 get("kvbridge_kv_transfer_table_entries") == 0;
+        },
+        5000);
+  });
+  EXPECT_TRUE(drained);
+  // READ: the decode pulled; WRITE: the prefill pushed. Either way bytes crossed.
+  EXPECT_GT(std::max(bytes, pbytes), 0) << "no KV bytes counted on either side";
+}
+
+INSTANTIATE_TEST_SUITE_P(TransportsAndModes, PdProxyNetns,
+                         ::testing::Values("tcp-read", "tcp-write", "ucx-read", "ucx-write"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           n[n.find('-')] = '_';
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace kvbridge
