@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "connector/remote_load.h"
+#include "kvbridge/common/state_table.h"
 #include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
@@ -18,6 +19,94 @@ DecodeCore::DecodeCore(Options options) : options_(std::move(options)) {
   if (options_.block_size < 1) options_.block_size = 16;
 }
 
+namespace {
+
+using PS = DecodeCore::PairState;
+using RS = DecodeCore::RequestState;
+
+// The legal transitions; anything else is a bug (FailedPrecondition, the request's load fails).
+// clang-format off
+constexpr StateTransition<PS> kPairTransitions[] = {
+  // from                 to
+  {PS::kIdle,            PS::kReading},        // OnBlocksAllocated posts the READ
+  {PS::kIdle,            PS::kFailed},         // failed or aborted before any READ
+  {PS::kReading,         PS::kCancelling},     // failed or aborted: cancel asked
+  {PS::kReading,         PS::kAwaitingReply},  // landed: ReadDone(ok) sent, reply awaited
+  {PS::kReading,         PS::kFailed},         // failed, or ended after an abort
+  {PS::kCancelling,      PS::kFailed},         // the cancelled READ ended
+  {PS::kAwaitingReply,   PS::kValid},          // hold valid
+  {PS::kAwaitingReply,   PS::kFailed},         // hold gone, or no reply in time
+};
+constexpr StateTransition<RS> kRequestTransitions[] = {
+  // from                 to
+  {RS::kAwaitingAlloc,   RS::kLoading},    // OnBlocksAllocated
+  {RS::kAwaitingAlloc,   RS::kFailing},
+  {RS::kAwaitingAlloc,   RS::kAborting},
+  {RS::kLoading,         RS::kFailing},    // a READ or hold failed
+  {RS::kLoading,         RS::kAborting},
+  {RS::kLoading,         RS::kReported},   // every pair valid: ReportLoadDone
+  {RS::kFailing,         RS::kAborting},
+  {RS::kFailing,         RS::kReported},   // drained: ReportLoadFailed
+  {RS::kAborting,        RS::kReported},   // drained: ReportBlocksFree
+};
+// clang-format on
+
+}  // namespace
+
+std::string_view DecodeCore::PairStateName(PairState s) {
+  switch (s) {
+    case PairState::kIdle:
+      return "IDLE";
+    case PairState::kReading:
+      return "READING";
+    case PairState::kCancelling:
+      return "CANCELLING";
+    case PairState::kAwaitingReply:
+      return "AWAITING_REPLY";
+    case PairState::kValid:
+      return "VALID";
+    case PairState::kFailed:
+      return "FAILED";
+  }
+  return "UNKNOWN";
+}
+
+std::string_view DecodeCore::RequestStateName(RequestState s) {
+  switch (s) {
+    case RequestState::kAwaitingAlloc:
+      return "AWAITING_ALLOC";
+    case RequestState::kLoading:
+      return "LOADING";
+    case RequestState::kFailing:
+      return "FAILING";
+    case RequestState::kAborting:
+      return "ABORTING";
+    case RequestState::kReported:
+      return "REPORTED";
+  }
+  return "UNKNOWN";
+}
+
+Status DecodeCore::SetState(Pair& p, PairState to) {
+  RETURN_IF_ERROR(CheckStateTransition(kPairTransitions, "READ pair", p.state, to, &PairStateName));
+  p.state = to;
+  return OkStatus();
+}
+
+Status DecodeCore::SetState(Request& r, RequestState to) {
+  RETURN_IF_ERROR(
+      CheckStateTransition(kRequestTransitions, "READ request", r.state, to, &RequestStateName));
+  r.state = to;
+  return OkStatus();
+}
+
+void DecodeCore::Move(Request& r, Pair& p, PairState to) {
+  if (Status st = SetState(p, to); !st.ok() && r.failure.ok()) r.failure = std::move(st);
+}
+
+void DecodeCore::Move(Request& r, RequestState to) {
+  if (Status st = SetState(r, to); !st.ok() && r.failure.ok()) r.failure = std::move(st);
+}
 PeerEndpoint DecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const {
   return PeerEndpoint{.engine_id = p.remote_engine_id,
                       .host = p.remote_host,
@@ -118,12 +207,12 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
                                    int num_local_computed_tokens, int num_external_tokens,
                                    TimePoint now) {
   auto it = requests_.find(request_id);
-  if (it == requests_.end() || it->second.allocated || it->second.reported) {
+  if (it == requests_.end() || it->second.state != RequestState::kAwaitingAlloc) {
     ++counters_.notifications_ignored;
     return;
   }
   Request& r = it->second;
-  r.allocated = true;
+  Move(r, RequestState::kLoading);
   const BlockSpan span =
       ExternalBlockSpan(options_.block_size, num_local_computed_tokens, num_external_tokens);
   if (!AllocationCoversLoad(span, num_local_computed_tokens, num_external_tokens,
@@ -138,7 +227,7 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
                               r.params.remote_block_ids.begin() + span.end);
   for (Pair& pair : r.pairs) {
     pair.read_id = next_read_id_++;
-    pair.state = PairState::kReading;
+    Move(r, pair, PairState::kReading);
     pair.deadline = now + options_.read_timeout;
     by_read_[pair.read_id] = request_id;
     ++counters_.reads_posted;
@@ -159,13 +248,15 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
 
 void DecodeCore::Fail(const std::string& request_id, Request& r, Status status) {
   if (r.failure.ok()) r.failure = std::move(status);
+  if (r.state == RequestState::kAwaitingAlloc || r.state == RequestState::kLoading)
+    Move(r, RequestState::kFailing);
   // No other READ of this request may land in blocks we are about to recompute into: cancel.
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kReading) {
-      pair.state = PairState::kCancelling;
+      Move(r, pair, PairState::kCancelling);
       actions_.push_back(CancelTransferAction{KvTransferMode::kRead, pair.read_id});
     } else if (pair.state == PairState::kIdle) {
-      pair.state = PairState::kFailed;  // never read: the prefill may release now
+      Move(r, pair, PairState::kFailed);  // never read: the prefill may release now
       SendReadDone(request_id, r, pair, ReadOutcome::kFailed, false);
     }
   }
@@ -176,23 +267,25 @@ bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) 
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return false;
   Request& r = it->second;
-  if (r.reported) return false;  // loaded (or failed): the engine owns its blocks again
-  r.aborted = true;
+  // Loaded (or failed): the engine owns its blocks again.
+  if (r.state == RequestState::kReported) return false;
+  if (r.state != RequestState::kAborting) Move(r, RequestState::kAborting);
   bool in_flight = false;
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kIdle) {
       // Never read: tell the prefill now so it releases without waiting for the lease.
       SendReadDone(request_id, r, pair, ReadOutcome::kAborted, false);
-      pair.state = PairState::kFailed;
+      Move(r, pair, PairState::kFailed);
     } else if (pair.state == PairState::kReading) {
-      pair.state = PairState::kCancelling;
+      Move(r, pair, PairState::kCancelling);
       actions_.push_back(CancelTransferAction{KvTransferMode::kRead, pair.read_id});
       in_flight = true;
     } else if (pair.state == PairState::kCancelling) {
       in_flight = true;
     }
   }
-  if (!in_flight) r.reported = true;  // the engine frees now; nothing more to report
+  // The engine frees now; nothing more to report.
+  if (!in_flight) Move(r, RequestState::kReported);
   Advance(request_id);
 #ifdef KVBRIDGE_PLANTED_FAULTS
   if (sim::Planted().free_decode_blocks_on_abort_during_load) return false;
@@ -257,23 +350,24 @@ void DecodeCore::OnReadCompleted(uint64_t read_id, const Status& status, TimePoi
     ++counters_.reads_ok;
   else
     ++counters_.reads_failed;
-  if (r.aborted || r.reported) {
-    pair.state = PairState::kFailed;
+  if (r.aborted()) {
+    Move(r, pair, PairState::kFailed);
     SendReadDone(request_id, r, pair, ReadOutcome::kAborted, false);
   } else if (!status.ok() || pair.state == PairState::kCancelling || !r.failure.ok()) {
-    pair.state = PairState::kFailed;
+    Move(r, pair, PairState::kFailed);
     SendReadDone(request_id, r, pair, ReadOutcome::kFailed, false);
     Fail(request_id, r,
          status.ok() ? CancelledError("READ cancelled") : status.WithPrefix("READ failed"));
   } else {
 #ifdef KVBRIDGE_PLANTED_FAULTS
     if (sim::Planted().only_decode_rank0_notifies && pair.decode_rank != 0) {
-      pair.state = PairState::kValid;  // trusts its READ, never tells the prefill rank
+      // Trusts its READ, never tells the prefill rank (set unchecked: a planted fault).
+      pair.state = PairState::kValid;
       Advance(request_id);
       return;
     }
 #endif
-    pair.state = PairState::kAwaitingReply;
+    Move(r, pair, PairState::kAwaitingReply);
     pair.deadline = now + options_.reply_timeout;
     SendReadDone(request_id, r, pair, ReadOutcome::kOk, true);
   }
@@ -296,10 +390,10 @@ void DecodeCore::OnHoldReply(const HoldReplyMsg& msg, TimePoint now) {
     return;
   }
   if (msg.hold_valid) {
-    pit->state = PairState::kValid;
+    Move(r, *pit, PairState::kValid);
   } else {
-    pit->state = PairState::kFailed;
-    if (!r.reported && !r.aborted) {
+    Move(r, *pit, PairState::kFailed);
+    if (!r.aborted()) {
       ++counters_.hold_gone;
       Fail(request_id, r,
            UnavailableError("prefill " + msg.prefill_engine_id + " rank " +
@@ -313,30 +407,30 @@ void DecodeCore::Advance(const std::string& request_id) {
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return;
   Request& r = it->second;
-  bool in_flight = false, awaiting = false, all_valid = r.allocated;
+  bool in_flight = false, awaiting = false, all_valid = r.state == RequestState::kLoading;
   for (const Pair& p : r.pairs) {
     in_flight |= p.state == PairState::kReading || p.state == PairState::kCancelling;
     awaiting |= p.state == PairState::kAwaitingReply;
     all_valid &= p.state == PairState::kValid;
   }
-  if (!r.reported && !in_flight) {
-    if (r.aborted) {
-      r.reported = true;
+  if (r.state != RequestState::kReported && !in_flight) {
+    if (r.state == RequestState::kAborting) {
+      Move(r, RequestState::kReported);
       actions_.push_back(ReportBlocksFreeAction{request_id});
     } else if (!r.failure.ok()) {
-      r.reported = true;
+      Move(r, RequestState::kReported);
       ++counters_.load_failures;
       actions_.push_back(ReportLoadFailedAction{
           .request_id = request_id,
           .recompute = options_.load_failure_policy == LoadFailurePolicy::kRecompute,
           .status = r.failure});
     } else if (all_valid) {
-      r.reported = true;
+      Move(r, RequestState::kReported);
       ++counters_.loads_done;
       actions_.push_back(ReportLoadDoneAction{request_id});
     }
   }
-  if (r.reported && !in_flight && !awaiting) {
+  if (r.state == RequestState::kReported && !in_flight && !awaiting) {
     for (const Pair& p : r.pairs) by_read_.erase(p.read_id);
     by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
     requests_.erase(it);
@@ -354,8 +448,8 @@ void DecodeCore::OnTick(TimePoint now) {
              DeadlineExceededError("READ of transfer " + r.params.transfer_id + " timed out"));
         changed = true;
       } else if (p.state == PairState::kAwaitingReply && p.deadline <= now) {
-        p.state = PairState::kFailed;
-        if (!r.reported && !r.aborted) {
+        Move(r, p, PairState::kFailed);
+        if (!r.aborted()) {
           ++counters_.reply_timeouts;
           Fail(id, r,
                DeadlineExceededError("no hold reply from prefill " + r.params.remote_engine_id +
@@ -364,7 +458,9 @@ void DecodeCore::OnTick(TimePoint now) {
         changed = true;
       }
     }
-    const bool waiting = !r.reported && !r.aborted && r.failure.ok();
+    const bool waiting =
+        (r.state == RequestState::kAwaitingAlloc || r.state == RequestState::kLoading) &&
+        r.failure.ok();
     if (waiting && r.next_heartbeat <= now) {
       std::set<int> ranks;
       for (const Pair& p : r.pairs) {
@@ -414,7 +510,9 @@ std::optional<TimePoint> DecodeCore::NextDeadline() const {
         consider(p.deadline);
       }
     }
-    if (!r.reported && !r.aborted && r.failure.ok()) consider(r.next_heartbeat);
+    if ((r.state == RequestState::kAwaitingAlloc || r.state == RequestState::kLoading) &&
+        r.failure.ok())
+      consider(r.next_heartbeat);
   }
   for (const auto& [id, q] : queued_) consider(q.next_heartbeat);
   return best;
@@ -422,7 +520,7 @@ std::optional<TimePoint> DecodeCore::NextDeadline() const {
 
 int64_t DecodeCore::NumWaiting() const {
   int64_t n = 0;
-  for (const auto& [id, r] : requests_) n += r.reported ? 0 : 1;
+  for (const auto& [id, r] : requests_) n += r.state == RequestState::kReported ? 0 : 1;
   return n;
 }
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "connector/remote_load.h"
+#include "kvbridge/common/state_table.h"
 #include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
@@ -24,6 +25,53 @@ std::vector<std::pair<int, int>> WriteDecodeCore::PlanPairs(int prefill_tp) cons
   const int heads = options_.num_kv_heads > 0 ? options_.num_kv_heads
                                               : options_.tp_size * std::max(1, prefill_tp);
   return TpPlanPairs(prefill_tp, options_.tp_size, heads);
+}
+
+namespace {
+
+using PS = WriteDecodeCore::PairState;
+
+// A (decode rank, prefill rank) pair's legal transitions; anything else is a bug
+// (FailedPrecondition: the request's load fails with it).
+// clang-format off
+constexpr StateTransition<PS> kPairTransitions[] = {
+  // from               to
+  {PS::kIdle,          PS::kWaiting},     // WriteBlocks sent
+  {PS::kIdle,          PS::kFailed},      // aborted before the blocks were offered
+  {PS::kWaiting,       PS::kOk},          // WriteDone(ok)
+  {PS::kWaiting,       PS::kFailed},      // WriteDone(failed), or the write bound passed
+  {PS::kWaiting,       PS::kCancelling},  // failed or aborted: WriteCancel sent
+  {PS::kCancelling,    PS::kFailed},      // drained (WriteDone of any outcome), or the bound
+};
+// clang-format on
+
+}  // namespace
+
+std::string_view WriteDecodeCore::PairStateName(PairState s) {
+  switch (s) {
+    case PairState::kIdle:
+      return "IDLE";
+    case PairState::kWaiting:
+      return "WAITING";
+    case PairState::kCancelling:
+      return "CANCELLING";
+    case PairState::kOk:
+      return "OK";
+    case PairState::kFailed:
+      return "FAILED";
+  }
+  return "UNKNOWN";
+}
+
+Status WriteDecodeCore::SetState(Pair& p, PairState to) {
+  RETURN_IF_ERROR(
+      CheckStateTransition(kPairTransitions, "WRITE pair", p.state, to, &PairStateName));
+  p.state = to;
+  return OkStatus();
+}
+
+void WriteDecodeCore::Move(Request& r, Pair& p, PairState to) {
+  if (Status st = SetState(p, to); !st.ok() && r.failure.ok()) r.failure = std::move(st);
 }
 
 PeerEndpoint WriteDecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const {
@@ -103,7 +151,7 @@ void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
   }
   r.blocks.assign(block_ids.begin() + span.first, block_ids.begin() + span.end);
   for (Pair& pair : r.pairs) {
-    pair.state = PairState::kWaiting;
+    Move(r, pair, PairState::kWaiting);
     actions_.push_back(
         SendMessageAction{.to = Peer(r.params, pair.prefill_rank),
                           .msg = WriteBlocksMsg{.transfer_id = r.params.transfer_id,
@@ -123,7 +171,7 @@ void WriteDecodeCore::Fail(Request& r, Status status) {
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kWaiting) {
       SendCancel(r, pair, /*want_done=*/true);
-      pair.state = PairState::kCancelling;
+      Move(r, pair, PairState::kCancelling);
     }
   }
 }
@@ -141,10 +189,10 @@ bool WriteDecodeCore::OnRequestAborted(const std::string& request_id, TimePoint 
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kWaiting) {
       SendCancel(r, pair, want_done);
-      pair.state = PairState::kCancelling;
+      Move(r, pair, PairState::kCancelling);
     } else if (pair.state == PairState::kIdle) {
       SendCancel(r, pair, /*want_done=*/false);  // never asked: the prefill need not wait
-      pair.state = PairState::kFailed;
+      Move(r, pair, PairState::kFailed);
     }
     if (pair.state == PairState::kCancelling) keep = true;
   }
@@ -201,16 +249,16 @@ void WriteDecodeCore::OnWriteDone(const WriteDoneMsg& msg, TimePoint now) {
     return;
   }
   if (pair->state == PairState::kCancelling) {
-    pair->state = PairState::kFailed;  // drained (whatever it says, we no longer use it)
+    Move(r, *pair, PairState::kFailed);  // drained (whatever it says, we no longer use it)
   } else if (msg.outcome == WriteOutcome::kOk) {
-    pair->state = PairState::kOk;
+    Move(r, *pair, PairState::kOk);
     r.timing.compute_us = std::max(r.timing.compute_us, msg.compute_us);
     r.timing.write_us = std::max(r.timing.write_us, msg.write_us);
     // Overlap at go G = since_last_layer_us + (G - now); the largest over the ranks.
     r.overlap_base = std::max(r.overlap_base, msg.since_last_layer_us - now);
     r.timing.last_layer_at_us = std::max(r.timing.last_layer_at_us, msg.last_layer_at_us);
   } else {
-    pair->state = PairState::kFailed;
+    Move(r, *pair, PairState::kFailed);
     ++counters_.write_failures;
     Fail(r, UnavailableError("prefill rank " + std::to_string(msg.prefill_rank) +
                              " could not write: " + WriteOutcomeName(msg.outcome).data() +
@@ -275,7 +323,7 @@ void WriteDecodeCore::OnTick(TimePoint now) {
     // lease + grace passed: the prefill posts and keeps no write beyond its lease.
     for (Pair& p : r.pairs) {
       if (p.state == PairState::kWaiting || p.state == PairState::kCancelling) {
-        p.state = PairState::kFailed;
+        Move(r, p, PairState::kFailed);
       }
     }
     Advance(id, now);

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "connector/remote_load.h"
+#include "kvbridge/common/state_table.h"
 #include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
 #include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
@@ -67,6 +68,49 @@ bool WritePrefillCore::Hold(const std::string& request_id, const std::set<int>& 
   if (ranks.empty()) return false;
   if (options_.all_ranks) holders_[request_id].insert(ranks.begin(), ranks.end());
   return true;
+}
+
+namespace {
+
+using TS = WritePrefillCore::TargetState;
+
+// A target's legal transitions; anything else is a bug (FailedPrecondition: the target fails).
+// clang-format off
+constexpr StateTransition<TS> kTargetTransitions[] = {
+  // from               to
+  {TS::kActive,        TS::kCancelling},  // cancelled by the decode, a close, a failed WRITE
+  {TS::kActive,        TS::kDone},        // every layer written: WriteDone(ok)
+  {TS::kCancelling,    TS::kDone},        // drained: WriteDone(outcome) when wanted
+};
+// clang-format on
+
+}  // namespace
+
+std::string_view WritePrefillCore::TargetStateName(TargetState s) {
+  switch (s) {
+    case TargetState::kActive:
+      return "ACTIVE";
+    case TargetState::kCancelling:
+      return "CANCELLING";
+    case TargetState::kDone:
+      return "DONE";
+  }
+  return "UNKNOWN";
+}
+
+Status WritePrefillCore::SetState(Target& g, TargetState to) {
+  RETURN_IF_ERROR(
+      CheckStateTransition(kTargetTransitions, "WRITE target", g.state, to, &TargetStateName));
+  g.state = to;
+  return OkStatus();
+}
+
+void WritePrefillCore::Move(Target& g, TargetState to) {
+  if (Status st = SetState(g, to); !st.ok()) {
+    g.write_failed = true;  // the decode hears WriteDone(failed) naming it
+    g.outcome = WriteOutcome::kFailed;
+    g.reason = st.message();
+  }
 }
 
 std::string_view WritePrefillCore::ReasonName(CloseReason r) {
@@ -240,7 +284,7 @@ void WritePrefillCore::PostLayer(Rank& k, const std::string& tid, Transfer& t, T
 
 void WritePrefillCore::CancelTarget(Rank& k, Target& g, WriteOutcome outcome, std::string reason) {
   if (g.state != TargetState::kActive) return;
-  g.state = TargetState::kCancelling;
+  Move(g, TargetState::kCancelling);
   g.outcome = outcome;
   g.reason = std::move(reason);
   for (uint64_t id : g.inflight)
@@ -438,11 +482,11 @@ void WritePrefillCore::Advance(Rank& k, const std::string& tid, TimePoint now) {
   for (auto& [d, g] : t.targets) {
     if (g.state == TargetState::kActive && !g.write_failed &&
         g.layers_posted == options_.num_layers && g.inflight.empty()) {
-      g.state = TargetState::kDone;
-      g.outcome = WriteOutcome::kOk;
+      Move(g, TargetState::kDone);
+      g.outcome = g.write_failed ? WriteOutcome::kFailed : WriteOutcome::kOk;
       SendDone(k, t, g, now);
     } else if (g.state == TargetState::kCancelling && g.inflight.empty()) {
-      g.state = TargetState::kDone;
+      Move(g, TargetState::kDone);
       if (g.want_done) SendDone(k, t, g, now);
     }
     if (!g.inflight.empty() || g.state == TargetState::kCancelling) drained = false;
@@ -684,12 +728,12 @@ void WritePrefillCore::OnWriteCompleted(uint64_t write_id, const Status& status,
     ++k.counters.writes_ok;
     tg.last_done = now;
     if (tg.done_attached == write_id && tg.state == TargetState::kActive && tg.inflight.empty()) {
-      tg.state = TargetState::kDone;  // the agent delivered our WriteDone(ok) with the data
+      Move(tg, TargetState::kDone);  // the agent delivered our WriteDone(ok) with the data
       tg.outcome = WriteOutcome::kOk;
       RecordOk(k, tg);
     } else if (tg.done_attached == write_id && tg.state == TargetState::kCancelling) {
       // Landed before the cancel: the decode got WriteDone(ok) (its drained confirmation).
-      tg.state = TargetState::kDone;
+      Move(tg, TargetState::kDone);
       RecordOk(k, tg);
     }
   } else {

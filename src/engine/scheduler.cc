@@ -92,7 +92,21 @@ std::string_view RequestStateName(RequestState s) {
   return "UNKNOWN";
 }
 
-bool IsFinishedState(RequestState s) { return static_cast<uint8_t>(s) >= 4; }
+bool IsFinishedState(RequestState s) {
+  switch (s) {
+    case RequestState::kWaiting:
+    case RequestState::kWaitingForRemoteKvs:
+    case RequestState::kRunning:
+    case RequestState::kPreempted:
+      return false;
+    case RequestState::kFinishedStopped:
+    case RequestState::kFinishedLength:
+    case RequestState::kFinishedAborted:
+    case RequestState::kFinishedError:
+      return true;
+  }
+  return false;
+}
 
 Status CheckTransition(RequestState from, RequestState to) {
   using S = RequestState;
@@ -214,14 +228,19 @@ ConnectorRequestInfo Scheduler::Info(const Seq& s) const {
   return info;
 }
 
-void Scheduler::SetState(Seq* s, RequestState to) {
-  Status st = CheckTransition(s->state, to);
-  if (!st.ok()) {
-    // A bug in this file, never an input error: log loudly and keep going (tests catch it).
-    KVB_LOG_ERROR("scheduler: {} for {}", st.ToString(), s->id);
-    assert(false && "illegal request state transition");
-  }
+Status Scheduler::SetState(Seq* s, RequestState to) {
+  RETURN_IF_ERROR(CheckTransition(s->state, to).WithPrefix(s->id));
   s->state = to;
+  return OkStatus();
+}
+
+bool Scheduler::Transition(Seq* s, RequestState to, TimePoint now) {
+  Status st = SetState(s, to);
+  if (st.ok()) return true;
+  // A bug in this file, never an input error: the request fails with the FailedPrecondition
+  // (its client gets the error; the connector drops its state as for an abort).
+  FailGroup(s->group, st, now, /*tell_connector=*/true);
+  return false;
 }
 
 int Scheduler::RunningSlots(const Seq& s) const {
@@ -350,7 +369,7 @@ void Scheduler::ReleaseBlocks(std::vector<int32_t>* blocks) {
   blocks->clear();
 }
 
-void Scheduler::Preempt(Seq* s) {
+void Scheduler::Preempt(Seq* s, TimePoint now) {
   auto it = std::find(running_.begin(), running_.end(), s);
   assert(it != running_.end());
   running_.erase(it);
@@ -358,7 +377,7 @@ void Scheduler::Preempt(Seq* s) {
   ReleaseBlocks(&s->blocks);
   s->num_computed = 0;
   s->num_cached_blocks = 0;
-  SetState(s, RequestState::kPreempted);
+  if (!Transition(s, RequestState::kPreempted, now)) return;
   waiting_.push_front(s);
   ++num_preemptions_;
   if (m_preemptions_) m_preemptions_->Inc();
@@ -441,7 +460,7 @@ Scheduler::Admit Scheduler::TryAdmit(Seq* s, int* budget, ScheduledBatch* batch,
                                         now);
       if (g->match.load_async) {
         waiting_.pop_front();
-        SetState(s, RequestState::kWaitingForRemoteKvs);
+        if (!Transition(s, RequestState::kWaitingForRemoteKvs, now)) return Admit::kSkipped;
         remote_wait_[s->id] = s;
         return Admit::kSkipped;
       }
@@ -455,7 +474,7 @@ Scheduler::Admit Scheduler::TryAdmit(Seq* s, int* budget, ScheduledBatch* batch,
   if (num_new <= 0) return Admit::kStop;
   if (!pool_->CanAllocate(BlocksNeeded(*s, num_new))) return Admit::kStop;
   waiting_.pop_front();
-  SetState(s, RequestState::kRunning);
+  if (!Transition(s, RequestState::kRunning, now)) return Admit::kSkipped;
   running_.push_back(s);
   running_slots_ += slots;
   AllocateSlots(s, num_new, batch);
@@ -486,7 +505,7 @@ ScheduledBatch Scheduler::Schedule(TimePoint now) {
     bool self_preempted = false;
     while (!pool_->CanAllocate(BlocksNeeded(*s, num_new))) {
       Seq* victim = running_.back();
-      Preempt(victim);
+      Preempt(victim, now);
       preempted = true;
       if (victim == s) {
         self_preempted = true;
@@ -527,7 +546,9 @@ ScheduledBatch Scheduler::Schedule(TimePoint now) {
   return batch;
 }
 
-void Scheduler::Fork(Seq* parent) {
+void Scheduler::Fork(Seq* parent, TimePoint now) {
+  // RUNNING -> RUNNING: the fork (checked before anything changes).
+  if (!Transition(parent, RequestState::kRunning, now)) return;
   Group* g = parent->group;
   const int n = g->req.sampling.n;
   std::vector<std::unique_ptr<Seq>> sibs;
@@ -549,7 +570,6 @@ void Scheduler::Fork(Seq* parent) {
     }
     sibs.push_back(std::move(s));
   }
-  SetState(parent, RequestState::kRunning);  // RUNNING -> RUNNING: the fork
   auto it = std::find(running_.begin(), running_.end(), parent);
   assert(it != running_.end());
   const size_t pos = static_cast<size_t>(it - running_.begin());
@@ -642,7 +662,7 @@ void Scheduler::RemoveFromQueues(Seq* s) {
 void Scheduler::FinishSeq(Seq* s, RequestState state, TimePoint now) {
   Group* g = s->group;
   RemoveFromQueues(s);
-  SetState(s, state);
+  if (!Transition(s, state, now)) return;
   s->finish_reason = state == RequestState::kFinishedLength    ? "length"
                      : state == RequestState::kFinishedStopped ? "stop"
                      : state == RequestState::kFinishedAborted ? "abort"
@@ -708,7 +728,7 @@ bool Scheduler::Abort(const std::string& request_id, TimePoint now) {
     } else {
       ReleaseBlocks(&s->blocks);
     }
-    SetState(s, RequestState::kFinishedAborted);
+    if (!Transition(s, RequestState::kFinishedAborted, now)) continue;
     s->finish_reason = "abort";
     if (s->num_output_final < 0) s->num_output_final = std::max(0, s->num_output());
     --g->num_unfinished;
@@ -742,7 +762,7 @@ void Scheduler::OnRemoteDone(Seq* s, TimePoint now) {
   // this engine produces the logits of the first token itself.
   s->num_computed = std::min(g->local_hit_tokens + g->match.num_external_tokens, g->num_prompt - 1);
   CacheComputedBlocks(s);
-  SetState(s, RequestState::kWaiting);
+  if (!Transition(s, RequestState::kWaiting, now)) return;
   waiting_.push_front(s);
 }
 
@@ -768,7 +788,7 @@ void Scheduler::OnRemoteFailed(Seq* s, const KvConnector::LoadFailure& f, TimePo
     // Admission treats an empty table as a fresh start (prefix lookup again).
     s->num_computed = 0;
   }
-  SetState(s, RequestState::kWaiting);
+  if (!Transition(s, RequestState::kWaiting, now)) return;
   waiting_.push_front(s);
 }
 
@@ -822,7 +842,7 @@ Status Scheduler::UpdateFromOutput(const ScheduledBatch& batch, std::span<const 
     Group* g = s->group;
     std::vector<Seq*> targets;
     if (!g->forked) {
-      Fork(s);
+      Fork(s, now);
       for (auto& sib : g->seqs) targets.push_back(sib.get());
     } else {
       targets.push_back(s);

@@ -29,6 +29,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -121,7 +122,9 @@ class DecodeCore {
   const Counters& counters() const { return counters_; }
   const Options& options() const { return options_; }
 
- private:
+ public:
+  // The state machines (their tables are in decode_core.cc). One (decode rank, prefill rank)
+  // pair's READ. Transitions: kPairTransitions (decode_core.cc).
   enum class PairState : uint8_t {
     kIdle,           // no READ yet (awaiting allocation)
     kReading,        // READ posted
@@ -130,6 +133,18 @@ class DecodeCore {
     kValid,          // prefill said the hold was valid
     kFailed,         // this pair's READ/hold failed; its prefill rank was told
   };
+  // One admitted request. Transitions: kRequestTransitions (decode_core.cc).
+  enum class RequestState : uint8_t {
+    kAwaitingAlloc,  // admitted with remote tokens; the engine has not allocated its blocks
+    kLoading,        // blocks allocated, READs posted or pending replies
+    kFailing,        // a READ or hold failed (`failure`); waiting for in-flight READs to end
+    kAborting,       // the engine aborted it; waiting for in-flight READs to end
+    kReported,       // load done / failed / blocks free reported; kept while replies are due
+  };
+  static std::string_view PairStateName(PairState s);
+  static std::string_view RequestStateName(RequestState s);
+
+ private:
   struct Pair {
     int decode_rank = 0;
     int prefill_rank = 0;
@@ -143,13 +158,21 @@ class DecodeCore {
   struct Request {
     KvTransferParams params;
     std::vector<Pair> pairs;
-    bool allocated = false;
-    bool aborted = false;
-    bool reported = false;
-    Status failure;  // first failure; non-OK means failing
+    RequestState state = RequestState::kAwaitingAlloc;
+    Status failure;  // first failure (kFailing; an illegal transition lands here too)
     TimePoint next_heartbeat = 0;
+    bool aborted() const {
+      return state == RequestState::kAborting || state == RequestState::kReported;
+    }
   };
 
+  // The checked transitions: an illegal one changes nothing and returns FailedPrecondition.
+  [[nodiscard]] static Status SetState(Pair& p, PairState to);
+  [[nodiscard]] static Status SetState(Request& r, RequestState to);
+  // As SetState; an illegal transition fails the request's load with that status (reported to
+  // the engine as ReportLoadFailed once nothing is in flight) instead of being dropped.
+  void Move(Request& r, Pair& p, PairState to);
+  void Move(Request& r, RequestState to);
   PeerEndpoint Peer(const KvTransferParams& p, int prefill_rank) const;
   /// The pairs (and head slices) for a prefill of TP `prefill_tp`; empty when it cannot plan.
   std::vector<Pair> PlanPairs(int prefill_tp) const;

@@ -132,8 +132,12 @@ class WriteDecodeCore {
   const Counters& counters() const { return counters_; }
   const Options& options() const { return options_; }
 
- private:
+ public:
+  /// One (decode rank, prefill rank) pair's state (the table is in write_decode_core.cc).
   enum class PairState : uint8_t { kIdle, kWaiting, kCancelling, kOk, kFailed };
+  static std::string_view PairStateName(PairState s);
+
+ private:
   struct Pair {
     int decode_rank = 0;
     int prefill_rank = 0;
@@ -152,6 +156,10 @@ class WriteDecodeCore {
     int64_t overlap_base = INT64_MIN / 2;  // max over ok ranks of since_last_layer_us - arrival
   };
 
+  // The checked transition: an illegal one changes nothing and returns FailedPrecondition;
+  // Move fails the request's load with it instead.
+  [[nodiscard]] static Status SetState(Pair& p, PairState to);
+  static void Move(Request& r, Pair& p, PairState to);
   PeerEndpoint Peer(const KvTransferParams& p, int prefill_rank) const;
   // The TP plan's (decode rank, prefill rank) pairs against a prefill of `prefill_tp` ranks.
   std::vector<std::pair<int, int>> PlanPairs(int prefill_tp) const;

@@ -172,8 +172,12 @@ class WritePrefillCore {
   int tp_size() const { return options_.tp_size; }
   const Options& options() const { return options_; }
 
- private:
+ public:
+  /// One (prefill rank, decode rank) target's state (the table is in write_prefill_core.cc).
   enum class TargetState : uint8_t { kActive, kCancelling, kDone };
+  static std::string_view TargetStateName(TargetState s);
+
+ private:
   struct Target {
     WriteBlocksMsg msg;
     TargetState state = TargetState::kActive;
@@ -207,6 +211,10 @@ class WritePrefillCore {
     std::map<int, Target> targets;  // decode rank -> target
     std::optional<TimePoint> lease_deadline;
   };
+  // The checked transition: an illegal one changes nothing and returns FailedPrecondition;
+  // Move fails the target with it (the decode is told WriteDone(failed) with that reason).
+  [[nodiscard]] static Status SetState(Target& g, TargetState to);
+  static void Move(Target& g, TargetState to);
   struct Tombstone {
     CloseReason reason;
     TimePoint expires;

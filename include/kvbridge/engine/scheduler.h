@@ -22,14 +22,17 @@
 //
 // Request state machine (docs/engine.md "Request states" has the diagram); a sequence is one
 // scheduled unit: the client request before its fork, or one sibling "{i}_{id}" after it.
-//   from \ to               WAITING  WAITING_FOR_  RUNNING  PREEMPTED  FINISHED_STOPPED/LENGTH
-//   ABORTED  ERROR
-//                                    REMOTE_KVS
-//   WAITING                    -        yes          yes       -            - yes      yes
-//   WAITING_FOR_REMOTE_KVS    yes        -            -        -            - yes      yes RUNNING
-//   -         -           yes*      yes          yes                   yes      yes PREEMPTED - -
-//   yes       -            -                     yes      yes FINISHED_*                 - - - - -
-//   -        -
+// CheckTransition implements exactly this table:
+// clang-format off
+//   from \ to               WAITING  WAITING_FOR_ RUNNING  PREEMPTED  FINISHED_ FINISHED_ FINISHED_
+//                                    REMOTE_KVS                       STOPPED/  ABORTED   ERROR
+//                                                                     LENGTH
+//   WAITING                 -        yes          yes      -          -         yes       yes
+//   WAITING_FOR_REMOTE_KVS  yes      -            -        -          -         yes       yes
+//   RUNNING                 -        -            yes*     yes        yes       yes       yes
+//   PREEMPTED               -        -            yes      -          -         yes       yes
+//   FINISHED_*              -        -            -        -          -         -         -
+// clang-format on
 //   (* RUNNING -> RUNNING is the fork: the parent's row becomes its n siblings.)
 //   ERROR is reached from a connector error or a failed remote load with recompute = false
 //   (from WAITING / WAITING_FOR_REMOTE_KVS), or a forward-pass error (from RUNNING).
@@ -189,17 +192,22 @@ class Scheduler {
 
   Seq* FindSeq(const std::string& seq_id) const;
   ConnectorRequestInfo Info(const Seq& s) const;
-  void SetState(Seq* s, RequestState to);
+  // The checked transition (CheckTransition): an illegal one changes nothing and returns the
+  // FailedPrecondition.
+  [[nodiscard]] Status SetState(Seq* s, RequestState to);
+  // SetState; an illegal transition (a bug here) fails the request's group with that status
+  // (FailGroup: the client gets the error) and returns false: the caller stops there.
+  bool Transition(Seq* s, RequestState to, TimePoint now);
   // Blocks a seq needs to compute `num_new` more tokens (fresh + copy on write).
   int BlocksNeeded(const Seq& s, int num_new) const;
   // Allocates them (caller checked); records copies.
   void AllocateSlots(Seq* s, int num_new, ScheduledBatch* batch);
-  void Preempt(Seq* s);
+  void Preempt(Seq* s, TimePoint now);
   // Admission of a waiting seq: returns true when scheduled, false to stop admitting.
   enum class Admit { kScheduled, kStop, kSkipped };
   Admit TryAdmit(Seq* s, int* budget, ScheduledBatch* batch, TimePoint now);
   void CacheComputedBlocks(Seq* s);
-  void Fork(Seq* parent);
+  void Fork(Seq* parent, TimePoint now);
   void AppendToken(Seq* s, int32_t token, std::span<const float> logits_row, TimePoint now);
   void FinishSeq(Seq* s, RequestState state, TimePoint now);
   // Ends every live sequence of `g` with `error`. `tell_connector`: call RequestAborted for each
