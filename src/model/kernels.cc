@@ -1,10 +1,12 @@
 #include "model/kernels.h"
 
 // gcc 12 reports its own AVX-512 intrinsics (_mm512_undefined_* behind the broadcasts and
-// shuffles) as maybe-uninitialized once inlined: a known false positive. clang has no such
-// warning group (and -Werror rejects the unknown name), so the pragma is gcc's alone.
+// shuffles) as maybe-uninitialized — and, in some inlining contexts, uninitialized (the `__Y`
+// of _mm512_shuffle_f32x4) — once inlined: a known false positive. clang has no such warning
+// group (and -Werror rejects the unknown name), so the pragma is gcc's alone.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 
@@ -432,16 +434,27 @@ KVB_AVX512 KVB_INLINE void ColPairTile(const float* xp, int64_t xcs, const float
   }
 }
 
-// MR rows: tiles of CP column pairs, the columns left over through the ymm tiles.
+// MR rows: tiles of CP column pairs, then narrower tiles of 8, 4, 2, 1 pairs for the columns
+// left over (e.g. 4 of a 112-column o_proj slice at 8 rows); an odd last column is not done
+// here.
 template <int MR, int CP, class WT>
 KVB_AVX512 KVB_INLINE void ColPairRows(const float* xp, int64_t xcs, const float* x, int ldx,
                                        const WT* w, int n, int ldw, int k, float* y, int ldy) {
   int j = 0;
-  for (; j + 2 * CP <= n; j += 2 * CP) {
-    ColPairTile<MR, CP>(xp, xcs, x, ldx, w + static_cast<int64_t>(j) * ldw, ldw, k, y + j, ldy);
-  }
-  if (j < n)
-    YmmDriver<2, 8>(x, MR, ldx, w + static_cast<int64_t>(j) * ldw, n - j, ldw, k, y + j, ldy);
+  auto tile = [&]<int P>() KVB_AVX512 {
+    ColPairTile<MR, P>(xp, xcs, x, ldx, w + static_cast<int64_t>(j) * ldw, ldw, k, y + j, ldy);
+    j += 2 * P;
+  };
+  while (j + 2 * CP <= n) tile.template operator()<CP>();
+  auto narrower = [&]<int P>() KVB_AVX512 {
+    if constexpr (P < CP) {
+      if (j + 2 * P <= n) tile.template operator()<P>();
+    }
+  };
+  narrower.template operator()<8>();
+  narrower.template operator()<4>();
+  narrower.template operator()<2>();
+  narrower.template operator()<1>();
 }
 
 template <class WT>
@@ -480,6 +493,10 @@ KVB_AVX512 void SmallAvx512(const float* x, int m, int ldx, const WT* w, int n, 
       ColPairRows<1, 12>(xpi, xcs, xi, ldx, w, n, ldw, k, yi, ldy);
       i += 1;
     }
+  }
+  if (n % 2 != 0) {  // the odd last column, whole K
+    const int j = n - 1;
+    YmmDriver<2, 8>(x, m, ldx, w + static_cast<int64_t>(j) * ldw, 1, ldw, k, y + j, ldy);
   }
 }
 
@@ -679,15 +696,36 @@ KVB_AVX2 void OnlineSoftmaxChunkAvx2(float* s, int n, float scale, const float* 
     const int cnt = std::min(16, n - t0);
     for (int t = 0; t < cnt; ++t) e[t] = s[t0 + t] - new_max;
     ExpArrayAvx2(e, cnt, pr);
-    for (int t = 0; t < cnt; ++t) {
-      *den += pr[t];
-      const float* vt = v + static_cast<int64_t>(t0 + t) * hd;
-      const __m256 p = _mm256_set1_ps(pr[t]);
-      for (int d = 0; d < hd8; d += 8) {
-        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d),
-                                                _mm256_mul_ps(p, _mm256_loadu_ps(vt + d))));
+    for (int t = 0; t < cnt; ++t) *den += pr[t];
+    // acc[d] += p_t * v[t][d] for t ascending, per element in the scalar order; blocks of 64
+    // elements stay in registers across the positions (no store/reload per position).
+    const float* v0 = v + static_cast<int64_t>(t0) * hd;
+    int d = 0;
+    for (; d + 64 <= hd8; d += 64) {
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(acc + d + 8 * r);
+      for (int t = 0; t < cnt; ++t) {
+        const __m256 p = _mm256_set1_ps(pr[t]);
+        const float* vt = v0 + static_cast<int64_t>(t) * hd + d;
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+          a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(p, _mm256_loadu_ps(vt + 8 * r)));
+        }
       }
-      for (int d = hd8; d < hd; ++d) acc[d] += pr[t] * vt[d];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + d + 8 * r, a[r]);
+    }
+    for (; d < hd8; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      for (int t = 0; t < cnt; ++t) {
+        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(pr[t]),
+                                           _mm256_loadu_ps(v0 + static_cast<int64_t>(t) * hd + d)));
+      }
+      _mm256_storeu_ps(acc + d, a);
+    }
+    for (; d < hd; ++d) {
+      for (int t = 0; t < cnt; ++t) acc[d] += pr[t] * v0[static_cast<int64_t>(t) * hd + d];
     }
   }
   *mx = new_max;
