@@ -20,7 +20,12 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
           ->capture_default_str();
       sub.add_option("--blocks", o->blocks, "blocks per transfer")->capture_default_str();
       sub.add_option("--layers", o->layers, "layers per transfer")->capture_default_str();
-      sub.add_option("--iters", o->iters, "timed transfers")->capture_default_str();
+      sub.add_option("--iters", o->iters, "timed transfers (per round on host memory)")
+          ->capture_default_str();
+      sub.add_option("--rounds", o->rounds,
+                     "host: rounds alternating the transfer and its baseline; the ratio "
+                     "reported is the median over rounds with its min-max")
+          ->capture_default_str();
       sub.add_option("--peer", o->peer, "HOST:PORT of a running `xfer-bench --serve`");
       sub.add_flag("--json", o->json, "print one JSON object as the last line");
       sub.add_option("--copy-threads", o->copy_threads, "shm copy threads")->capture_default_str();

@@ -331,51 +331,63 @@ Status Bench(const XferBenchOptions& o, nlohmann::json* out) {
     RETURN_IF_ERROR(Check(res == "OK", "verification failed: peer says " + res));
   }
 
-  std::vector<double> times;
-  for (int i = 0; i < o.iters; ++i) {
-    ASSIGN_OR_RETURN(double us, run_once());
-    times.push_back(us);
-  }
-  const double best = *std::min_element(times.begin(), times.end());
-
-  // Baseline in the same run.
-  std::vector<double> base;
+  // Baseline of the same bytes (buffers made and touched once, before the rounds).
   std::string baseline_kind;
+  HostBuffer src, dst;
+  std::vector<uint8_t> sink;
   if (o.backend == "shm") {
     baseline_kind = "memcpy, 1 thread, pre-faulted";
-    ASSIGN_OR_RETURN(HostBuffer src, HostBuffer::Allocate(bytes));
-    ASSIGN_OR_RETURN(HostBuffer dst, HostBuffer::Allocate(bytes));
+    ASSIGN_OR_RETURN(src, HostBuffer::Allocate(bytes));
+    ASSIGN_OR_RETURN(dst, HostBuffer::Allocate(bytes));
     std::memset(src.data(), 1, bytes);
     std::memset(dst.data(), 2, bytes);
-    for (int i = 0; i < o.iters; ++i) {
-      auto t0 = Clock::now();
-      std::memcpy(dst.data(), src.data(), bytes);
-      base.push_back(Us(Clock::now() - t0));
-    }
   } else {
     baseline_kind = "one blocking loopback TCP stream";
-    std::vector<uint8_t> sink(std::min<uint64_t>(bytes, 8u << 20));
-    for (int i = 0; i < o.iters; ++i) {
-      auto t0 = Clock::now();
-      if (read) {
-        RETURN_IF_ERROR(ctl.Send("STREAM " + std::to_string(bytes) + "\n"));
-        for (uint64_t got = 0; got < bytes;) {
-          uint64_t k = std::min<uint64_t>(bytes - got, sink.size());
-          RETURN_IF_ERROR(ctl.Recv(sink.data(), k));
-          got += k;
-        }
-      } else {
-        RETURN_IF_ERROR(ctl.Send("SINK " + std::to_string(bytes) + "\n"));
-        for (uint64_t sent = 0; sent < bytes;) {
-          uint64_t k = std::min<uint64_t>(bytes - sent, sink.size());
-          RETURN_IF_ERROR(net::SendAll(ctl.fd(), sink.data(), k));
-          sent += k;
-        }
-        ASSIGN_OR_RETURN(std::string ok, ctl.Line());
-      }
-      base.push_back(Us(Clock::now() - t0));
-    }
+    sink.assign(std::min<uint64_t>(bytes, 8u << 20), 1);
   }
+  auto baseline_once = [&]() -> Result<double> {
+    auto t0 = Clock::now();
+    if (o.backend == "shm") {
+      std::memcpy(dst.data(), src.data(), bytes);
+    } else if (read) {
+      RETURN_IF_ERROR(ctl.Send("STREAM " + std::to_string(bytes) + "\n"));
+      for (uint64_t got = 0; got < bytes;) {
+        uint64_t k = std::min<uint64_t>(bytes - got, sink.size());
+        RETURN_IF_ERROR(ctl.Recv(sink.data(), k));
+        got += k;
+      }
+    } else {
+      RETURN_IF_ERROR(ctl.Send("SINK " + std::to_string(bytes) + "\n"));
+      for (uint64_t sent = 0; sent < bytes;) {
+        uint64_t k = std::min<uint64_t>(bytes - sent, sink.size());
+        RETURN_IF_ERROR(net::SendAll(ctl.fd(), sink.data(), k));
+        sent += k;
+      }
+      ASSIGN_OR_RETURN(std::string ok, ctl.Line());
+    }
+    return Us(Clock::now() - t0);
+  };
+  RETURN_IF_ERROR(baseline_once().status());  // warm-up (the transfer's was its check)
+
+  // Rounds alternating ours and the baseline (odd rounds baseline first), so that load drift on
+  // a shared machine hits both alike; one ratio per round (best / best within the round).
+  std::vector<double> times, base, round_ratio;
+  const int rounds = std::max(1, o.rounds);
+  for (int r = 0; r < rounds; ++r) {
+    std::vector<double> ours_r, base_r;
+    for (int half = 0; half < 2; ++half) {
+      const bool ours_now = (half == 0) == (r % 2 == 0);
+      for (int i = 0; i < o.iters; ++i) {
+        ASSIGN_OR_RETURN(double us, ours_now ? run_once() : baseline_once());
+        (ours_now ? ours_r : base_r).push_back(us);
+      }
+    }
+    round_ratio.push_back(*std::min_element(base_r.begin(), base_r.end()) /
+                          *std::min_element(ours_r.begin(), ours_r.end()));
+    times.insert(times.end(), ours_r.begin(), ours_r.end());
+    base.insert(base.end(), base_r.begin(), base_r.end());
+  }
+  const double best = *std::min_element(times.begin(), times.end());
   const double base_best = *std::min_element(base.begin(), base.end());
 
   // Preparing + posting a 15,000-descriptor transfer (one layer, no coalescing).
@@ -438,7 +450,11 @@ Status Bench(const XferBenchOptions& o, nlohmann::json* out) {
             {"gbps_p50", gbps_p50},
             {"baseline", baseline_kind},
             {"baseline_gbps", base_gbps},
-            {"ratio", gbps / base_gbps},
+            {"rounds", rounds},
+            {"round_ratios", round_ratio},
+            {"ratio", Percentile(round_ratio, 0.5)},
+            {"ratio_min", *std::min_element(round_ratio.begin(), round_ratio.end())},
+            {"ratio_max", *std::max_element(round_ratio.begin(), round_ratio.end())},
             {"p50_us", Percentile(times, 0.5)},
             {"p99_us", Percentile(times, 0.99)},
             {"prep_post_15k_us", Percentile(prep, 0.5)},
@@ -680,7 +696,9 @@ int RunXferBench(const XferBenchOptions& o) {
   std::printf(
       "xfer-bench %s %s: %d blocks x %llu B x %d layers = %llu B in %llu segments, verified\n"
       "  transfer: %.2f GB/s best, %.2f GB/s p50; per transfer p50 %.1f us, p99 %.1f us\n"
-      "  baseline (%s): %.2f GB/s -> ratio %.3f\n"
+      "  baseline (%s): %.2f GB/s best\n"
+      "  ratio (baseline best / transfer best, per round, %d alternating rounds of %d): median "
+      "%.3f, min-max %.3f-%.3f\n"
       "  prepare+post 15,000 descriptors: %.0f us (p50; prepare alone %.0f us)\n"
       "  1 KiB READ + notification + reply: p50 %.1f us, p99 %.1f us\n",
       r["backend"].get<std::string>().c_str(), o.op.c_str(), o.blocks,
@@ -689,8 +707,10 @@ int RunXferBench(const XferBenchOptions& o) {
       static_cast<unsigned long long>(r["segments"].get<uint64_t>()), r["gbps"].get<double>(),
       r["gbps_p50"].get<double>(), r["p50_us"].get<double>(), r["p99_us"].get<double>(),
       r["baseline"].get<std::string>().c_str(), r["baseline_gbps"].get<double>(),
-      r["ratio"].get<double>(), r["prep_post_15k_us"].get<double>(), r["prep_15k_us"].get<double>(),
-      r["notify_rt_1k_p50_us"].get<double>(), r["notify_rt_1k_p99_us"].get<double>());
+      r["rounds"].get<int>(), o.iters, r["ratio"].get<double>(), r["ratio_min"].get<double>(),
+      r["ratio_max"].get<double>(), r["prep_post_15k_us"].get<double>(),
+      r["prep_15k_us"].get<double>(), r["notify_rt_1k_p50_us"].get<double>(),
+      r["notify_rt_1k_p99_us"].get<double>());
   if (o.json) std::printf("%s\n", r.dump().c_str());
   return 0;
 }

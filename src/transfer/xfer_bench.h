@@ -16,7 +16,11 @@ struct XferBenchOptions {
   uint64_t block_size = 16384;  ///< bytes per block (K+V of one layer); multiple of 128
   int blocks = 4096;            ///< blocks per transfer (scattered over a pool of 2x)
   int layers = 1;
-  int iters = 10;
+  int iters = 10;  ///< timed transfers per round (and as many baseline runs per round)
+  /// Rounds alternating the transfer and its baseline (odd rounds baseline first): each round's
+  /// ratio = baseline best / transfer best of that round; reported: the median over rounds and
+  /// its min-max (host memory only; >= 1).
+  int rounds = 5;
   std::string peer;  ///< HOST:PORT of a running `xfer-bench --serve`; empty = spawn one
   bool json = false;
   int copy_threads = 1;
