@@ -52,6 +52,8 @@ Status TransferHandle::status() const {
 
 bool TransferHandle::Wait(int timeout_ms) const {
   if (!s_) return true;
+  // The waiter does the work no backend thread has started (shm: the copy), on this thread.
+  if (s_->job && s_->job->help) s_->job->help();
   std::unique_lock<std::mutex> l(s_->mu);
   return s_->cv.wait_for(l, std::chrono::milliseconds(timeout_ms),
                          [&] { return s_->state != TransferState::kPending; });

@@ -369,15 +369,15 @@ Status Bench(const XferBenchOptions& o, nlohmann::json* out) {
   };
   RETURN_IF_ERROR(baseline_once().status());  // warm-up (the transfer's was its check)
 
-  // Rounds alternating ours and the baseline (odd rounds baseline first), so that load drift on
-  // a shared machine hits both alike; one ratio per round (best / best within the round).
+  // Rounds of --iters pairs, one transfer then one baseline run (odd rounds: baseline first), so
+  // that load drift on a shared machine hits both alike; one ratio per round (best / best).
   std::vector<double> times, base, round_ratio;
   const int rounds = std::max(1, o.rounds);
   for (int r = 0; r < rounds; ++r) {
     std::vector<double> ours_r, base_r;
-    for (int half = 0; half < 2; ++half) {
-      const bool ours_now = (half == 0) == (r % 2 == 0);
-      for (int i = 0; i < o.iters; ++i) {
+    for (int i = 0; i < o.iters; ++i) {
+      for (int half = 0; half < 2; ++half) {
+        const bool ours_now = (half == 0) == (r % 2 == 0);
         ASSIGN_OR_RETURN(double us, ours_now ? run_once() : baseline_once());
         (ours_now ? ours_r : base_r).push_back(us);
       }

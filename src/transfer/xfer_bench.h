@@ -17,9 +17,9 @@ struct XferBenchOptions {
   int blocks = 4096;            ///< blocks per transfer (scattered over a pool of 2x)
   int layers = 1;
   int iters = 10;  ///< timed transfers per round (and as many baseline runs per round)
-  /// Rounds alternating the transfer and its baseline (odd rounds baseline first): each round's
-  /// ratio = baseline best / transfer best of that round; reported: the median over rounds and
-  /// its min-max (host memory only; >= 1).
+  /// Rounds of `iters` pairs (one transfer, one baseline run; odd rounds baseline first): each
+  /// round's ratio = baseline best / transfer best of that round; reported: the median over rounds
+  /// and its min-max (host memory only; >= 1).
   int rounds = 5;
   std::string peer;  ///< HOST:PORT of a running `xfer-bench --serve`; empty = spawn one
   bool json = false;

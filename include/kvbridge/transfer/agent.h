@@ -132,7 +132,10 @@ class TransferHandle {
   TransferState state() const;
   /// OK while pending or done; the failure (Cancelled, Unavailable, InvalidArgument, ...).
   Status status() const;
-  /// Waits until terminal or `timeout_ms` passes; returns true when terminal.
+  /// Waits until terminal or `timeout_ms` passes; returns true when terminal. On shm the
+  /// waiting thread first runs the parts of the copy no copy thread has started yet (no thread
+  /// hand-off, no wake-up to complete), so it can return later than `timeout_ms` by the time of
+  /// those copies; the notification (if any) is then sent from this thread.
   bool Wait(int timeout_ms) const;
   /// Requests cancellation. The transfer turns terminal (kFailed/Cancelled, or kDone if it
   /// finished first) only when no more of its bytes can land; its notification is not sent.

@@ -53,6 +53,12 @@ struct TransferJob {
   /// Called exactly once by the backend: OK (all bytes landed), Cancelled (stopped early; no
   /// more bytes can land), Unavailable (peer lost), or another error from the peer.
   std::function<void(Status)> finish;
+  /// Optional, set by the backend in Submit (before it returns): runs the parts of this job no
+  /// backend thread has started yet on the calling thread, then returns (finish may have been
+  /// called by it). TransferHandle::Wait calls it before blocking, so a waiter copies instead of
+  /// paying two thread hand-offs (shm). Safe to call from any thread, any number of times, also
+  /// after the backend is gone (then it does nothing).
+  std::function<void()> help;
 };
 
 /// Answers "may a peer do `op` on these blocks for this transfer_id?" for two-sided backends

@@ -65,43 +65,72 @@ struct Work {
 
 class CopyPool {
  public:
-  explicit CopyPool(int threads) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  explicit CopyPool(int threads) : q_(std::make_shared<Queue>()) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([q = q_] { Loop(*q); });
   }
   ~CopyPool() {
     {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
+      std::lock_guard<std::mutex> l(q_->mu);
+      q_->stop = true;
     }
-    cv_.notify_all();
+    q_->cv.notify_all();
     for (auto& t : threads_) t.join();
   }
+  // Queues the parts of one job and sets its `help` (a waiter runs the parts not yet started).
   void Push(std::vector<Work> w) {
+    TransferJob* job = w.front().job.get();
+    job->help = [weak = std::weak_ptr<Queue>(q_), job] {
+      if (auto q = weak.lock()) RunQueued(*q, job);
+    };
     {
-      std::lock_guard<std::mutex> l(mu_);
-      for (auto& x : w) q_.push_back(std::move(x));
+      std::lock_guard<std::mutex> l(q_->mu);
+      for (auto& x : w) q_->q.push_back(std::move(x));
     }
     if (w.size() == 1) {
-      cv_.notify_one();
+      q_->cv.notify_one();
     } else {
-      cv_.notify_all();
+      q_->cv.notify_all();
     }
   }
   size_t size() const { return threads_.size(); }
 
  private:
-  void Loop() {
+  struct Queue {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Work> q;
+    bool stop = false;
+  };
+
+  static void Loop(Queue& q) {
     for (;;) {
       Work w;
       {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || !q_.empty(); });
-        if (q_.empty()) return;  // stop_ with nothing left
-        w = std::move(q_.front());
-        q_.pop_front();
+        std::unique_lock<std::mutex> l(q.mu);
+        q.cv.wait(l, [&] { return q.stop || !q.q.empty(); });
+        if (q.q.empty()) return;  // stop with nothing left
+        w = std::move(q.q.front());
+        q.q.pop_front();
       }
       w.parts->Done(w.job, Copy(w));
     }
+  }
+
+  // Takes `job`'s parts still queued and copies them on the calling thread.
+  static void RunQueued(Queue& q, const TransferJob* job) {
+    std::vector<Work> mine;
+    {
+      std::lock_guard<std::mutex> l(q.mu);
+      for (auto it = q.q.begin(); it != q.q.end();) {
+        if (it->job.get() == job) {
+          mine.push_back(std::move(*it));
+          it = q.q.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (Work& w : mine) w.parts->Done(w.job, Copy(w));
   }
 
   static Status Copy(const Work& w) {
@@ -131,10 +160,7 @@ class CopyPool {
     return OkStatus();
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Work> q_;
-  bool stop_ = false;
+  std::shared_ptr<Queue> q_;
   std::vector<std::thread> threads_;
 };
 
