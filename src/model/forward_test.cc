@@ -664,7 +664,7 @@ TEST(RandomModelPresets, StreamedFileEqualsSerializedFile) {
 }
 
 // The real-shaped presets: the published config.json values (no file written: they are
-// 1-2.5 GB; benchmarks and one integration test make them).
+// 1-15 GB; benchmarks and one integration test make them; qwen2.5-7b is generated on the GPU).
 TEST(RandomModelPresets, RealShapes) {
   struct Want {
     const char* preset;
@@ -672,6 +672,7 @@ TEST(RandomModelPresets, RealShapes) {
     int hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, max_pos;
     double theta;
     int64_t params;
+    bool tied = true;
   };
   for (const Want& w : {
            Want{"qwen2.5-0.5b", ModelArch::kQwen2, 896, 4864, 24, 14, 2, 64, 151936, 32768, 1e6,
@@ -680,6 +681,8 @@ TEST(RandomModelPresets, RealShapes) {
                 596049920},
            Want{"llama-3.2-1b", ModelArch::kLlama, 2048, 8192, 16, 32, 8, 64, 128256, 131072,
                 500000.0, 1235814400},
+           Want{"qwen2.5-7b", ModelArch::kQwen2, 3584, 18944, 28, 28, 4, 128, 152064, 32768, 1e6,
+                7615616512, false},
        }) {
     auto spec = RandomModelPreset(w.preset, 0);
     ASSERT_TRUE(spec.ok()) << spec.status().ToString();
@@ -694,7 +697,7 @@ TEST(RandomModelPresets, RealShapes) {
     EXPECT_EQ(c.vocab_size, w.vocab) << w.preset;
     EXPECT_EQ(c.max_position_embeddings, w.max_pos) << w.preset;
     EXPECT_EQ(c.rope_theta, w.theta) << w.preset;
-    EXPECT_TRUE(c.tie_word_embeddings) << w.preset;
+    EXPECT_EQ(c.tie_word_embeddings, w.tied) << w.preset;
     model_internal::Weights unused;
     int64_t params = 0;
     for (const auto& slot : model_internal::TensorSlots(c, &unused)) {

@@ -56,47 +56,8 @@ std::array<float, 256> MakeFp8Table() {
 const std::array<float, 256> kFp8Table = MakeFp8Table();
 }  // namespace
 
-float Exp(float x) {
-  if (std::isnan(x)) return x;
-  if (x > 88.72283935546875f) return std::numeric_limits<float>::infinity();
-  if (x < -103.972084045410156f) return 0.0f;
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  // C1 has few significant bits, so k * C1 is exact for |k| <= 150.
-  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int ki = static_cast<int>(k);
-  if (ki > 127) return p * 2.0f * BitsFloat(static_cast<uint32_t>(127 + 127) << 23);
-  if (ki < -126) {
-    // Two steps so only the last multiplication rounds into the subnormal range.
-    return (p * BitsFloat(static_cast<uint32_t>(ki + 64 + 127) << 23)) * 5.42101086e-20f;
-  }
-  return p * BitsFloat(static_cast<uint32_t>(ki + 127) << 23);
-}
+float Exp(float x) { return ExpIeee(x); }
 
 float Fp8E4M3ToFloat(uint8_t b) { return kFp8Table[b]; }
-
-uint8_t FloatToFp8E4M3(float f) {
-  if (std::isnan(f)) return 0x7f;
-  const uint32_t u = FloatBits(f);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  const float a = std::fabs(f);
-  if (a < 0.015625f) {  // below min normal 2^-6: subnormal grid of 2^-9; 8 => min normal
-    const float q = std::nearbyint(a * 512.0f);
-    return sign | static_cast<uint8_t>(q);
-  }
-  uint32_t r = u & 0x7fffffffu;
-  if (r >= 0x43e00000u) return sign | 0x7e;  // >= 448 (or inf): saturate
-  r += 0x7ffffu + ((r >> 20) & 1u);
-  const int exp = static_cast<int>(r >> 23) - 127 + 7;
-  const uint32_t mant = (r >> 20) & 7u;
-  if (exp > 15 || (exp == 15 && mant == 7)) return sign | 0x7e;
-  return sign | static_cast<uint8_t>((exp << 3) | mant);
-}
 
 }  // namespace kvbridge::model_internal

@@ -10,16 +10,10 @@
 #include "kvbridge/model/safetensors.h"
 #include "model/model_impl.h"
 #include "model/numerics.h"
+#include "model/random_model_internal.h"
 
 namespace kvbridge {
 namespace {
-
-uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 uint64_t Fnv1a(std::string_view s) {
   uint64_t h = 0xcbf29ce484222325ull;
@@ -30,12 +24,28 @@ uint64_t Fnv1a(std::string_view s) {
   return h;
 }
 
-// Uniform in [-1, 1) with 24 random bits; exact in fp32.
-float Uniform(uint64_t& state) {
-  return static_cast<float>(SplitMix64(state) >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}  // namespace
+
+namespace model_internal {
+
+RandomTensorGen RandomTensorParams(uint64_t seed, const std::string& name,
+                                   const std::vector<int64_t>& shape) {
+  // Norm weights ~ 1 + U(-0.1, 0.1); biases ~ U(-0.5, 0.5); embeddings ~ U(-1, 1); linear
+  // weights ~ U(-a, a) with a = sqrt(3 / fan_in), so activations keep unit variance.
+  const bool is_norm = name.find("norm") != std::string::npos;
+  const bool is_bias = name.ends_with(".bias");
+  const bool is_embed = name == "model.embed_tokens.weight";
+  RandomTensorGen g;
+  g.state0 = seed * kSplitMixGamma ^ Fnv1a(name);
+  g.offset = is_norm ? 1.0f : 0.0f;
+  g.a = is_norm    ? 0.1f
+        : is_bias  ? 0.5f
+        : is_embed ? 1.0f
+                   : std::sqrt(3.0f / static_cast<float>(shape.back()));
+  return g;
 }
 
-}  // namespace
+}  // namespace model_internal
 
 namespace {
 // A preset's shape; the rest of the config follows the arch.
@@ -44,6 +54,7 @@ struct PresetShape {
   ModelArch arch;  // the preset's own arch
   bool fixed_arch;
   int hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, max_pos;
+  bool untied = false;  // a real-shaped qwen2 preset with its own lm_head (Qwen2.5-7B)
 };
 
 constexpr PresetShape kPresets[] = {
@@ -55,6 +66,8 @@ constexpr PresetShape kPresets[] = {
     {"qwen3-0.6b", ModelArch::kQwen3, true, 1024, 3072, 28, 16, 8, 128, 151936, 40960},
     // meta-llama/Llama-3.2-1B-Instruct
     {"llama-3.2-1b", ModelArch::kLlama, true, 2048, 8192, 16, 32, 8, 64, 128256, 131072},
+    // Qwen/Qwen2.5-7B-Instruct (15.2 GB in bf16: CudaModel::CreateRandom generates it on the GPU)
+    {"qwen2.5-7b", ModelArch::kQwen2, true, 3584, 18944, 28, 28, 4, 128, 152064, 32768, true},
 };
 
 }  // namespace
@@ -100,7 +113,8 @@ Result<RandomModelSpec> RandomModelPreset(std::string_view preset, ModelArch arc
   c.max_position_embeddings = shape->max_pos;
   c.rope_theta = 10000.0;
   c.rms_norm_eps = arch == ModelArch::kLlama || arch == ModelArch::kMistral ? 1e-5 : 1e-6;
-  c.tie_word_embeddings = arch == ModelArch::kQwen2 || arch == ModelArch::kQwen3;
+  c.tie_word_embeddings =
+      (arch == ModelArch::kQwen2 || arch == ModelArch::kQwen3) && !shape->untied;
   c.qkv_bias = arch == ModelArch::kQwen2;
   c.o_bias = false;
   c.qk_norm = arch == ModelArch::kQwen3;
@@ -171,22 +185,13 @@ Status WriteRandomModel(const RandomModelSpec& spec, const std::string& dir,
   uint64_t done = 0;
   std::string data;
   for (const auto& slot : slots) {
-    uint64_t state = spec.seed * 0x9e3779b97f4a7c15ull ^ Fnv1a(slot.name);
+    const model_internal::RandomTensorGen g =
+        model_internal::RandomTensorParams(spec.seed, slot.name, slot.shape);
     size_t count = 1;
     for (int64_t d : slot.shape) count *= static_cast<size_t>(d);
-    // Norm weights ~ 1 + U(-0.1, 0.1); biases ~ U(-0.5, 0.5); embeddings ~ U(-1, 1); linear
-    // weights ~ U(-a, a) with a = sqrt(3 / fan_in), so activations keep unit variance.
-    const bool is_norm = slot.name.find("norm") != std::string::npos;
-    const bool is_bias = slot.name.ends_with(".bias");
-    const bool is_embed = slot.name == "model.embed_tokens.weight";
-    const float a = is_norm    ? 0.1f
-                    : is_bias  ? 0.5f
-                    : is_embed ? 1.0f
-                               : std::sqrt(3.0f / static_cast<float>(slot.shape.back()));
     data.resize(count * 2);
     for (size_t i = 0; i < count; ++i) {
-      const float v = (is_norm ? 1.0f : 0.0f) + a * Uniform(state);
-      const uint16_t b = model_internal::FloatToBf16(v);
+      const uint16_t b = model_internal::RandomWeightBf16(g.state0, i, g.offset, g.a);
       std::memcpy(data.data() + 2 * i, &b, 2);
     }
     out.write(data.data(), static_cast<std::streamsize>(data.size()));

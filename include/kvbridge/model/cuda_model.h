@@ -1,10 +1,12 @@
 // kvbridge/model/cuda_model.h — the forward pass on one CUDA GPU, KV cache in device memory.
 //
 // A CudaModel is built FROM a loaded Model (its config, its weights converted to bf16 — exact
-// when the checkpoint stored bf16 — and its host RoPE cos/sin tables, so every RoPE variant the
-// CPU model supports works unchanged). It owns, in device memory: the weights, the paged KV pool
-// (layout of kv_cache_view.h, layers in one cudaMalloc), and activation buffers preallocated for
-// `max_num_batched_tokens` rows, so a step never allocates device memory.
+// when the checkpoint stored bf16 — and RoPE cos/sin tables built on the host as the CPU model
+// builds them, so every RoPE variant the CPU model supports works unchanged), or generated
+// straight into device memory from a random-model spec (CreateRandom: the same bits). It owns, in
+// device memory: the weights, the paged KV pool (layout of kv_cache_view.h, layers in one
+// cudaMalloc), and activation buffers preallocated for `max_num_batched_tokens` rows, so a step
+// never allocates device memory.
 //
 //   ASSIGN_OR_RETURN(std::shared_ptr<Model> cpu, Model::Load("models/small"));
 //   ASSIGN_OR_RETURN(auto gpu, CudaModel::Create(cpu, {.device = 0, .num_blocks = 64}));
@@ -34,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvbridge/common/status.h"
@@ -43,6 +46,7 @@
 namespace kvbridge {
 
 class Model;
+struct RandomModelSpec;  // kvbridge/model/random_model.h
 
 struct CudaModelOptions {
   int device = 0;  ///< CUDA device ordinal
@@ -90,6 +94,12 @@ class CudaModel {
   /// (weights, activations or the KV pool, with the bytes asked and free).
   static Result<std::unique_ptr<CudaModel>> Create(std::shared_ptr<const Model> model,
                                                    const CudaModelOptions& options);
+  /// Generates the random-weight model `spec` (random_model.h) straight into device memory: the
+  /// same bf16 bits WriteRandomModel would write (counter-based generator, numerics_hd.h), so
+  /// CreateRandom(spec) computes what Create(Model::Load(WriteRandomModel(spec))) computes, bit
+  /// for bit, with no host copy of the weights (qwen2.5-7b: 15.2 GB). Errors as Create.
+  static Result<std::unique_ptr<CudaModel>> CreateRandom(const RandomModelSpec& spec,
+                                                         const CudaModelOptions& options);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -114,6 +124,13 @@ class CudaModel {
   /// Copies layer `layer`'s whole region to/from the host (LayerBytes()).
   Status ReadKvLayer(int layer, std::vector<uint8_t>* bytes) const;
   Status WriteKvLayer(int layer, const std::vector<uint8_t>& bytes);
+
+  /// Benchmarks: while on, Forward records a CUDA event after every stage of the step and adds
+  /// each stage's device time to StageTimes() (by kind: "qkv_proj", "attention", ...; ms summed
+  /// over the steps since the last ResetStageTimes). Costs a little; off by default.
+  void SetStageTiming(bool on);
+  std::vector<std::pair<std::string, double>> StageTimes() const;
+  void ResetStageTimes();
 
   /// The cudaEvent_t (as void*) recorded after layer `layer`'s KV writes of the last Forward.
   void* layer_kv_event(int layer) const;

@@ -5,25 +5,23 @@
 // stages (RoPE, SwiGLU, softmax, norms) do the CPU's IEEE operations in the CPU's order.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "model/cuda/cuda_constants.h"
 #include "model/cuda/cuda_kernels.h"
+#include "model/numerics_hd.h"
 
 namespace kvbridge::cuda_internal {
 namespace {
 
-// ---- scalar conversions: the CPU's (numerics.h), bit for bit ----
+// ---- scalar conversions and exp: the CPU's, one definition (numerics_hd.h) ----
 
-__device__ __forceinline__ float Bf16ToF(uint16_t h) {
-  return __uint_as_float(static_cast<uint32_t>(h) << 16);
-}
-__device__ __forceinline__ uint16_t FToBf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using model_internal::ExpIeee;
+
+__device__ __forceinline__ float Bf16ToF(uint16_t h) { return model_internal::Bf16ToFloat(h); }
+__device__ __forceinline__ uint16_t FToBf16(float f) { return model_internal::FloatToBf16(f); }
+// The CPU decodes through a table (numerics.cc); these are the same 256 values.
 __device__ __forceinline__ float Fp8ToF(uint8_t b) {
   const uint32_t exp = (b >> 3) & 0xfu, mant = b & 7u;
   float v;
@@ -36,42 +34,8 @@ __device__ __forceinline__ float Fp8ToF(uint8_t b) {
   }
   return (b & 0x80) ? -v : v;
 }
-__device__ __forceinline__ uint8_t FToFp8(float f) {
-  if (isnan(f)) return 0x7f;
-  const uint32_t u = __float_as_uint(f);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  const float a = fabsf(f);
-  if (a < 0.015625f) return sign | static_cast<uint8_t>(rintf(a * 512.0f));
-  uint32_t r = u & 0x7fffffffu;
-  if (r >= 0x43e00000u) return sign | 0x7e;
-  r += 0x7ffffu + ((r >> 20) & 1u);
-  const int exp = static_cast<int>(r >> 23) - 127 + 7;
-  const uint32_t mant = (r >> 20) & 7u;
-  if (exp > 15 || (exp == 15 && mant == 7)) return sign | 0x7e;
-  return sign | static_cast<uint8_t>((exp << 3) | mant);
-}
-
-// model_internal::Exp (numerics.cc): Cody-Waite + Cephes polynomial from IEEE +, -, * only.
-__device__ __forceinline__ float Exp(float x) {
-  if (isnan(x)) return x;
-  if (x > 88.72283935546875f) return __uint_as_float(0x7f800000u);
-  if (x < -103.972084045410156f) return 0.0f;
-  const float k = rintf(x * 1.44269504088896341f);
-  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int ki = static_cast<int>(k);
-  if (ki > 127) return p * 2.0f * __uint_as_float(static_cast<uint32_t>(127 + 127) << 23);
-  if (ki < -126) {
-    return (p * __uint_as_float(static_cast<uint32_t>(ki + 64 + 127) << 23)) * 5.42101086e-20f;
-  }
-  return p * __uint_as_float(static_cast<uint32_t>(ki + 127) << 23);
-}
+__device__ __forceinline__ uint8_t FToFp8(float f) { return model_internal::FloatToFp8E4M3(f); }
+__device__ __forceinline__ float Exp(float x) { return ExpIeee(x); }
 
 // Butterfly sum over a warp: every lane ends with the same bits (each step adds a commutative
 // pair), and the tree is fixed.
@@ -224,6 +188,143 @@ __global__ void __launch_bounds__(kMatmulThreads)
   }
 }
 
+// ---- matmul, pipelined: cp.async multi-stage, two tile shapes with ONE per-element K order ----
+//
+// The same arithmetic as MatmulKernel for every output element: one fp32 accumulator, one
+// m16n8k16 mma per 16-wide k step, the steps ascending from the shard's k0 and stopping at the
+// last step that starts below k1 (zeros past k1). What differs between the two tile shapes (and
+// from MatmulKernel) is only which CTA and warp own an element and how the tiles reach shared
+// memory, so a token's outputs are the same bits whether its step has 1 row or 2048.
+// Small M (<= 16): 16 x 32 tiles (four warps side by side along N, one 16 x 8 mma each), 8
+// stages of 64-wide K, so the weight stream has enough bytes in flight with one row. Large M:
+// 64 x 64 tiles (2 x 2 warps of 32 x 32), 4 stages.
+// Preconditions (checked by LaunchMatmul, else MatmulKernel): lda, k and every shard bound
+// multiples of 8, a and w 16-byte aligned.
+
+constexpr int kPk = 64;       // K per stage
+constexpr int kPs = kPk + 8;  // smem row stride (bf16): 144 bytes, conflict-free fragments
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;  // 0: no read, 16 zero bytes written
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
+__global__ void __launch_bounds__(kMatmulThreads)
+    MatmulPipeKernel(const uint16_t* __restrict__ a, int lda, const uint16_t* __restrict__ w, int m,
+                     int n, int k, int shards, const float* __restrict__ bias,
+                     float* __restrict__ out) {
+  static_assert(WARPS_M * WARPS_N * 32 == kMatmulThreads, "4 warps");
+  constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
+  constexpr int MI = WTM / 16, NI = WTN / 8;
+  extern __shared__ __align__(16) uint16_t psmem[];
+  uint16_t* as = psmem;                      // [STAGES][BM][kPs]
+  uint16_t* bs = psmem + STAGES * BM * kPs;  // [STAGES][BN][kPs]
+  const int s = blockIdx.z;
+  const int k0 = static_cast<int>(static_cast<int64_t>(s) * k / shards);
+  const int k1 = static_cast<int>(static_cast<int64_t>(s + 1) * k / shards);
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = (warp / WARPS_N) * WTM, wn = (warp % WARPS_N) * WTN;
+  const int g = lane >> 2, t = lane & 3;
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  const int nk = (k1 - k0 + kPk - 1) / kPk;
+  auto load = [&](int slot, int kt) {
+    uint16_t* ad = as + slot * BM * kPs;
+    uint16_t* bd = bs + slot * BN * kPs;
+    constexpr int kChunks = kPk / 8;
+    for (int c = threadIdx.x; c < BM * kChunks; c += kMatmulThreads) {
+      const int row = c / kChunks, kc = (c % kChunks) * 8;
+      const int gr = m0 + row, gk = kt + kc;
+      const bool ok = gr < m && gk < k1;
+      CpAsync16(ad + row * kPs + kc, ok ? a + static_cast<size_t>(gr) * lda + gk : a, ok);
+    }
+    for (int c = threadIdx.x; c < BN * kChunks; c += kMatmulThreads) {
+      const int row = c / kChunks, kc = (c % kChunks) * 8;
+      const int gr = n0 + row, gk = kt + kc;
+      const bool ok = gr < n && gk < k1;
+      CpAsync16(bd + row * kPs + kc, ok ? w + static_cast<size_t>(gr) * k + gk : w, ok);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < nk) load(st, k0 + st * kPk);
+    CpAsyncCommit();
+  }
+  for (int it = 0; it < nk; ++it) {
+    CpAsyncWait<STAGES - 2>();
+    __syncthreads();  // stage `it` landed for all threads; slot (it - 1) % STAGES is free
+    {
+      const int nx = it + STAGES - 1;
+      if (nx < nk) load(nx % STAGES, k0 + nx * kPk);
+      CpAsyncCommit();
+    }
+    const int kt = k0 + it * kPk;
+    const uint16_t* at = as + (it % STAGES) * BM * kPs;
+    const uint16_t* bt = bs + (it % STAGES) * BN * kPs;
+#pragma unroll
+    for (int kk = 0; kk < kPk; kk += kMmaK) {
+      if (kt + kk < k1) {  // uniform over the CTA: the steps are a function of (k0, k1) only
+        uint32_t af[MI][4], bf[NI][2];
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+          const uint16_t* p = at + (wm + i * 16 + g) * kPs + kk + t * 2;
+          af[i][0] = *reinterpret_cast<const uint32_t*>(p);
+          af[i][1] = *reinterpret_cast<const uint32_t*>(p + 8 * kPs);
+          af[i][2] = *reinterpret_cast<const uint32_t*>(p + 8);
+          af[i][3] = *reinterpret_cast<const uint32_t*>(p + 8 * kPs + 8);
+        }
+#pragma unroll
+        for (int j = 0; j < NI; ++j) {
+          const uint16_t* p = bt + (wn + j * 8 + g) * kPs + kk + t * 2;
+          bf[j][0] = *reinterpret_cast<const uint32_t*>(p);
+          bf[j][1] = *reinterpret_cast<const uint32_t*>(p + 8);
+        }
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+          for (int j = 0; j < NI; ++j) Mma(acc[i][j], af[i], bf[j]);
+      }
+    }
+  }
+  CpAsyncWait<0>();
+  float* o = out + static_cast<size_t>(s) * m * n;
+#pragma unroll
+  for (int i = 0; i < MI; ++i) {
+#pragma unroll
+    for (int j = 0; j < NI; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + wm + i * 16 + g + (e >> 1) * 8;
+        const int col = n0 + wn + j * 8 + t * 2 + (e & 1);
+        if (row < m && col < n) {
+          float v = acc[i][j][e];
+          if (shards == 1 && bias != nullptr) v += bias[col];
+          o[static_cast<size_t>(row) * n + col] = v;
+        }
+      }
+    }
+  }
+}
+
+// The two tile shapes (kMatmulSmallM: cuda_constants.h).
+constexpr int kSmallStages = 8, kLargeStages = 4;
+constexpr size_t kSmallSmem = static_cast<size_t>(kSmallStages) * (16 + 32) * kPs * 2;
+constexpr size_t kLargeSmem = static_cast<size_t>(kLargeStages) * (64 + 64) * kPs * 2;
+
 // ---- the row-parallel shard tree + residual ----
 
 __global__ void ResidualTreeKernel(float* __restrict__ x, const float* __restrict__ p, size_t total,
@@ -295,36 +396,66 @@ __global__ void KvWriteKernel(const float* __restrict__ qkv, int ld, int k_col, 
 }
 
 // ---- attention ----
+//
+// A row attends over positions [0, pos] in PARTITIONS of kAttentionPartition positions aligned to
+// absolute positions (partition j = [j P, (j + 1) P) clipped to pos + 1). Inside a partition: the
+// 16-position chunks of the online softmax, from a fresh state (max -inf, den 0, acc 0). The
+// partitions' states are then folded in ascending j (FoldState). Both are functions of the row's
+// position and its cached KV only, so any schedule gives the same bits: one CTA per (row, KV
+// head) walking its partitions in order (AttentionKernel, many rows), or one CTA per (row, KV
+// head, partition) writing states to scratch and a warp per (row, head) folding them in order
+// (AttentionPartKernel + AttentionCombineKernel, few rows: decode).
 
 constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
 
-__global__ void AttentionKernel(const float* __restrict__ qkv, int ld,
-                                const int32_t* __restrict__ pos,
-                                const int32_t* __restrict__ table_off,
-                                const int32_t* __restrict__ tables, KvParams kv,
-                                const uint8_t* __restrict__ base, float k_scale, float v_scale,
-                                int nh, float scale, uint16_t* __restrict__ out) {
-  extern __shared__ float smem[];
+// Stages positions [c0, c0 + cn) of KV head g into ks / vs ([cn][hd] fp32), all threads.
+__device__ __forceinline__ void StageKv(const KvParams& kv, const uint8_t* __restrict__ base,
+                                        const int32_t* __restrict__ bt, int g, int c0, int cn,
+                                        float k_scale, float v_scale, float* ks, float* vs) {
   const int hd = kv.head_dim;
-  float* ks = smem;
-  float* vs = smem + kAttentionChunk * hd;
-  const int i = blockIdx.x, g = blockIdx.y;
-  const int group = blockDim.x >> 5;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int head = g * group + warp;
-  const int ps = pos[i];
-  const int32_t* bt = tables + table_off[i];
-  const float* q = qkv + static_cast<size_t>(i) * ld + static_cast<size_t>(head) * hd;
-  float qr[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  if ((hd & 7) == 0) {  // 8 dims per thread: one 16-byte (bf16) / 8-byte (fp8) load per K and V
+    const int per = hd >> 3;
+    for (int idx = threadIdx.x; idx < cn * per; idx += blockDim.x) {
+      const int tt = idx / per, d = (idx % per) * 8;
+      const int p = c0 + tt;
+      const int block = bt[p / kv.block_size], slot = p % kv.block_size;
+      const uint8_t* kp = base + KvOffset(kv, block, 0, g, slot);
+      const uint8_t* vp = base + KvOffset(kv, block, 1, g, slot);
+      float kf[8], vf[8];
+      if (kv.dtype == 1) {
+        const uint4 kr = *reinterpret_cast<const uint4*>(kp + d * 2);
+        const uint4 vr = *reinterpret_cast<const uint4*>(vp + d * 2);
+        const uint32_t kw[4] = {kr.x, kr.y, kr.z, kr.w}, vw[4] = {vr.x, vr.y, vr.z, vr.w};
 #pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) {
-    const int d = lane + 32 * e;
-    qr[e] = d < hd ? q[d] : 0.0f;
-    acc[e] = 0.0f;
-  }
-  float mx = __uint_as_float(0xff800000u), den = 0.0f;  // -inf
-  for (int c0 = 0; c0 <= ps; c0 += kAttentionChunk) {
-    const int cn = min(kAttentionChunk, ps + 1 - c0);
+        for (int u = 0; u < 4; ++u) {
+          kf[2 * u] = Bf16ToF(static_cast<uint16_t>(kw[u] & 0xffffu));
+          kf[2 * u + 1] = Bf16ToF(static_cast<uint16_t>(kw[u] >> 16));
+          vf[2 * u] = Bf16ToF(static_cast<uint16_t>(vw[u] & 0xffffu));
+          vf[2 * u + 1] = Bf16ToF(static_cast<uint16_t>(vw[u] >> 16));
+        }
+      } else if (kv.dtype == 2) {
+        const uint2 kr = *reinterpret_cast<const uint2*>(kp + d);
+        const uint2 vr = *reinterpret_cast<const uint2*>(vp + d);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const uint32_t kw = u < 4 ? kr.x : kr.y, vw = u < 4 ? vr.x : vr.y;
+          kf[u] = Fp8ToF(static_cast<uint8_t>(kw >> (8 * (u & 3)))) * k_scale;
+          vf[u] = Fp8ToF(static_cast<uint8_t>(vw >> (8 * (u & 3)))) * v_scale;
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          kf[u] = reinterpret_cast<const float*>(kp)[d + u];
+          vf[u] = reinterpret_cast<const float*>(vp)[d + u];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        ks[tt * hd + d + u] = kf[u];
+        vs[tt * hd + d + u] = vf[u];
+      }
+    }
+  } else {
     for (int idx = threadIdx.x; idx < cn * hd; idx += blockDim.x) {
       const int tt = idx / hd, d = idx % hd;
       const int p = c0 + tt;
@@ -332,6 +463,25 @@ __global__ void AttentionKernel(const float* __restrict__ qkv, int ld,
       ks[idx] = LoadOne(base + KvOffset(kv, block, 0, g, slot), d, kv.dtype, k_scale);
       vs[idx] = LoadOne(base + KvOffset(kv, block, 1, g, slot), d, kv.dtype, v_scale);
     }
+  }
+}
+
+// One warp's online-softmax state over partition [p0, p1) for its query head (lane holds dims
+// lane + 32 e). The whole CTA calls it with the same bounds (it synchronizes).
+__device__ __forceinline__ void PartitionState(const KvParams& kv, const uint8_t* __restrict__ base,
+                                               const int32_t* __restrict__ bt, int g, int p0,
+                                               int p1, float k_scale, float v_scale, float scale,
+                                               const float (&qr)[kMaxDimsPerLane], float* ks,
+                                               float* vs, float& mx, float& den,
+                                               float (&acc)[kMaxDimsPerLane]) {
+  const int hd = kv.head_dim, lane = threadIdx.x & 31;
+  mx = __uint_as_float(0xff800000u);  // -inf
+  den = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kMaxDimsPerLane; ++e) acc[e] = 0.0f;
+  for (int c0 = p0; c0 < p1; c0 += kAttentionChunk) {
+    const int cn = min(kAttentionChunk, p1 - c0);
+    StageKv(kv, base, bt, g, c0, cn, k_scale, v_scale, ks, vs);
     __syncthreads();
     float sc[kAttentionChunk];
     float cmax = __uint_as_float(0xff800000u);
@@ -369,12 +519,137 @@ __global__ void AttentionKernel(const float* __restrict__ qkv, int ld,
     mx = new_max;
     __syncthreads();
   }
+}
+
+// run <- run (+) partition state (m, den, acc), the fixed fold of ascending partitions.
+__device__ __forceinline__ void FoldState(float& rm, float& rden, float (&racc)[kMaxDimsPerLane],
+                                          float m, float den, const float (&acc)[kMaxDimsPerLane]) {
+  const float nm = fmaxf(rm, m);
+  const float a = Exp(rm - nm), b = Exp(m - nm);
+  rden = rden * a + den * b;
+#pragma unroll
+  for (int e = 0; e < kMaxDimsPerLane; ++e) racc[e] = racc[e] * a + acc[e] * b;
+  rm = nm;
+}
+
+__device__ __forceinline__ void LoadQuery(const float* __restrict__ qkv, int ld, int i, int head,
+                                          int hd, float (&qr)[kMaxDimsPerLane]) {
+  const int lane = threadIdx.x & 31;
+  const float* q = qkv + static_cast<size_t>(i) * ld + static_cast<size_t>(head) * hd;
+#pragma unroll
+  for (int e = 0; e < kMaxDimsPerLane; ++e) {
+    const int d = lane + 32 * e;
+    qr[e] = d < hd ? q[d] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void StoreOut(uint16_t* __restrict__ out, int i, int nh, int head,
+                                         int hd, float den, const float (&acc)[kMaxDimsPerLane]) {
+  const int lane = threadIdx.x & 31;
   uint16_t* o = out + static_cast<size_t>(i) * nh * hd + static_cast<size_t>(head) * hd;
 #pragma unroll
   for (int e = 0; e < kMaxDimsPerLane; ++e) {
     const int d = lane + 32 * e;
     if (d < hd) o[d] = FToBf16(acc[e] / den);
   }
+}
+
+// One CTA per (row, KV head), one warp per query head: the partitions in order, folded as they
+// come.
+__global__ void AttentionKernel(const float* __restrict__ qkv, int ld,
+                                const int32_t* __restrict__ pos,
+                                const int32_t* __restrict__ table_off,
+                                const int32_t* __restrict__ tables, KvParams kv,
+                                const uint8_t* __restrict__ base, float k_scale, float v_scale,
+                                int nh, float scale, uint16_t* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int hd = kv.head_dim;
+  float* ks = smem;
+  float* vs = smem + kAttentionChunk * hd;
+  const int i = blockIdx.x, g = blockIdx.y;
+  const int group = blockDim.x >> 5;
+  const int head = g * group + (threadIdx.x >> 5);
+  const int ps = pos[i];
+  const int32_t* bt = tables + table_off[i];
+  float qr[kMaxDimsPerLane], racc[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  LoadQuery(qkv, ld, i, head, hd, qr);
+  float rm = 0.0f, rden = 0.0f;
+  for (int p0 = 0; p0 <= ps; p0 += kAttentionPartition) {
+    const int p1 = min(p0 + kAttentionPartition, ps + 1);
+    float m, den;
+    PartitionState(kv, base, bt, g, p0, p1, k_scale, v_scale, scale, qr, ks, vs, m, den, acc);
+    if (p0 == 0) {
+      rm = m;
+      rden = den;
+#pragma unroll
+      for (int e = 0; e < kMaxDimsPerLane; ++e) racc[e] = acc[e];
+    } else {
+      FoldState(rm, rden, racc, m, den, acc);
+    }
+  }
+  StoreOut(out, i, nh, head, hd, rden, racc);
+}
+
+// Scratch state of (row i, partition j, head): [m, den, acc[hd]] at ((i * parts + j) * nh + head)
+// * (hd + 2) floats.
+__global__ void AttentionPartKernel(const float* __restrict__ qkv, int ld,
+                                    const int32_t* __restrict__ pos,
+                                    const int32_t* __restrict__ table_off,
+                                    const int32_t* __restrict__ tables, KvParams kv,
+                                    const uint8_t* __restrict__ base, float k_scale, float v_scale,
+                                    int nh, float scale, int parts, float* __restrict__ scratch) {
+  extern __shared__ float smem[];
+  const int hd = kv.head_dim;
+  const int i = blockIdx.x, g = blockIdx.y, j = blockIdx.z;
+  const int ps = pos[i];
+  const int p0 = j * kAttentionPartition;
+  if (p0 > ps) return;  // the whole CTA
+  const int p1 = min(p0 + kAttentionPartition, ps + 1);
+  const int group = blockDim.x >> 5;
+  const int head = g * group + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  float qr[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  LoadQuery(qkv, ld, i, head, hd, qr);
+  float m, den;
+  PartitionState(kv, base, tables + table_off[i], g, p0, p1, k_scale, v_scale, scale, qr, smem,
+                 smem + kAttentionChunk * hd, m, den, acc);
+  float* st = scratch + ((static_cast<size_t>(i) * parts + j) * nh + head) * (hd + 2);
+  if (lane == 0) {
+    st[0] = m;
+    st[1] = den;
+  }
+#pragma unroll
+  for (int e = 0; e < kMaxDimsPerLane; ++e) {
+    const int d = lane + 32 * e;
+    if (d < hd) st[2 + d] = acc[e];
+  }
+}
+
+// One warp per (row, head): folds the row's partitions in ascending order.
+__global__ void AttentionCombineKernel(const int32_t* __restrict__ pos, int nh, int hd, int parts,
+                                       const float* __restrict__ scratch,
+                                       uint16_t* __restrict__ out) {
+  const int i = blockIdx.x, head = blockIdx.y, lane = threadIdx.x & 31;
+  const int np = pos[i] / kAttentionPartition + 1;
+  float racc[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  float rm = 0.0f, rden = 0.0f;
+  for (int j = 0; j < np; ++j) {
+    const float* st = scratch + ((static_cast<size_t>(i) * parts + j) * nh + head) * (hd + 2);
+    const float m = st[0], den = st[1];
+#pragma unroll
+    for (int e = 0; e < kMaxDimsPerLane; ++e) {
+      const int d = lane + 32 * e;
+      acc[e] = d < hd ? st[2 + d] : 0.0f;
+    }
+    if (j == 0) {
+      rm = m;
+      rden = den;
+#pragma unroll
+      for (int e = 0; e < kMaxDimsPerLane; ++e) racc[e] = acc[e];
+    } else {
+      FoldState(rm, rden, racc, m, den, acc);
+    }
+  }
+  StoreOut(out, i, nh, head, hd, rden, racc);
 }
 
 // ---- SwiGLU ----
@@ -387,6 +662,23 @@ __global__ void SiluMulKernel(const float* __restrict__ gu, size_t total, int im
   const float g = gu[i * 2 * im + j];
   const float u = gu[i * 2 * im + im + j];
   act[e] = FToBf16(g / (1.0f + Exp(-g)) * u);
+}
+
+// ---- random weights (random_model.h), one thread per element ----
+
+__global__ void RandomBf16Kernel(uint16_t* __restrict__ dst, size_t count, uint64_t state0,
+                                 float offset, float a) {
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    dst[i] = model_internal::RandomWeightBf16(state0, i, offset, a);
+  }
+}
+__global__ void RandomF32Kernel(float* __restrict__ dst, size_t count, uint64_t state0,
+                                float offset, float a) {
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    dst[i] = Bf16ToF(model_internal::RandomWeightBf16(state0, i, offset, a));
+  }
 }
 
 inline unsigned Blocks(size_t n, int threads) {
@@ -409,11 +701,38 @@ void LaunchRmsNorm(const float* x, const int32_t* row_index, int rows, int n, in
   }
 }
 
+bool MatmulPipelined(const uint16_t* a, int lda, const uint16_t* w, int k, int shards) {
+  return lda % 8 == 0 && k % (8 * shards) == 0 && (reinterpret_cast<uintptr_t>(a) & 15) == 0 &&
+         (reinterpret_cast<uintptr_t>(w) & 15) == 0;
+}
+
 void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, int k, int shards,
                   const float* bias, float* out, cudaStream_t stream) {
   if (m <= 0 || n <= 0) return;
-  const dim3 grid((n + kTileN - 1) / kTileN, (m + kTileM - 1) / kTileM, shards);
-  MatmulKernel<<<grid, kMatmulThreads, 0, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+  if (!MatmulPipelined(a, lda, w, k, shards)) {
+    const dim3 grid((n + kTileN - 1) / kTileN, (m + kTileM - 1) / kTileM, shards);
+    MatmulKernel<<<grid, kMatmulThreads, 0, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+    return;
+  }
+  static bool attrs_set[64] = {};  // per device: the dynamic shared memory the shapes take
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && !attrs_set[dev]) {
+    cudaFuncSetAttribute(MatmulPipeKernel<16, 32, 1, 4, kSmallStages>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmallSmem);
+    cudaFuncSetAttribute(MatmulPipeKernel<64, 64, 2, 2, kLargeStages>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, kLargeSmem);
+    attrs_set[dev] = true;
+  }
+  if (m <= kMatmulSmallM) {
+    const dim3 grid((n + 31) / 32, 1, shards);
+    MatmulPipeKernel<16, 32, 1, 4, kSmallStages>
+        <<<grid, kMatmulThreads, kSmallSmem, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+  } else {
+    const dim3 grid((n + 63) / 64, (m + 63) / 64, shards);
+    MatmulPipeKernel<64, 64, 2, 2, kLargeStages>
+        <<<grid, kMatmulThreads, kLargeSmem, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+  }
 }
 
 void LaunchResidualTree(float* x, const float* partial, int m, int n, const float* bias,
@@ -439,13 +758,38 @@ void LaunchKvWrite(const float* qkv, int ld, int k_col, int v_col, int m, const 
 
 void LaunchAttention(const float* qkv, int ld, int m, const int32_t* pos, const int32_t* table_off,
                      const int32_t* tables, const KvParams& kv, const uint8_t* base, float k_scale,
-                     float v_scale, int nh, float scale, uint16_t* out, cudaStream_t stream) {
+                     float v_scale, int nh, float scale, uint16_t* out, int max_pos, float* scratch,
+                     size_t scratch_floats, cudaStream_t stream) {
   if (m <= 0) return;
   const int group = nh / kv.num_kv_heads;
   const size_t smem = 2 * static_cast<size_t>(kAttentionChunk) * kv.head_dim * sizeof(float);
+  const int parts = max_pos / kAttentionPartition + 1;
+  const size_t need = static_cast<size_t>(m) * parts * nh * (kv.head_dim + 2);
+  if (parts > 1 && scratch != nullptr && need <= scratch_floats) {
+    const dim3 grid(m, kv.num_kv_heads, parts);
+    AttentionPartKernel<<<grid, 32 * group, smem, stream>>>(
+        qkv, ld, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale, parts, scratch);
+    AttentionCombineKernel<<<dim3(m, nh), 32, 0, stream>>>(pos, nh, kv.head_dim, parts, scratch,
+                                                           out);
+    return;
+  }
   const dim3 grid(m, kv.num_kv_heads);
   AttentionKernel<<<grid, 32 * group, smem, stream>>>(qkv, ld, pos, table_off, tables, kv, base,
                                                       k_scale, v_scale, nh, scale, out);
+}
+
+void LaunchRandomBf16(uint16_t* dst, size_t count, uint64_t state0, float offset, float a,
+                      cudaStream_t stream) {
+  if (count == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<size_t>(Blocks(count, 256), 132 * 64));
+  RandomBf16Kernel<<<blocks, 256, 0, stream>>>(dst, count, state0, offset, a);
+}
+
+void LaunchRandomF32(float* dst, size_t count, uint64_t state0, float offset, float a,
+                     cudaStream_t stream) {
+  if (count == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<size_t>(Blocks(count, 256), 132 * 64));
+  RandomF32Kernel<<<blocks, 256, 0, stream>>>(dst, count, state0, offset, a);
 }
 
 void LaunchSiluMul(const float* gu, int m, int im, uint16_t* act, cudaStream_t stream) {

@@ -35,7 +35,10 @@ void LaunchRmsNorm(const float* x, const int32_t* row_index, int rows, int n, in
 
 /// out[s][i][j] = sum over shard s's K range of a[i][k] * w[j][k] (+ bias[j] when shards == 1
 /// and bias != null), i < m, j < n; shards 1 or 8 (cuda_plan.h PlanMatmul). a: [m][lda] bf16,
-/// w: [n][k] bf16, out: [shards][m][n] fp32.
+/// w: [n][k] bf16, out: [shards][m][n] fp32. Every element: one fp32 accumulator, one
+/// m16n8k16 mma per 16-wide k step ascending from the shard's start, whatever m and whichever
+/// tile shape runs (m <= kMatmulSmallM: 16 x 32 tiles, else 64 x 64; a cp.async pipeline when
+/// lda, k / shards are multiples of 8 and a, w 16-byte aligned, else the plain 64 x 64 kernel).
 void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, int k, int shards,
                   const float* bias, float* out, cudaStream_t stream);
 
@@ -55,11 +58,24 @@ void LaunchKvWrite(const float* qkv, int ld, int k_col, int v_col, int m, const 
                    uint8_t* base, float k_scale, float v_scale, cudaStream_t stream);
 
 /// Attention of every query head of row i over positions [0, pos[i]] of its sequence, reading K/V
-/// from the cache (16-position chunks aligned to absolute positions, online softmax); output
-/// out[i][head*hd + d] as bf16. One CTA per (row, kv head), one warp per query head.
+/// from the cache; output out[i][head*hd + d] as bf16. Positions go in partitions of
+/// kAttentionPartition aligned to absolute positions (16-position online-softmax chunks inside,
+/// from a fresh state), the partitions' states folded in ascending order: the same bits whichever
+/// schedule runs. With max_pos (>= every pos[i]) spanning several partitions and
+/// m * partitions * nh * (hd + 2) <= scratch_floats, one CTA per (row, KV head, partition) writes
+/// states to `scratch` and a second kernel folds them (decode); else one CTA per (row, KV head)
+/// walks its partitions in order. One warp per query head.
 void LaunchAttention(const float* qkv, int ld, int m, const int32_t* pos, const int32_t* table_off,
                      const int32_t* tables, const KvParams& kv, const uint8_t* base, float k_scale,
-                     float v_scale, int nh, float scale, uint16_t* out, cudaStream_t stream);
+                     float v_scale, int nh, float scale, uint16_t* out, int max_pos, float* scratch,
+                     size_t scratch_floats, cudaStream_t stream);
+
+/// Element i of dst = model_internal::RandomWeightBf16(state0, i, offset, a) (numerics_hd.h):
+/// the bits WriteRandomModel writes for that tensor; the F32 variant stores them widened.
+void LaunchRandomBf16(uint16_t* dst, size_t count, uint64_t state0, float offset, float a,
+                      cudaStream_t stream);
+void LaunchRandomF32(float* dst, size_t count, uint64_t state0, float offset, float a,
+                     cudaStream_t stream);
 
 /// act[i][j] = bf16(silu(gu[i][j]) * gu[i][im + j]).
 void LaunchSiluMul(const float* gu, int m, int im, uint16_t* act, cudaStream_t stream);

@@ -12,10 +12,13 @@
 #include <string>
 
 #include "kvbridge/model/model.h"
+#include "kvbridge/model/random_model.h"
 #include "model/cuda/cuda_kernels.h"
 #include "model/cuda/cuda_plan.h"
 #include "model/model_impl.h"
 #include "model/numerics.h"
+#include "model/random_model_internal.h"
+#include "model/rope.h"
 
 namespace kvbridge {
 
@@ -100,7 +103,9 @@ Status CudaDeviceAvailable(int device) {
 }
 
 struct CudaModel::Impl {
-  std::shared_ptr<const Model> model;
+  std::shared_ptr<const Model> model;  // Create: the host model the weights come from
+  bool random = false;                 // CreateRandom: generated on the device from `seed`
+  uint64_t seed = 0;
   ModelConfig c;
   CudaModelOptions opt;
   std::string device_name;
@@ -141,14 +146,53 @@ struct CudaModel::Impl {
   uint16_t* act = nullptr;
   float* logits = nullptr;
   int32_t* meta = nullptr;
+  float* attn_scratch = nullptr;
+  size_t attn_scratch_floats = 0;
 
   PagedKvView view;
   cuda_internal::KvParams kvp;
+
+  // Stage timing (SetStageTiming): an event after each stage of a step.
+  bool timing = false;
+  std::vector<cudaEvent_t> timing_events;
+  std::vector<const char*> timing_stage;  // the stage that ends at timing_events[i]
+  std::vector<std::pair<std::string, double>> stage_ms;
+  int timing_used = 0;
+  Status Mark(const char* stage) {
+    if (!timing) return OkStatus();
+    if (timing_used == static_cast<int>(timing_events.size())) {
+      timing_events.push_back(nullptr);
+      timing_stage.push_back(nullptr);
+      KVB_CUDA_RETURN(cudaEventCreate(&timing_events.back()), "cudaEventCreate");
+    }
+    timing_stage[timing_used] = stage;
+    KVB_CUDA_RETURN(cudaEventRecord(timing_events[timing_used], stream), "cudaEventRecord");
+    ++timing_used;
+    return OkStatus();
+  }
+  void CollectTiming() {  // after the step synchronized
+    for (int i = 1; i < timing_used; ++i) {
+      float ms = 0.0f;
+      if (cudaEventElapsedTime(&ms, timing_events[i - 1], timing_events[i]) != cudaSuccess) {
+        cudaGetLastError();
+        continue;
+      }
+      auto it = std::find_if(stage_ms.begin(), stage_ms.end(),
+                             [&](const auto& p) { return p.first == timing_stage[i]; });
+      if (it == stage_ms.end()) {
+        stage_ms.emplace_back(timing_stage[i], ms);
+      } else {
+        it->second += ms;
+      }
+    }
+    timing_used = 0;
+  }
 
   ~Impl() {
     cudaSetDevice(opt.device);  // the engine may drop it on another thread
     if (stream != nullptr) cudaStreamSynchronize(stream);
     for (cudaEvent_t e : events) cudaEventDestroy(e);
+    for (cudaEvent_t e : timing_events) cudaEventDestroy(e);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (host_meta != nullptr) cudaFreeHost(host_meta);
     if (host_logits != nullptr) cudaFreeHost(host_logits);
@@ -206,19 +250,21 @@ Status CudaModel::Impl::Init() {
   limits.max_rows = opt.max_num_batched_tokens;
   limits.max_seqs = opt.max_num_seqs;
   limits.max_table_blocks = opt.max_num_seqs * cuda_internal::BlocksFor(max_len, opt.block_size);
+  limits.max_len = max_len;
 
-  // ---- weights ----
-  const model_internal::Weights& w = model->impl().weights;
-  const Model::Impl& mi = model->impl();
+  KVB_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+
+  // ---- weights: uploaded from the host model, or generated on the device (CreateRandom) ----
+  const model_internal::Weights* w = random ? nullptr : &model->impl().weights;
+  std::vector<float> cos_table, sin_table;
+  model_internal::BuildRopeTables(c, &cos_table, &sin_table);
   const size_t half = static_cast<size_t>(c.head_dim / 2);
-  const auto elems = [](const model_internal::Matrix& m) {
-    return static_cast<size_t>(m.rows) * static_cast<size_t>(m.cols);
-  };
-  weight_arena.Reserve(elems(w.embed) * 2);
-  if (!c.tie_word_embeddings) weight_arena.Reserve(elems(w.lm_head) * 2);
+  const size_t vocab_elems = static_cast<size_t>(c.vocab_size) * hsz;
+  weight_arena.Reserve(vocab_elems * 2);
+  if (!c.tie_word_embeddings) weight_arena.Reserve(vocab_elems * 2);
   weight_arena.Reserve(hsz * 4);  // final norm
-  weight_arena.Reserve(mi.rope_cos.size() * 4);
-  weight_arena.Reserve(mi.rope_sin.size() * 4);
+  weight_arena.Reserve(cos_table.size() * 4);
+  weight_arena.Reserve(sin_table.size() * 4);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     weight_arena.Reserve(hsz * 4);
     if (c.qk_norm) {
@@ -234,57 +280,94 @@ Status CudaModel::Impl::Init() {
     weight_arena.Reserve(static_cast<size_t>(hsz) * im * 2);
   }
   RETURN_IF_ERROR(weight_arena.Allocate("weights", dev));
-  embed = weight_arena.Take<uint16_t>(elems(w.embed) * 2);
-  RETURN_IF_ERROR(UploadBf16(embed, {&w.embed}));
+  // One matrix [rows][cols] (bf16) / one vector [n] (fp32) named as in the checkpoint.
+  const auto mat = [&](uint16_t* dst, const std::string& name, const model_internal::Matrix* hm,
+                       int64_t rows, int64_t cols) -> Status {
+    if (random) {
+      const model_internal::RandomTensorGen g =
+          model_internal::RandomTensorParams(seed, name, {rows, cols});
+      cuda_internal::LaunchRandomBf16(dst, static_cast<size_t>(rows) * cols, g.state0, g.offset,
+                                      g.a, stream);
+      return OkStatus();
+    }
+    if (hm->rows != rows || hm->cols != cols) return InternalError("CudaModel: shape of " + name);
+    return UploadBf16(dst, {hm});
+  };
+  const auto vec = [&](float* dst, const std::string& name, const std::vector<float>* hv,
+                       int64_t n) -> Status {
+    if (random) {
+      const model_internal::RandomTensorGen g = model_internal::RandomTensorParams(seed, name, {n});
+      cuda_internal::LaunchRandomF32(dst, static_cast<size_t>(n), g.state0, g.offset, g.a, stream);
+      return OkStatus();
+    }
+    if (static_cast<int64_t>(hv->size()) != n) return InternalError("CudaModel: size of " + name);
+    return Upload(dst, hv->data(), n * 4);
+  };
+  embed = weight_arena.Take<uint16_t>(vocab_elems * 2);
+  RETURN_IF_ERROR(
+      mat(embed, "model.embed_tokens.weight", w ? &w->embed : nullptr, c.vocab_size, hsz));
   if (c.tie_word_embeddings) {
     lm_head = embed;
   } else {
-    lm_head = weight_arena.Take<uint16_t>(elems(w.lm_head) * 2);
-    RETURN_IF_ERROR(UploadBf16(lm_head, {&w.lm_head}));
+    lm_head = weight_arena.Take<uint16_t>(vocab_elems * 2);
+    RETURN_IF_ERROR(mat(lm_head, "lm_head.weight", w ? &w->lm_head : nullptr, c.vocab_size, hsz));
   }
   final_norm = weight_arena.Take<float>(hsz * 4);
-  RETURN_IF_ERROR(Upload(final_norm, w.final_norm.data(), hsz * 4));
-  if (mi.rope_cos.size() != static_cast<size_t>(c.max_position_embeddings) * half) {
+  RETURN_IF_ERROR(vec(final_norm, "model.norm.weight", w ? &w->final_norm : nullptr, hsz));
+  if (cos_table.size() != static_cast<size_t>(c.max_position_embeddings) * half) {
     return InternalError("CudaModel: unexpected RoPE table size");
   }
-  rope_cos = weight_arena.Take<float>(mi.rope_cos.size() * 4);
-  rope_sin = weight_arena.Take<float>(mi.rope_sin.size() * 4);
-  RETURN_IF_ERROR(Upload(rope_cos, mi.rope_cos.data(), mi.rope_cos.size() * 4));
-  RETURN_IF_ERROR(Upload(rope_sin, mi.rope_sin.data(), mi.rope_sin.size() * 4));
+  rope_cos = weight_arena.Take<float>(cos_table.size() * 4);
+  rope_sin = weight_arena.Take<float>(sin_table.size() * 4);
+  RETURN_IF_ERROR(Upload(rope_cos, cos_table.data(), cos_table.size() * 4));
+  RETURN_IF_ERROR(Upload(rope_sin, sin_table.data(), sin_table.size() * 4));
   layers.resize(c.num_hidden_layers);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    const model_internal::LayerWeights& lw = w.layers[l];
+    const model_internal::LayerWeights* lw = w ? &w->layers[l] : nullptr;
+    const std::string p = "model.layers." + std::to_string(l) + ".";
     Layer& d = layers[l];
     d.in_norm = weight_arena.Take<float>(hsz * 4);
-    RETURN_IF_ERROR(Upload(d.in_norm, lw.input_norm.data(), hsz * 4));
+    RETURN_IF_ERROR(
+        vec(d.in_norm, p + "input_layernorm.weight", lw ? &lw->input_norm : nullptr, hsz));
     if (c.qk_norm) {
       d.q_norm = weight_arena.Take<float>(c.head_dim * 4);
       d.k_norm = weight_arena.Take<float>(c.head_dim * 4);
-      RETURN_IF_ERROR(Upload(d.q_norm, lw.q_norm.data(), c.head_dim * 4));
-      RETURN_IF_ERROR(Upload(d.k_norm, lw.k_norm.data(), c.head_dim * 4));
+      RETURN_IF_ERROR(
+          vec(d.q_norm, p + "self_attn.q_norm.weight", lw ? &lw->q_norm : nullptr, c.head_dim));
+      RETURN_IF_ERROR(
+          vec(d.k_norm, p + "self_attn.k_norm.weight", lw ? &lw->k_norm : nullptr, c.head_dim));
     }
     d.wqkv = weight_arena.Take<uint16_t>(static_cast<size_t>(nqkv) * hsz * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wqkv, {&lw.wq, &lw.wk, &lw.wv}));
+    RETURN_IF_ERROR(mat(d.wqkv, p + "self_attn.q_proj.weight", lw ? &lw->wq : nullptr, qd, hsz));
+    RETURN_IF_ERROR(mat(d.wqkv + static_cast<size_t>(qd) * hsz, p + "self_attn.k_proj.weight",
+                        lw ? &lw->wk : nullptr, kvd, hsz));
+    RETURN_IF_ERROR(mat(d.wqkv + static_cast<size_t>(qd + kvd) * hsz, p + "self_attn.v_proj.weight",
+                        lw ? &lw->wv : nullptr, kvd, hsz));
     if (c.qkv_bias) {
       d.bqkv = weight_arena.Take<float>(nqkv * 4);
-      std::vector<float> cat = lw.bq;
-      cat.insert(cat.end(), lw.bk.begin(), lw.bk.end());
-      cat.insert(cat.end(), lw.bv.begin(), lw.bv.end());
-      RETURN_IF_ERROR(Upload(d.bqkv, cat.data(), cat.size() * 4));
+      RETURN_IF_ERROR(vec(d.bqkv, p + "self_attn.q_proj.bias", lw ? &lw->bq : nullptr, qd));
+      RETURN_IF_ERROR(vec(d.bqkv + qd, p + "self_attn.k_proj.bias", lw ? &lw->bk : nullptr, kvd));
+      RETURN_IF_ERROR(
+          vec(d.bqkv + qd + kvd, p + "self_attn.v_proj.bias", lw ? &lw->bv : nullptr, kvd));
     }
     d.wo = weight_arena.Take<uint16_t>(static_cast<size_t>(hsz) * qd * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wo, {&lw.wo}));
+    RETURN_IF_ERROR(mat(d.wo, p + "self_attn.o_proj.weight", lw ? &lw->wo : nullptr, hsz, qd));
     if (c.o_bias) {
       d.bo = weight_arena.Take<float>(hsz * 4);
-      RETURN_IF_ERROR(Upload(d.bo, lw.bo.data(), hsz * 4));
+      RETURN_IF_ERROR(vec(d.bo, p + "self_attn.o_proj.bias", lw ? &lw->bo : nullptr, hsz));
     }
     d.post_norm = weight_arena.Take<float>(hsz * 4);
-    RETURN_IF_ERROR(Upload(d.post_norm, lw.post_norm.data(), hsz * 4));
+    RETURN_IF_ERROR(vec(d.post_norm, p + "post_attention_layernorm.weight",
+                        lw ? &lw->post_norm : nullptr, hsz));
     d.wgu = weight_arena.Take<uint16_t>(2 * static_cast<size_t>(im) * hsz * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wgu, {&lw.w_gate, &lw.w_up}));
+    RETURN_IF_ERROR(mat(d.wgu, p + "mlp.gate_proj.weight", lw ? &lw->w_gate : nullptr, im, hsz));
+    RETURN_IF_ERROR(mat(d.wgu + static_cast<size_t>(im) * hsz, p + "mlp.up_proj.weight",
+                        lw ? &lw->w_up : nullptr, im, hsz));
     d.wdown = weight_arena.Take<uint16_t>(static_cast<size_t>(hsz) * im * 2);
-    RETURN_IF_ERROR(UploadBf16(d.wdown, {&lw.w_down}));
+    RETURN_IF_ERROR(mat(d.wdown, p + "mlp.down_proj.weight", lw ? &lw->w_down : nullptr, hsz, im));
   }
+  KVB_CUDA_RETURN(cudaGetLastError(), "weight generation launch");
+  KVB_CUDA_RETURN(cudaStreamSynchronize(stream), "weight generation");
   mem.weight_bytes = weight_arena.size();
 
   // ---- activations (for max_num_batched_tokens rows) ----
@@ -303,6 +386,8 @@ Status CudaModel::Impl::Init() {
   act = act_arena.Take<uint16_t>(as.act);
   logits = act_arena.Take<float>(as.logits);
   meta = act_arena.Take<int32_t>(as.meta);
+  attn_scratch = as.attn_scratch > 0 ? act_arena.Take<float>(as.attn_scratch) : nullptr;
+  attn_scratch_floats = as.attn_scratch / sizeof(float);
   mem.activation_bytes = act_arena.size();
   {
     const cudaError_t e1 = cudaMallocHost(reinterpret_cast<void**>(&host_meta), as.meta);
@@ -313,14 +398,19 @@ Status CudaModel::Impl::Init() {
                                     ") could not be allocated");
     }
   }
-  KVB_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   events.resize(c.num_hidden_layers, nullptr);
   for (cudaEvent_t& e : events) {
     KVB_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   }
 
   // ---- KV pool ----
-  PagedKvLayout layout = model->KvLayout(0, opt.block_size, opt.kv_dtype);
+  PagedKvLayout layout;
+  layout.num_layers = c.num_hidden_layers;
+  layout.num_kv_heads = c.num_key_value_heads;
+  layout.head_dim = c.head_dim;
+  layout.block_size = opt.block_size;
+  layout.num_blocks = 0;
+  layout.dtype = opt.kv_dtype;
   const size_t per_block = layout.BlockBytes() * static_cast<size_t>(c.num_hidden_layers);
   int64_t blocks = opt.num_blocks;
   size_t free_b = 0, total_b = 0;
@@ -342,7 +432,13 @@ Status CudaModel::Impl::Init() {
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     view.layer_base.push_back(kv_arena.Take<uint8_t>(layout.LayerBytes()));
   }
-  model->KvScales(opt.kv_dtype, &view.k_scale, &view.v_scale);
+  if (opt.kv_dtype == KvDtype::kFp8E4M3) {  // as Model::KvScales
+    view.k_scale = c.fp8_k_scale;
+    view.v_scale = c.fp8_v_scale;
+  } else {
+    view.k_scale.assign(c.num_hidden_layers, 1.0f);
+    view.v_scale.assign(c.num_hidden_layers, 1.0f);
+  }
   if (kv_arena.size() > 0) {
     KVB_CUDA_RETURN(cudaMemset(view.layer_base[0], 0, kv_arena.size()), "KV pool zero fill");
   }
@@ -370,6 +466,10 @@ Status CudaModel::Impl::Forward(const ForwardBatch& batch, std::vector<float>* l
   const int nqkv = qd + 2 * kvd, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float attn_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  int max_pos = 0;  // the last position any row attends from
+  for (const SequenceChunk& sq : batch.sequences) {
+    max_pos = std::max(max_pos, sq.start_pos + sq.num_tokens - 1);
+  }
   // The previous step's staging copies are done (it synchronized before returning).
   std::memcpy(host_meta, ps.buf.data(), ps.buf.size() * 4);
   KVB_CUDA_RETURN(
@@ -382,47 +482,66 @@ Status CudaModel::Impl::Forward(const ForwardBatch& batch, std::vector<float>* l
   const int32_t* tables = meta + ps.TablesAt();
 
   using namespace cuda_internal;  // NOLINT: the launch functions
+  RETURN_IF_ERROR(Mark("upload"));
   LaunchEmbed(embed, tokens, m, hsz, x, stream);
+  RETURN_IF_ERROR(Mark("embed"));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Layer& d = layers[l];
     uint8_t* base = view.layer_base[l];
     const float ks = view.k_scale[l], vs = view.v_scale[l];
     LaunchRmsNorm(x, nullptr, m, hsz, 1, hsz, d.in_norm, eps, hb, hsz, true, stream);
+    RETURN_IF_ERROR(Mark("rms_norm"));
     LaunchMatmul(hb, hsz, d.wqkv, m, nqkv, hsz, 1, d.bqkv, qkv, stream);
+    RETURN_IF_ERROR(Mark("qkv_proj"));
     if (c.qk_norm) {  // Qwen3: RMSNorm of every q and k head vector (in place), before RoPE
       LaunchRmsNorm(qkv, nullptr, m * nh, c.head_dim, nh, nqkv, d.q_norm, eps, qkv, nqkv, false,
                     stream);
       LaunchRmsNorm(qkv + qd, nullptr, m * nkv, c.head_dim, nkv, nqkv, d.k_norm, eps, qkv + qd,
                     nqkv, false, stream);
+      RETURN_IF_ERROR(Mark("qk_norm"));
     }
     LaunchRope(qkv, nqkv, m, pos, nh, nkv, c.head_dim, rope_cos, rope_sin, stream);
+    RETURN_IF_ERROR(Mark("rope"));
     LaunchKvWrite(qkv, nqkv, qd, qd + kvd, m, pos, toff, tables, kvp, base, ks, vs, stream);
+    RETURN_IF_ERROR(Mark("kv_write"));
     KVB_CUDA_RETURN(cudaEventRecord(events[l], stream), "cudaEventRecord");
     if (batch.on_layer_kv_written) {
       KVB_CUDA_RETURN(cudaEventSynchronize(events[l]), "layer KV write");
       batch.on_layer_kv_written(l);
     }
     LaunchAttention(qkv, nqkv, m, pos, toff, tables, kvp, base, ks, vs, nh, attn_scale, attn,
-                    stream);
+                    max_pos, attn_scratch, attn_scratch_floats, stream);
+    RETURN_IF_ERROR(Mark("attention"));
     LaunchMatmul(attn, qd, d.wo, m, hsz, qd, kRowParallelShards, nullptr, partial, stream);
+    RETURN_IF_ERROR(Mark("o_proj"));
     LaunchResidualTree(x, partial, m, hsz, d.bo, stream);
+    RETURN_IF_ERROR(Mark("shard_tree_residual"));
     LaunchRmsNorm(x, nullptr, m, hsz, 1, hsz, d.post_norm, eps, hb, hsz, true, stream);
+    RETURN_IF_ERROR(Mark("rms_norm"));
     LaunchMatmul(hb, hsz, d.wgu, m, 2 * im, hsz, 1, nullptr, gu, stream);
+    RETURN_IF_ERROR(Mark("gate_up_proj"));
     LaunchSiluMul(gu, m, im, act, stream);
+    RETURN_IF_ERROR(Mark("silu_mul"));
     LaunchMatmul(act, im, d.wdown, m, hsz, im, kRowParallelShards, nullptr, partial, stream);
+    RETURN_IF_ERROR(Mark("down_proj"));
     LaunchResidualTree(x, partial, m, hsz, nullptr, stream);
+    RETURN_IF_ERROR(Mark("shard_tree_residual"));
   }
   KVB_CUDA_RETURN(cudaGetLastError(), "forward launch");
   logits_out->assign(static_cast<size_t>(nl) * c.vocab_size, 0.0f);
   if (nl > 0) {
     LaunchRmsNorm(x, lrows, nl, hsz, 1, hsz, final_norm, eps, hb, hsz, true, stream);
+    RETURN_IF_ERROR(Mark("rms_norm"));
     LaunchMatmul(hb, hsz, lm_head, nl, c.vocab_size, hsz, 1, nullptr, logits, stream);
+    RETURN_IF_ERROR(Mark("lm_head"));
     KVB_CUDA_RETURN(cudaGetLastError(), "logits launch");
     KVB_CUDA_RETURN(cudaMemcpyAsync(host_logits, logits, logits_out->size() * 4,
                                     cudaMemcpyDeviceToHost, stream),
                     "logits download");
+    RETURN_IF_ERROR(Mark("logits_download"));
   }
   KVB_CUDA_RETURN(cudaStreamSynchronize(stream), "forward");
+  CollectTiming();
   if (nl > 0) std::memcpy(logits_out->data(), host_logits, logits_out->size() * 4);
   return OkStatus();
 }
@@ -442,9 +561,28 @@ Result<std::unique_ptr<CudaModel>> CudaModel::Create(std::shared_ptr<const Model
   return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
 }
 
+Result<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const RandomModelSpec& spec,
+                                                           const CudaModelOptions& options) {
+  RETURN_IF_ERROR(spec.config.Validate());
+  RETURN_IF_ERROR(CudaDeviceAvailable(options.device));
+  auto impl = std::make_unique<Impl>();
+  impl->random = true;
+  impl->seed = spec.seed;
+  impl->c = spec.config;
+  impl->opt = options;
+  RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+}
+
 Status CudaModel::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
   return impl_->Forward(batch, logits);
 }
+
+void CudaModel::SetStageTiming(bool on) { impl_->timing = on; }
+std::vector<std::pair<std::string, double>> CudaModel::StageTimes() const {
+  return impl_->stage_ms;
+}
+void CudaModel::ResetStageTimes() { impl_->stage_ms.clear(); }
 
 const PagedKvView& CudaModel::kv_view() const { return impl_->view; }
 

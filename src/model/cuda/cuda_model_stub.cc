@@ -24,6 +24,13 @@ Result<std::unique_ptr<CudaModel>> CudaModel::Create(std::shared_ptr<const Model
                                                      const CudaModelOptions&) {
   return NoCuda();
 }
+Result<std::unique_ptr<CudaModel>> CudaModel::CreateRandom(const RandomModelSpec&,
+                                                           const CudaModelOptions&) {
+  return NoCuda();
+}
+void CudaModel::SetStageTiming(bool) {}
+std::vector<std::pair<std::string, double>> CudaModel::StageTimes() const { return {}; }
+void CudaModel::ResetStageTimes() {}
 Status CudaModel::Forward(const ForwardBatch&, std::vector<float>*) { return NoCuda(); }
 const PagedKvView& CudaModel::kv_view() const { return impl_->view; }
 Status CudaModel::CopyBlock(int32_t, int32_t) { return NoCuda(); }

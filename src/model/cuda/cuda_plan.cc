@@ -97,7 +97,7 @@ Status PackStep(const ModelConfig& config, const PagedKvLayout& layout, const Fo
 }
 
 size_t ActivationSizes::Total() const {
-  return x + hb + qkv + attn + partial + gu + act + logits + meta;
+  return x + hb + qkv + attn + partial + gu + act + logits + meta + attn_scratch;
 }
 
 ActivationSizes ActivationBytes(const ModelConfig& c, const StepLimits& limits) {
@@ -112,6 +112,13 @@ ActivationSizes ActivationBytes(const ModelConfig& c, const StepLimits& limits) 
   a.act = AlignUp256(m * c.intermediate_size * 2);
   a.logits = AlignUp256(static_cast<size_t>(limits.max_seqs) * c.vocab_size * 4);
   a.meta = AlignUp256((3 * m + limits.max_seqs + limits.max_table_blocks) * 4);
+  const size_t parts = static_cast<size_t>(std::max(limits.max_len, 1) + kAttentionPartition - 1) /
+                       kAttentionPartition;
+  a.attn_scratch =
+      parts > 1
+          ? AlignUp256(std::min(kAttentionScratchMaxBytes, m * parts * c.num_attention_heads *
+                                                               (c.head_dim + 2) * sizeof(float)))
+          : 0;
   return a;
 }
 

@@ -43,6 +43,7 @@ struct StepLimits {
   int max_rows = 0;          ///< max_num_batched_tokens
   int max_seqs = 0;          ///< max_num_seqs
   int max_table_blocks = 0;  ///< packed block-table entries (max_seqs * blocks of max_model_len)
+  int max_len = 0;           ///< max_model_len (sizes the attention partition scratch)
 };
 
 /// One step's metadata, packed into one int32 buffer uploaded with one copy:
@@ -73,6 +74,9 @@ inline int BlocksFor(int positions, int block_size) {
 /// Device activation bytes for the given shapes and limits (what CudaModel preallocates).
 struct ActivationSizes {
   size_t x = 0, hb = 0, qkv = 0, attn = 0, partial = 0, gu = 0, act = 0, logits = 0, meta = 0;
+  /// Partition states of the split attention: min(kAttentionScratchMaxBytes, what max_rows rows
+  /// at max_len would need).
+  size_t attn_scratch = 0;
   size_t Total() const;
 };
 ActivationSizes ActivationBytes(const ModelConfig& c, const StepLimits& limits);

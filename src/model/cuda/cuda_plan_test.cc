@@ -136,7 +136,17 @@ TEST(CudaPlanTest, ActivationBytes) {
   EXPECT_EQ(a.gu, AlignUp256(100 * 2 * 768 * 4));
   EXPECT_EQ(a.logits, AlignUp256(8 * 264 * 4));
   EXPECT_EQ(a.meta, AlignUp256((300 + 8 + 2048) * 4));
+  EXPECT_EQ(a.attn_scratch, 0u);  // max_len 0: one attention partition, nothing to fold
   EXPECT_EQ(a.Total(), a.x + a.hb + a.qkv + a.attn + a.partial + a.gu + a.act + a.logits + a.meta);
+  // 1000 positions = 8 partitions of 128: states [rows][8][heads][head_dim + 2] fp32, capped.
+  const ActivationSizes b = ActivationBytes(
+      c, {.max_rows = 100, .max_seqs = 8, .max_table_blocks = 2048, .max_len = 1000});
+  EXPECT_EQ(b.attn_scratch,
+            AlignUp256(size_t{100} * 8 * c.num_attention_heads * (c.head_dim + 2) * 4));
+  EXPECT_EQ(b.Total(), a.Total() + b.attn_scratch);
+  const ActivationSizes big = ActivationBytes(
+      c, {.max_rows = 8192, .max_seqs = 8, .max_table_blocks = 2048, .max_len = 32768});
+  EXPECT_EQ(big.attn_scratch, kAttentionScratchMaxBytes);
 }
 
 TEST(CudaPlanTest, KvBlocksForUtilization) {
