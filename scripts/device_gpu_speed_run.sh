@@ -7,11 +7,12 @@
 # Through the device tool (repo root of the checkout that travels), carry [".device/gpu"]:
 #   bash .device/gpu/device_gpu_speed_run.sh
 #
-# Stages (env STAGES, default "env tests sanitizer bench torch hf"):
+# Stages (env STAGES, default "env tests sanitizer bench torch hf hfc"):
 #   env        GPU, driver, torch/transformers versions
 #   tests      cuda_model_test (every invariance case, CreateRandom == the written model, GPU vs
 #              CPU, memory) and model_test's CPU-side CudaPlan cases
-#   sanitizer  compute-sanitizer memcheck (tiny cases) and racecheck (one step: every kernel)
+#   sanitizer  compute-sanitizer memcheck (tiny cases, partitioned attention) and racecheck (one
+#              step: every kernel; the attention partitions test on tiny bf16: both schedules)
 #   bench      cuda_speed_bench: ceilings, our matmul / attention on qwen2.5-7b's shapes, the
 #              qwen2.5-7b decode step at BATCHES for bf16 and fp8 KV, per-stage breakdown, prefill
 #   torch      gpu_speed_torch.py: torch.matmul and SDPA on the same shapes
@@ -38,7 +39,7 @@ if [[ -f "$C/lib.tgz" ]]; then
   mkdir -p /tmp/kvb_gpu && tar xzf "$C/lib.tgz" -C /tmp/kvb_gpu
   export LD_LIBRARY_PATH=/tmp/kvb_gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-STAGES=${STAGES:-"env tests sanitizer bench torch hf"}
+STAGES=${STAGES:-"env tests sanitizer bench torch hf hfc"}
 BATCHES=${BATCHES:-1,8,32,128}
 HF_BATCHES=${HF_BATCHES:-1,8,32}
 CTX=${CTX:-2048}
@@ -80,9 +81,9 @@ if has sanitizer; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   run_test "memcheck: invariance tiny + CreateRandom + errors" memcheck.log 300 "$CS" --tool memcheck \
     --error-exitcode 3 "$C/bin/cuda_model_test" \
-    --gtest_filter='*tiny*:*Callback*:*BadBatches*:*Racecheck*:*CreateRandom*'
-  run_test "racecheck: one step (every kernel)" racecheck.log 300 "$CS" --tool racecheck \
-    --error-exitcode 3 "$C/bin/cuda_model_test" --gtest_filter='*RacecheckSmallStep*'
+    --gtest_filter='*tiny*:*Callback*:*BadBatches*:*Racecheck*:*CreateRandom*:*AttentionPartitions*'
+  KVB_TEST_LITE=1 run_test "racecheck: one step (every kernel) + attention partitions (tiny bf16, both schedules)" racecheck.log 300 "$CS" --tool racecheck \
+    --error-exitcode 3 "$C/bin/cuda_model_test" --gtest_filter='*RacecheckSmallStep*:*AttentionPartitions*'
 fi
 cat "$S"
 if has bench; then

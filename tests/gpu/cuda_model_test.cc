@@ -24,6 +24,7 @@
 #include "kvbridge/engine/engine_core.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/random_model.h"
+#include "model/cuda/cuda_kernels.h"
 #include "model/test_util.h"
 
 namespace kvbridge {
@@ -403,6 +404,58 @@ TEST(CudaModelTest, RacecheckSmallStep) {
   std::vector<float> logits;
   ASSERT_TRUE(gpu->Forward(b, &logits).ok());
   EXPECT_EQ(logits.size(), 2u * model->config().vocab_size);
+}
+
+// Attention over several 128-position partitions: the schedule (one CTA per (row, KV head)
+// walking the partitions, or split across CTAs and folded by a second kernel) and the batch do
+// not change a bit. A 300-token prompt (3 partitions) prefilled in two chunks, then 3 decodes;
+// every schedule, alone and with a 200-token prefill of another sequence in the same steps.
+TEST(CudaModelTest, AttentionPartitionsAreBitwiseIdenticalWhateverTheSchedule) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Case> cases = {Case{"tiny", ModelArch::kLlama, KvDtype::kBf16},
+                             Case{"small", ModelArch::kQwen3, KvDtype::kFp8E4M3},
+                             Case{"tiny", ModelArch::kLlama, KvDtype::kFp32}};
+  if (std::getenv("KVB_TEST_LITE") != nullptr) cases.resize(1);  // under racecheck: one case
+  for (const Case& p : cases) {
+    SCOPED_TRACE(std::string(p.preset) + " " + std::string(KvDtypeName(p.dtype)));
+    auto model = GetModel(p.preset, p.arch);
+    ASSERT_NE(model, nullptr);
+    const int vocab = model->config().vocab_size;
+    auto gpu = MakeGpu(model, p.dtype, 128);
+    ASSERT_NE(gpu, nullptr);
+    std::mt19937 rng(17);
+    const std::vector<int32_t> tok = RandomTokens(rng, 303, vocab);
+    const std::vector<int32_t> other = RandomTokens(rng, 200, vocab);
+    std::vector<int32_t> table(20), table2(13);
+    for (int i = 0; i < 20; ++i) table[i] = i;
+    for (int i = 0; i < 13; ++i) table2[i] = 40 + i;
+    // steps: prefill [0, 170), [170, 300), then decodes at 300, 301, 302.
+    const auto run = [&](int schedule, bool crowded) {
+      cuda_internal::SetAttentionScheduleForTest(schedule);
+      std::vector<std::vector<float>> rows;
+      const int starts[] = {0, 170, 300, 301, 302}, lens[] = {170, 130, 1, 1, 1};
+      for (int s = 0; s < 5; ++s) {
+        ForwardBatch b;
+        if (crowded && s >= 2)
+          b.sequences.push_back({other.data(), 200, 0, table2.data(), 13, true});
+        b.sequences.push_back({tok.data() + starts[s], lens[s], starts[s], table.data(), 20, true});
+        const std::vector<float> l = Step(*gpu, b);
+        rows.push_back(Row(l, crowded && s >= 2 ? 1 : 0, vocab));
+      }
+      cuda_internal::SetAttentionScheduleForTest(-1);
+      return rows;
+    };
+    const auto ref = run(-1, false);
+    for (int schedule : {0, 1}) {
+      for (bool crowded : {false, true}) {
+        const auto got = run(schedule, crowded);
+        for (int s = 0; s < 5; ++s) {
+          EXPECT_TRUE(BitEqual(ref[s], got[s]))
+              << "step " << s << " schedule " << schedule << " crowded " << crowded;
+        }
+      }
+    }
+  }
 }
 
 // CreateRandom generates on the GPU exactly the weights WriteRandomModel writes (the counter-based

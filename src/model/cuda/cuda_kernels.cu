@@ -216,11 +216,11 @@ __device__ __forceinline__ void CpAsyncWait() {
 }
 
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
-__global__ void __launch_bounds__(kMatmulThreads)
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     MatmulPipeKernel(const uint16_t* __restrict__ a, int lda, const uint16_t* __restrict__ w, int m,
                      int n, int k, int shards, const float* __restrict__ bias,
                      float* __restrict__ out) {
-  static_assert(WARPS_M * WARPS_N * 32 == kMatmulThreads, "4 warps");
+  constexpr int kThreads = WARPS_M * WARPS_N * 32;
   constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
   constexpr int MI = WTM / 16, NI = WTN / 8;
   extern __shared__ __align__(16) uint16_t psmem[];
@@ -246,13 +246,13 @@ __global__ void __launch_bounds__(kMatmulThreads)
     uint16_t* ad = as + slot * BM * kPs;
     uint16_t* bd = bs + slot * BN * kPs;
     constexpr int kChunks = kPk / 8;
-    for (int c = threadIdx.x; c < BM * kChunks; c += kMatmulThreads) {
+    for (int c = threadIdx.x; c < BM * kChunks; c += kThreads) {
       const int row = c / kChunks, kc = (c % kChunks) * 8;
       const int gr = m0 + row, gk = kt + kc;
       const bool ok = gr < m && gk < k1;
       CpAsync16(ad + row * kPs + kc, ok ? a + static_cast<size_t>(gr) * lda + gk : a, ok);
     }
-    for (int c = threadIdx.x; c < BN * kChunks; c += kMatmulThreads) {
+    for (int c = threadIdx.x; c < BN * kChunks; c += kThreads) {
       const int row = c / kChunks, kc = (c % kChunks) * 8;
       const int gr = n0 + row, gk = kt + kc;
       const bool ok = gr < n && gk < k1;
@@ -320,10 +320,28 @@ __global__ void __launch_bounds__(kMatmulThreads)
   }
 }
 
-// The two tile shapes (kMatmulSmallM: cuda_constants.h).
-constexpr int kSmallStages = 8, kLargeStages = 4;
-constexpr size_t kSmallSmem = static_cast<size_t>(kSmallStages) * (16 + 32) * kPs * 2;
-constexpr size_t kLargeSmem = static_cast<size_t>(kLargeStages) * (64 + 64) * kPs * 2;
+// The tile shapes: (BM, BN, warps along M, along N, stages). Small: M <= kMatmulSmallM (decode of
+// few sequences, bandwidth: many CTAs with 8 stages in flight); medium: M <= kMatmulMediumM
+// (64 x 64, 4 warps of 32 x 32; measured faster here than 128 x 32 tiles); large: prefill
+// (128 x 128 tiles, 8 warps of 64 x 32).
+template <int BM, int BN, int WM, int WN, int ST>
+struct TileShape {
+  static constexpr int kThreads = WM * WN * 32;
+  static constexpr size_t kSmem = static_cast<size_t>(ST) * (BM + BN) * kPs * 2;
+  static void Launch(const uint16_t* a, int lda, const uint16_t* w, int m, int n, int k, int shards,
+                     const float* bias, float* out, cudaStream_t stream) {
+    const dim3 grid((n + BN - 1) / BN, (m + BM - 1) / BM, shards);
+    MatmulPipeKernel<BM, BN, WM, WN, ST>
+        <<<grid, kThreads, kSmem, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+  }
+  static void SetSmem() {
+    cudaFuncSetAttribute(MatmulPipeKernel<BM, BN, WM, WN, ST>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  }
+};
+using SmallTile = TileShape<16, 32, 1, 4, 8>;
+using MediumTile = TileShape<64, 64, 2, 2, 4>;
+using LargeTile = TileShape<128, 128, 2, 4, 3>;
 
 // ---- the row-parallel shard tree + residual ----
 
@@ -372,11 +390,6 @@ __device__ __forceinline__ void StoreOne(uint8_t* p, int d, int dtype, float v, 
     p[d] = FToFp8(v / scale);
   }
 }
-__device__ __forceinline__ float LoadOne(const uint8_t* p, int d, int dtype, float scale) {
-  if (dtype == 0) return reinterpret_cast<const float*>(p)[d];
-  if (dtype == 1) return Bf16ToF(reinterpret_cast<const uint16_t*>(p)[d]);
-  return Fp8ToF(p[d]) * scale;
-}
 
 __global__ void KvWriteKernel(const float* __restrict__ qkv, int ld, int k_col, int v_col,
                               const int32_t* __restrict__ pos,
@@ -397,259 +410,342 @@ __global__ void KvWriteKernel(const float* __restrict__ qkv, int ld, int k_col, 
 
 // ---- attention ----
 //
-// A row attends over positions [0, pos] in PARTITIONS of kAttentionPartition positions aligned to
-// absolute positions (partition j = [j P, (j + 1) P) clipped to pos + 1). Inside a partition: the
-// 16-position chunks of the online softmax, from a fresh state (max -inf, den 0, acc 0). The
-// partitions' states are then folded in ascending j (FoldState). Both are functions of the row's
-// position and its cached KV only, so any schedule gives the same bits: one CTA per (row, KV
-// head) walking its partitions in order (AttentionKernel, many rows), or one CTA per (row, KV
-// head, partition) writing states to scratch and a warp per (row, head) folding them in order
-// (AttentionPartKernel + AttentionCombineKernel, few rows: decode).
+// A row attends over positions [0, pos] in PARTITIONS of kAttentionPartition (P) positions
+// aligned to absolute positions (partition j = [j P, (j + 1) P) clipped to pos + 1). Inside a
+// partition, the online softmax of the CPU over 16-position chunks from a fresh state (max -inf,
+// den 0, acc 0): chunk c's running max M_c = max(M_{c-1}, max of its scores), corr_c =
+// exp(M_{c-1} - M_c), den = den * corr_c + p_t and acc[d] = acc[d] * corr_c + p_t v_t[d] for t
+// ascending, p_t = exp(s_t - M_c), s_t = (sum over d ascending of q[d] k_t[d]) * scale. The
+// partitions' states are folded in ascending j (Fold). All of it is a function of the row's
+// position and its cached KV only, so every schedule gives the same bits: one CTA per (row, KV
+// head) walking its partitions in order (AttentionSeqKernel: prefill, many rows), or one CTA per
+// (row, KV head, partition) writing its state to scratch and a warp per (row, head) folding them
+// in order (AttentionPartKernel + AttentionCombineKernel: decode, few rows). A CTA of
+// kAttentionThreads threads (one per position of the partition) computes a partition for all
+// the query heads of its KV head: K/V rows staged once in shared memory as stored (rows padded
+// by 4 bytes: conflict-free), scores thread-per-position, the softmax recurrences
+// thread-per-(head, dim).
 
 constexpr int kMaxDimsPerLane = kMaxHeadDim / 32;
+constexpr int kChunksPerPartition = kAttentionPartition / kAttentionChunk;
+static_assert(kAttentionThreads == kAttentionPartition, "one thread per partition position");
 
-// Stages positions [c0, c0 + cn) of KV head g into ks / vs ([cn][hd] fp32), all threads.
-__device__ __forceinline__ void StageKv(const KvParams& kv, const uint8_t* __restrict__ base,
-                                        const int32_t* __restrict__ bt, int g, int c0, int cn,
-                                        float k_scale, float v_scale, float* ks, float* vs) {
-  const int hd = kv.head_dim;
-  if ((hd & 7) == 0) {  // 8 dims per thread: one 16-byte (bf16) / 8-byte (fp8) load per K and V
-    const int per = hd >> 3;
-    for (int idx = threadIdx.x; idx < cn * per; idx += blockDim.x) {
-      const int tt = idx / per, d = (idx % per) * 8;
-      const int p = c0 + tt;
-      const int block = bt[p / kv.block_size], slot = p % kv.block_size;
-      const uint8_t* kp = base + KvOffset(kv, block, 0, g, slot);
-      const uint8_t* vp = base + KvOffset(kv, block, 1, g, slot);
-      float kf[8], vf[8];
-      if (kv.dtype == 1) {
-        const uint4 kr = *reinterpret_cast<const uint4*>(kp + d * 2);
-        const uint4 vr = *reinterpret_cast<const uint4*>(vp + d * 2);
-        const uint32_t kw[4] = {kr.x, kr.y, kr.z, kr.w}, vw[4] = {vr.x, vr.y, vr.z, vr.w};
+__device__ __forceinline__ float Neg_inf() { return __uint_as_float(0xff800000u); }
+
+// Shared-memory layout of one attention CTA (AttentionSmemBytes on the host mirrors it).
+struct AttnSmem {
+  uint8_t* k;    // [P][row_bytes]
+  uint8_t* v;    // [P][row_bytes]
+  float* q;      // [group][hd]
+  float* p;      // [group][P]: scores, then probabilities
+  float* mrun;   // [group][chunks]: running max after chunk c
+  float* corr;   // [group][chunks]
+  float* mden;   // [group][2]: the partition's (m, den)
+  float* fold;   // [group][2]: (a, b) of the fold
+  float* pacc;   // [group][hd]: the partition's acc
+  float* racc;   // [group][hd]: the running fold (AttentionSeqKernel)
+  float* rmden;  // [group][2]: the running (m, den)
+};
+__device__ __forceinline__ AttnSmem CarveSmem(void* base, int row_bytes, int group, int hd) {
+  AttnSmem m;
+  uint8_t* b = static_cast<uint8_t*>(base);
+  m.k = b;
+  b += static_cast<size_t>(kAttentionPartition) * row_bytes;
+  m.v = b;
+  b += static_cast<size_t>(kAttentionPartition) * row_bytes;
+  float* f = reinterpret_cast<float*>(b);
+  m.q = f;
+  f += group * hd;
+  m.p = f;
+  f += group * kAttentionPartition;
+  m.mrun = f;
+  f += group * kChunksPerPartition;
+  m.corr = f;
+  f += group * kChunksPerPartition;
+  m.mden = f;
+  f += group * 2;
+  m.fold = f;
+  f += group * 2;
+  m.pacc = f;
+  f += group * hd;
+  m.racc = f;
+  f += group * hd;
+  m.rmden = f;
+  return m;
+}
+
+template <int DT>
+__device__ __forceinline__ float KvAt(const uint8_t* row, int d, float scale) {
+  if constexpr (DT == 0) {
+    return reinterpret_cast<const float*>(row)[d];
+  } else if constexpr (DT == 1) {
+    return Bf16ToF(reinterpret_cast<const uint16_t*>(row)[d]);
+  } else {
+    return Fp8ToF(row[d]) * scale;
+  }
+}
+
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(gmem));
+}
+
+// Stages K/V rows of positions [p0, p0 + n) (KV head g) into shared memory: one warp per
+// position at a time (the block lookup once per row), lanes over 4-byte words, every copy in
+// flight at once (cp.async), then waits.
+template <int DT>
+__device__ __forceinline__ void StageRows(const KvParams& kv, const uint8_t* __restrict__ base,
+                                          const int32_t* __restrict__ bt, int g, int p0, int n,
+                                          int row_bytes, const AttnSmem& sm) {
+  constexpr int es = DT == 0 ? 4 : (DT == 1 ? 2 : 1);
+  const int words = kv.head_dim * es / 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int t = warp; t < n; t += warps) {
+    const int p = p0 + t;
+    const int block = bt[p / kv.block_size], slot = p % kv.block_size;
+    const uint32_t* kg = reinterpret_cast<const uint32_t*>(base + KvOffset(kv, block, 0, g, slot));
+    const uint32_t* vg = reinterpret_cast<const uint32_t*>(base + KvOffset(kv, block, 1, g, slot));
+    uint32_t* ks = reinterpret_cast<uint32_t*>(sm.k + static_cast<size_t>(t) * row_bytes);
+    uint32_t* vs = reinterpret_cast<uint32_t*>(sm.v + static_cast<size_t>(t) * row_bytes);
+    for (int w = lane; w < words; w += 32) {
+      CpAsync4(ks + w, kg + w);
+      CpAsync4(vs + w, vg + w);
+    }
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+}
+
+// The partition [p0, p1) of row i, KV head g: leaves (m, den) per head in sm.mden and acc in
+// sm.pacc ([group][hd]; thread-per-(head, dim) items it = threadIdx.x + k * threads).
+template <int DT>
+__device__ void PartitionCta(const KvParams& kv, const uint8_t* __restrict__ base,
+                             const int32_t* __restrict__ bt, int g, int group, int p0, int p1,
+                             float k_scale, float v_scale, float scale, int row_bytes,
+                             const AttnSmem& sm, int items) {
+  const int hd = kv.head_dim, n = p1 - p0, tid = threadIdx.x;
+  StageRows<DT>(kv, base, bt, g, p0, n, row_bytes, sm);
+  __syncthreads();
+  // Scores: thread t, every head of the group, dims ascending.
+  if (tid < n) {
+    const uint8_t* kr = sm.k + static_cast<size_t>(tid) * row_bytes;
+    for (int h0 = 0; h0 < group; h0 += 8) {
+      float sc[8];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          kf[2 * u] = Bf16ToF(static_cast<uint16_t>(kw[u] & 0xffffu));
-          kf[2 * u + 1] = Bf16ToF(static_cast<uint16_t>(kw[u] >> 16));
-          vf[2 * u] = Bf16ToF(static_cast<uint16_t>(vw[u] & 0xffffu));
-          vf[2 * u + 1] = Bf16ToF(static_cast<uint16_t>(vw[u] >> 16));
-        }
-      } else if (kv.dtype == 2) {
-        const uint2 kr = *reinterpret_cast<const uint2*>(kp + d);
-        const uint2 vr = *reinterpret_cast<const uint2*>(vp + d);
+      for (int u = 0; u < 8; ++u) sc[u] = 0.0f;
+#pragma unroll 4
+      for (int d = 0; d < hd; ++d) {
+        const float kv_d = KvAt<DT>(kr, d, k_scale);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          const uint32_t kw = u < 4 ? kr.x : kr.y, vw = u < 4 ? vr.x : vr.y;
-          kf[u] = Fp8ToF(static_cast<uint8_t>(kw >> (8 * (u & 3)))) * k_scale;
-          vf[u] = Fp8ToF(static_cast<uint8_t>(vw >> (8 * (u & 3)))) * v_scale;
-        }
-      } else {
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          kf[u] = reinterpret_cast<const float*>(kp)[d + u];
-          vf[u] = reinterpret_cast<const float*>(vp)[d + u];
+          if (h0 + u < group) sc[u] += sm.q[(h0 + u) * hd + d] * kv_d;
         }
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        ks[tt * hd + d + u] = kf[u];
-        vs[tt * hd + d + u] = vf[u];
+        if (h0 + u < group) sm.p[(h0 + u) * kAttentionPartition + tid] = sc[u] * scale;
       }
     }
-  } else {
-    for (int idx = threadIdx.x; idx < cn * hd; idx += blockDim.x) {
-      const int tt = idx / hd, d = idx % hd;
-      const int p = c0 + tt;
-      const int block = bt[p / kv.block_size], slot = p % kv.block_size;
-      ks[idx] = LoadOne(base + KvOffset(kv, block, 0, g, slot), d, kv.dtype, k_scale);
-      vs[idx] = LoadOne(base + KvOffset(kv, block, 1, g, slot), d, kv.dtype, v_scale);
-    }
   }
-}
-
-// One warp's online-softmax state over partition [p0, p1) for its query head (lane holds dims
-// lane + 32 e). The whole CTA calls it with the same bounds (it synchronizes).
-__device__ __forceinline__ void PartitionState(const KvParams& kv, const uint8_t* __restrict__ base,
-                                               const int32_t* __restrict__ bt, int g, int p0,
-                                               int p1, float k_scale, float v_scale, float scale,
-                                               const float (&qr)[kMaxDimsPerLane], float* ks,
-                                               float* vs, float& mx, float& den,
-                                               float (&acc)[kMaxDimsPerLane]) {
-  const int hd = kv.head_dim, lane = threadIdx.x & 31;
-  mx = __uint_as_float(0xff800000u);  // -inf
-  den = 0.0f;
+  __syncthreads();
+  const int nc = (n + kAttentionChunk - 1) / kAttentionChunk;
+  // Running max and corrections: one thread per head (chunk maxes are exact in any order).
+  if (tid < group) {
+    float m = Neg_inf();
+    for (int c = 0; c < nc; ++c) {
+      float cm = Neg_inf();
+      const int t1 = min(n, (c + 1) * kAttentionChunk);
+      for (int t = c * kAttentionChunk; t < t1; ++t)
+        cm = fmaxf(cm, sm.p[tid * kAttentionPartition + t]);
+      const float nm = fmaxf(m, cm);
+      sm.corr[tid * kChunksPerPartition + c] = Exp(m - nm);
+      sm.mrun[tid * kChunksPerPartition + c] = nm;
+      m = nm;
+    }
+    sm.mden[tid * 2] = m;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < group * n; idx += blockDim.x) {
+    const int h = idx / n, t = idx % n;
+    float& x = sm.p[h * kAttentionPartition + t];
+    x = Exp(x - sm.mrun[h * kChunksPerPartition + t / kAttentionChunk]);
+  }
+  __syncthreads();
+  if (tid < group) {
+    float den = 0.0f;
+    for (int c = 0; c < nc; ++c) {
+      den *= sm.corr[tid * kChunksPerPartition + c];
+      const int t1 = min(n, (c + 1) * kAttentionChunk);
 #pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) acc[e] = 0.0f;
-  for (int c0 = p0; c0 < p1; c0 += kAttentionChunk) {
-    const int cn = min(kAttentionChunk, p1 - c0);
-    StageKv(kv, base, bt, g, c0, cn, k_scale, v_scale, ks, vs);
-    __syncthreads();
-    float sc[kAttentionChunk];
-    float cmax = __uint_as_float(0xff800000u);
+      for (int u = 0; u < kAttentionChunk; ++u) {
+        const int t = c * kAttentionChunk + u;
+        if (t < t1) den += sm.p[tid * kAttentionPartition + t];
+      }
+    }
+    sm.mden[tid * 2 + 1] = den;
+  }
+  // acc of (head, dim) items, four chains at a time.
+  for (int k0 = 0; k0 < items; k0 += 4) {
+    float a4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int hh[4], dd[4];
+    bool ok[4];
 #pragma unroll
-    for (int tt = 0; tt < kAttentionChunk; ++tt) {
-      sc[tt] = 0.0f;
-      if (tt < cn) {
-        float part = 0.0f;
+    for (int u = 0; u < 4; ++u) {
+      const int it = tid + (k0 + u) * blockDim.x;
+      ok[u] = k0 + u < items && it < group * hd;
+      hh[u] = ok[u] ? it / hd : 0;
+      dd[u] = ok[u] ? it % hd : 0;
+    }
+    for (int c = 0; c < nc; ++c) {
 #pragma unroll
-        for (int e = 0; e < kMaxDimsPerLane; ++e) {
-          const int d = lane + 32 * e;
-          if (d < hd) part += qr[e] * ks[tt * hd + d];
+      for (int u = 0; u < 4; ++u) a4[u] *= sm.corr[hh[u] * kChunksPerPartition + c];
+      const int t1 = min(n, (c + 1) * kAttentionChunk);
+#pragma unroll
+      for (int x = 0; x < kAttentionChunk; ++x) {
+        const int t = c * kAttentionChunk + x;
+        if (t < t1) {
+          const uint8_t* vr = sm.v + static_cast<size_t>(t) * row_bytes;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            a4[u] += sm.p[hh[u] * kAttentionPartition + t] * KvAt<DT>(vr, dd[u], v_scale);
+          }
         }
-        sc[tt] = WarpSum(part) * scale;
-        cmax = fmaxf(cmax, sc[tt]);
       }
     }
-    const float new_max = fmaxf(mx, cmax);
-    const float corr = Exp(mx - new_max);
-    den *= corr;
 #pragma unroll
-    for (int e = 0; e < kMaxDimsPerLane; ++e) acc[e] *= corr;
-#pragma unroll
-    for (int tt = 0; tt < kAttentionChunk; ++tt) {
-      if (tt < cn) {
-        const float pr = Exp(sc[tt] - new_max);
-        den += pr;
-#pragma unroll
-        for (int e = 0; e < kMaxDimsPerLane; ++e) {
-          const int d = lane + 32 * e;
-          if (d < hd) acc[e] += pr * vs[tt * hd + d];
-        }
-      }
+    for (int u = 0; u < 4; ++u) {
+      if (ok[u]) sm.pacc[tid + (k0 + u) * blockDim.x] = a4[u];
     }
-    mx = new_max;
-    __syncthreads();
   }
+  __syncthreads();  // mden, pacc visible; K/V/p free for the next partition
 }
 
-// run <- run (+) partition state (m, den, acc), the fixed fold of ascending partitions.
-__device__ __forceinline__ void FoldState(float& rm, float& rden, float (&racc)[kMaxDimsPerLane],
-                                          float m, float den, const float (&acc)[kMaxDimsPerLane]) {
-  const float nm = fmaxf(rm, m);
-  const float a = Exp(rm - nm), b = Exp(m - nm);
-  rden = rden * a + den * b;
-#pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) racc[e] = racc[e] * a + acc[e] * b;
-  rm = nm;
+__device__ __forceinline__ void LoadGroupQuery(const float* __restrict__ qkv, int ld, int i, int g,
+                                               int group, int hd, const AttnSmem& sm) {
+  const float* q = qkv + static_cast<size_t>(i) * ld + static_cast<size_t>(g) * group * hd;
+  for (int idx = threadIdx.x; idx < group * hd; idx += blockDim.x) sm.q[idx] = q[idx];
 }
 
-__device__ __forceinline__ void LoadQuery(const float* __restrict__ qkv, int ld, int i, int head,
-                                          int hd, float (&qr)[kMaxDimsPerLane]) {
-  const int lane = threadIdx.x & 31;
-  const float* q = qkv + static_cast<size_t>(i) * ld + static_cast<size_t>(head) * hd;
-#pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) {
-    const int d = lane + 32 * e;
-    qr[e] = d < hd ? q[d] : 0.0f;
-  }
-}
+// (rm, rden, racc) <- fold with (m, den, acc): the fixed fold of ascending partitions.
+__device__ __forceinline__ float FoldA(float rm, float m) { return Exp(rm - fmaxf(rm, m)); }
+__device__ __forceinline__ float FoldB(float rm, float m) { return Exp(m - fmaxf(rm, m)); }
 
-__device__ __forceinline__ void StoreOut(uint16_t* __restrict__ out, int i, int nh, int head,
-                                         int hd, float den, const float (&acc)[kMaxDimsPerLane]) {
-  const int lane = threadIdx.x & 31;
-  uint16_t* o = out + static_cast<size_t>(i) * nh * hd + static_cast<size_t>(head) * hd;
-#pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) {
-    const int d = lane + 32 * e;
-    if (d < hd) o[d] = FToBf16(acc[e] / den);
-  }
-}
-
-// One CTA per (row, KV head), one warp per query head: the partitions in order, folded as they
-// come.
-__global__ void AttentionKernel(const float* __restrict__ qkv, int ld,
-                                const int32_t* __restrict__ pos,
-                                const int32_t* __restrict__ table_off,
-                                const int32_t* __restrict__ tables, KvParams kv,
-                                const uint8_t* __restrict__ base, float k_scale, float v_scale,
-                                int nh, float scale, uint16_t* __restrict__ out) {
-  extern __shared__ float smem[];
-  const int hd = kv.head_dim;
-  float* ks = smem;
-  float* vs = smem + kAttentionChunk * hd;
-  const int i = blockIdx.x, g = blockIdx.y;
-  const int group = blockDim.x >> 5;
-  const int head = g * group + (threadIdx.x >> 5);
+// One CTA per (row, KV head): the row's partitions in order, folded as they come.
+template <int DT>
+__global__ void __launch_bounds__(kAttentionThreads)
+    AttentionSeqKernel(const float* __restrict__ qkv, int ld, const int32_t* __restrict__ pos,
+                       const int32_t* __restrict__ table_off, const int32_t* __restrict__ tables,
+                       KvParams kv, const uint8_t* __restrict__ base, float k_scale, float v_scale,
+                       int nh, float scale, int row_bytes, uint16_t* __restrict__ out) {
+  extern __shared__ __align__(16) uint8_t asmem[];
+  const int hd = kv.head_dim, i = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
+  const int group = nh / kv.num_kv_heads;
+  const AttnSmem sm = CarveSmem(asmem, row_bytes, group, hd);
+  const int items = (group * hd + blockDim.x - 1) / blockDim.x;
   const int ps = pos[i];
   const int32_t* bt = tables + table_off[i];
-  float qr[kMaxDimsPerLane], racc[kMaxDimsPerLane], acc[kMaxDimsPerLane];
-  LoadQuery(qkv, ld, i, head, hd, qr);
-  float rm = 0.0f, rden = 0.0f;
+  LoadGroupQuery(qkv, ld, i, g, group, hd, sm);
+  __syncthreads();
   for (int p0 = 0; p0 <= ps; p0 += kAttentionPartition) {
     const int p1 = min(p0 + kAttentionPartition, ps + 1);
-    float m, den;
-    PartitionState(kv, base, bt, g, p0, p1, k_scale, v_scale, scale, qr, ks, vs, m, den, acc);
+    PartitionCta<DT>(kv, base, bt, g, group, p0, p1, k_scale, v_scale, scale, row_bytes, sm, items);
     if (p0 == 0) {
-      rm = m;
-      rden = den;
-#pragma unroll
-      for (int e = 0; e < kMaxDimsPerLane; ++e) racc[e] = acc[e];
+      if (tid < group) {
+        sm.rmden[tid * 2] = sm.mden[tid * 2];
+        sm.rmden[tid * 2 + 1] = sm.mden[tid * 2 + 1];
+      }
+      for (int it = tid; it < group * hd; it += blockDim.x) sm.racc[it] = sm.pacc[it];
     } else {
-      FoldState(rm, rden, racc, m, den, acc);
+      if (tid < group) {
+        const float rm = sm.rmden[tid * 2], m = sm.mden[tid * 2];
+        const float fa = FoldA(rm, m), fb = FoldB(rm, m);
+        sm.fold[tid * 2] = fa;
+        sm.fold[tid * 2 + 1] = fb;
+        sm.rmden[tid * 2] = fmaxf(rm, m);
+        sm.rmden[tid * 2 + 1] = sm.rmden[tid * 2 + 1] * fa + sm.mden[tid * 2 + 1] * fb;
+      }
+      __syncthreads();
+      for (int it = tid; it < group * hd; it += blockDim.x) {
+        const int h = it / hd;
+        sm.racc[it] = sm.racc[it] * sm.fold[h * 2] + sm.pacc[it] * sm.fold[h * 2 + 1];
+      }
     }
+    __syncthreads();
   }
-  StoreOut(out, i, nh, head, hd, rden, racc);
+  uint16_t* o = out + static_cast<size_t>(i) * nh * hd + static_cast<size_t>(g) * group * hd;
+  for (int it = tid; it < group * hd; it += blockDim.x) {
+    o[it] = FToBf16(sm.racc[it] / sm.rmden[(it / hd) * 2 + 1]);
+  }
 }
 
 // Scratch state of (row i, partition j, head): [m, den, acc[hd]] at ((i * parts + j) * nh + head)
 // * (hd + 2) floats.
-__global__ void AttentionPartKernel(const float* __restrict__ qkv, int ld,
-                                    const int32_t* __restrict__ pos,
-                                    const int32_t* __restrict__ table_off,
-                                    const int32_t* __restrict__ tables, KvParams kv,
-                                    const uint8_t* __restrict__ base, float k_scale, float v_scale,
-                                    int nh, float scale, int parts, float* __restrict__ scratch) {
-  extern __shared__ float smem[];
-  const int hd = kv.head_dim;
-  const int i = blockIdx.x, g = blockIdx.y, j = blockIdx.z;
+template <int DT>
+__global__ void __launch_bounds__(kAttentionThreads)
+    AttentionPartKernel(const float* __restrict__ qkv, int ld, const int32_t* __restrict__ pos,
+                        const int32_t* __restrict__ table_off, const int32_t* __restrict__ tables,
+                        KvParams kv, const uint8_t* __restrict__ base, float k_scale, float v_scale,
+                        int nh, float scale, int row_bytes, int parts,
+                        float* __restrict__ scratch) {
+  extern __shared__ __align__(16) uint8_t asmem[];
+  const int hd = kv.head_dim, i = blockIdx.x, g = blockIdx.y, j = blockIdx.z, tid = threadIdx.x;
   const int ps = pos[i];
   const int p0 = j * kAttentionPartition;
   if (p0 > ps) return;  // the whole CTA
   const int p1 = min(p0 + kAttentionPartition, ps + 1);
-  const int group = blockDim.x >> 5;
-  const int head = g * group + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  float qr[kMaxDimsPerLane], acc[kMaxDimsPerLane];
-  LoadQuery(qkv, ld, i, head, hd, qr);
-  float m, den;
-  PartitionState(kv, base, tables + table_off[i], g, p0, p1, k_scale, v_scale, scale, qr, smem,
-                 smem + kAttentionChunk * hd, m, den, acc);
-  float* st = scratch + ((static_cast<size_t>(i) * parts + j) * nh + head) * (hd + 2);
-  if (lane == 0) {
-    st[0] = m;
-    st[1] = den;
+  const int group = nh / kv.num_kv_heads;
+  const AttnSmem sm = CarveSmem(asmem, row_bytes, group, hd);
+  const int items = (group * hd + blockDim.x - 1) / blockDim.x;
+  LoadGroupQuery(qkv, ld, i, g, group, hd, sm);
+  __syncthreads();
+  PartitionCta<DT>(kv, base, tables + table_off[i], g, group, p0, p1, k_scale, v_scale, scale,
+                   row_bytes, sm, items);
+  const auto state = [&](int h) {
+    return scratch + ((static_cast<size_t>(i) * parts + j) * nh + g * group + h) * (hd + 2);
+  };
+  if (tid < group) {
+    state(tid)[0] = sm.mden[tid * 2];
+    state(tid)[1] = sm.mden[tid * 2 + 1];
   }
-#pragma unroll
-  for (int e = 0; e < kMaxDimsPerLane; ++e) {
-    const int d = lane + 32 * e;
-    if (d < hd) st[2 + d] = acc[e];
-  }
+  for (int it = tid; it < group * hd; it += blockDim.x) state(it / hd)[2 + it % hd] = sm.pacc[it];
 }
 
-// One warp per (row, head): folds the row's partitions in ascending order.
+// One warp per (row, head): folds the row's partitions in ascending order (as AttentionSeqKernel).
 __global__ void AttentionCombineKernel(const int32_t* __restrict__ pos, int nh, int hd, int parts,
                                        const float* __restrict__ scratch,
                                        uint16_t* __restrict__ out) {
   const int i = blockIdx.x, head = blockIdx.y, lane = threadIdx.x & 31;
   const int np = pos[i] / kAttentionPartition + 1;
-  float racc[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  float racc[kMaxDimsPerLane];
   float rm = 0.0f, rden = 0.0f;
   for (int j = 0; j < np; ++j) {
     const float* st = scratch + ((static_cast<size_t>(i) * parts + j) * nh + head) * (hd + 2);
     const float m = st[0], den = st[1];
-#pragma unroll
-    for (int e = 0; e < kMaxDimsPerLane; ++e) {
-      const int d = lane + 32 * e;
-      acc[e] = d < hd ? st[2 + d] : 0.0f;
-    }
     if (j == 0) {
       rm = m;
       rden = den;
 #pragma unroll
-      for (int e = 0; e < kMaxDimsPerLane; ++e) racc[e] = acc[e];
+      for (int e = 0; e < kMaxDimsPerLane; ++e) {
+        const int d = lane + 32 * e;
+        racc[e] = d < hd ? st[2 + d] : 0.0f;
+      }
     } else {
-      FoldState(rm, rden, racc, m, den, acc);
+      const float fa = FoldA(rm, m), fb = FoldB(rm, m);
+      rm = fmaxf(rm, m);
+      rden = rden * fa + den * fb;
+#pragma unroll
+      for (int e = 0; e < kMaxDimsPerLane; ++e) {
+        const int d = lane + 32 * e;
+        if (d < hd) racc[e] = racc[e] * fa + st[2 + d] * fb;
+      }
     }
   }
-  StoreOut(out, i, nh, head, hd, rden, racc);
+  uint16_t* o = out + static_cast<size_t>(i) * nh * hd + static_cast<size_t>(head) * hd;
+#pragma unroll
+  for (int e = 0; e < kMaxDimsPerLane; ++e) {
+    const int d = lane + 32 * e;
+    if (d < hd) o[d] = FToBf16(racc[e] / rden);
+  }
 }
 
 // ---- SwiGLU ----
@@ -718,20 +814,17 @@ void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, i
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev >= 0 && dev < 64 && !attrs_set[dev]) {
-    cudaFuncSetAttribute(MatmulPipeKernel<16, 32, 1, 4, kSmallStages>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmallSmem);
-    cudaFuncSetAttribute(MatmulPipeKernel<64, 64, 2, 2, kLargeStages>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, kLargeSmem);
+    SmallTile::SetSmem();
+    MediumTile::SetSmem();
+    LargeTile::SetSmem();
     attrs_set[dev] = true;
   }
   if (m <= kMatmulSmallM) {
-    const dim3 grid((n + 31) / 32, 1, shards);
-    MatmulPipeKernel<16, 32, 1, 4, kSmallStages>
-        <<<grid, kMatmulThreads, kSmallSmem, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+    SmallTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+  } else if (m <= kMatmulMediumM) {
+    MediumTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
   } else {
-    const dim3 grid((n + 63) / 64, (m + 63) / 64, shards);
-    MatmulPipeKernel<64, 64, 2, 2, kLargeStages>
-        <<<grid, kMatmulThreads, kLargeSmem, stream>>>(a, lda, w, m, n, k, shards, bias, out);
+    LargeTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
   }
 }
 
@@ -756,26 +849,61 @@ void LaunchKvWrite(const float* qkv, int ld, int k_col, int v_col, int m, const 
   }
 }
 
+namespace {
+int g_attention_schedule = -1;  // SetAttentionScheduleForTest
+
+template <int DT>
+void LaunchAttentionT(const float* qkv, int ld, int m, const int32_t* pos, const int32_t* table_off,
+                      const int32_t* tables, const KvParams& kv, const uint8_t* base, float k_scale,
+                      float v_scale, int nh, float scale, uint16_t* out, int max_pos,
+                      float* scratch, size_t scratch_floats, cudaStream_t stream) {
+  const int group = nh / kv.num_kv_heads;
+  const size_t smem = AttentionSmemBytes(kv.head_dim, kv.dtype, group);
+  const int row_bytes = AttentionRowBytes(kv.head_dim, kv.dtype);
+  static bool attrs_set[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && !attrs_set[dev]) {
+    int optin = 0;  // CudaModel checked at start that smem fits under it
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    const int lim = static_cast<int>(std::min<size_t>(kAttentionMaxSmem, optin));
+    cudaFuncSetAttribute(AttentionSeqKernel<DT>, cudaFuncAttributeMaxDynamicSharedMemorySize, lim);
+    cudaFuncSetAttribute(AttentionPartKernel<DT>, cudaFuncAttributeMaxDynamicSharedMemorySize, lim);
+    attrs_set[dev] = true;
+  }
+  const int parts = max_pos / kAttentionPartition + 1;
+  const size_t need = static_cast<size_t>(m) * parts * nh * (kv.head_dim + 2);
+  const bool split = g_attention_schedule == 1 || (g_attention_schedule == -1 && parts > 1);
+  if (split && scratch != nullptr && need <= scratch_floats) {
+    AttentionPartKernel<DT><<<dim3(m, kv.num_kv_heads, parts), kAttentionThreads, smem, stream>>>(
+        qkv, ld, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale, row_bytes, parts,
+        scratch);
+    AttentionCombineKernel<<<dim3(m, nh), 32, 0, stream>>>(pos, nh, kv.head_dim, parts, scratch,
+                                                           out);
+    return;
+  }
+  AttentionSeqKernel<DT><<<dim3(m, kv.num_kv_heads), kAttentionThreads, smem, stream>>>(
+      qkv, ld, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale, row_bytes, out);
+}
+}  // namespace
+
+void SetAttentionScheduleForTest(int schedule) { g_attention_schedule = schedule; }
+
 void LaunchAttention(const float* qkv, int ld, int m, const int32_t* pos, const int32_t* table_off,
                      const int32_t* tables, const KvParams& kv, const uint8_t* base, float k_scale,
                      float v_scale, int nh, float scale, uint16_t* out, int max_pos, float* scratch,
                      size_t scratch_floats, cudaStream_t stream) {
   if (m <= 0) return;
-  const int group = nh / kv.num_kv_heads;
-  const size_t smem = 2 * static_cast<size_t>(kAttentionChunk) * kv.head_dim * sizeof(float);
-  const int parts = max_pos / kAttentionPartition + 1;
-  const size_t need = static_cast<size_t>(m) * parts * nh * (kv.head_dim + 2);
-  if (parts > 1 && scratch != nullptr && need <= scratch_floats) {
-    const dim3 grid(m, kv.num_kv_heads, parts);
-    AttentionPartKernel<<<grid, 32 * group, smem, stream>>>(
-        qkv, ld, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale, parts, scratch);
-    AttentionCombineKernel<<<dim3(m, nh), 32, 0, stream>>>(pos, nh, kv.head_dim, parts, scratch,
-                                                           out);
-    return;
+  if (kv.dtype == 0) {
+    LaunchAttentionT<0>(qkv, ld, m, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale,
+                        out, max_pos, scratch, scratch_floats, stream);
+  } else if (kv.dtype == 1) {
+    LaunchAttentionT<1>(qkv, ld, m, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale,
+                        out, max_pos, scratch, scratch_floats, stream);
+  } else {
+    LaunchAttentionT<2>(qkv, ld, m, pos, table_off, tables, kv, base, k_scale, v_scale, nh, scale,
+                        out, max_pos, scratch, scratch_floats, stream);
   }
-  const dim3 grid(m, kv.num_kv_heads);
-  AttentionKernel<<<grid, 32 * group, smem, stream>>>(qkv, ld, pos, table_off, tables, kv, base,
-                                                      k_scale, v_scale, nh, scale, out);
 }
 
 void LaunchRandomBf16(uint16_t* dst, size_t count, uint64_t state0, float offset, float a,

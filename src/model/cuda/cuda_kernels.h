@@ -37,7 +37,8 @@ void LaunchRmsNorm(const float* x, const int32_t* row_index, int rows, int n, in
 /// and bias != null), i < m, j < n; shards 1 or 8 (cuda_plan.h PlanMatmul). a: [m][lda] bf16,
 /// w: [n][k] bf16, out: [shards][m][n] fp32. Every element: one fp32 accumulator, one
 /// m16n8k16 mma per 16-wide k step ascending from the shard's start, whatever m and whichever
-/// tile shape runs (m <= kMatmulSmallM: 16 x 32 tiles, else 64 x 64; a cp.async pipeline when
+/// tile shape runs (m <= kMatmulSmallM: 16 x 32 tiles, <= kMatmulMediumM: 64 x 64, else
+/// 128 x 128; a cp.async pipeline when
 /// lda, k / shards are multiples of 8 and a, w 16-byte aligned, else the plain 64 x 64 kernel).
 void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, int k, int shards,
                   const float* bias, float* out, cudaStream_t stream);
@@ -69,6 +70,10 @@ void LaunchAttention(const float* qkv, int ld, int m, const int32_t* pos, const 
                      const int32_t* tables, const KvParams& kv, const uint8_t* base, float k_scale,
                      float v_scale, int nh, float scale, uint16_t* out, int max_pos, float* scratch,
                      size_t scratch_floats, cudaStream_t stream);
+
+/// Tests: -1 (default) picks the attention schedule by shape; 0 forces one CTA per (row, KV head)
+/// walking partitions, 1 the split across CTAs (when the scratch holds it). Same bits either way.
+void SetAttentionScheduleForTest(int schedule);
 
 /// Element i of dst = model_internal::RandomWeightBf16(state0, i, offset, a) (numerics_hd.h):
 /// the bits WriteRandomModel writes for that tensor; the F32 variant stores them widened.

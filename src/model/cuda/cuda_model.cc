@@ -247,6 +247,19 @@ Status CudaModel::Impl::Init() {
       cuda_internal::AttentionPlan ap,
       cuda_internal::PlanAttention(1, c.num_attention_heads, c.num_key_value_heads, c.head_dim));
   (void)ap;
+  {
+    const size_t smem = cuda_internal::AttentionSmemBytes(
+        c.head_dim, static_cast<int>(opt.kv_dtype), c.num_attention_heads / c.num_key_value_heads);
+    if (c.head_dim % 4 != 0 ||
+        smem > std::min<size_t>(cuda_internal::kAttentionMaxSmem, prop.sharedMemPerBlockOptin)) {
+      return UnimplementedError(
+          "CudaModel: attention for head_dim " + std::to_string(c.head_dim) + ", " +
+          std::to_string(c.num_attention_heads / c.num_key_value_heads) +
+          " query heads per KV head and KV " + std::string(KvDtypeName(opt.kv_dtype)) + " needs " +
+          std::to_string(smem) + " bytes of shared memory per block (and head_dim % 4 == 0); GPU " +
+          std::to_string(opt.device) + " allows " + std::to_string(prop.sharedMemPerBlockOptin));
+    }
+  }
   limits.max_rows = opt.max_num_batched_tokens;
   limits.max_seqs = opt.max_num_seqs;
   limits.max_table_blocks = opt.max_num_seqs * cuda_internal::BlocksFor(max_len, opt.block_size);
