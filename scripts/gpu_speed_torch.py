@@ -9,7 +9,7 @@ same device run as cuda_speed_bench (scripts/device_gpu_speed_run.sh). Sections 
   hf         transformers Qwen2ForCausalLM with qwen2.5-7b's config, random bf16 weights on the
              GPU: (a) generate() eager, default dynamic cache: prefill tokens/s of a ctx-token
              prompt and decode step time at each batch; (b) --compile: static cache +
-             torch.compile(mode="reduce-overhead"), batch 1
+             torch.compile (default mode), batch 1
 Weights are torch's own random init (values do not change the timings); the config is the
 preset's (random_model.cc). Prints markdown tables; --md appends them to a file.
 """
@@ -150,9 +150,13 @@ def hf(out, ctx, batches, compile_):
             res[f"hf_eager_b{b}_step_ms"] = step * 1e3
             out(f"| {b} | {p:.3f} | {b*ctx/p:.0f} | {n} | {step*1e3:.2f} | {b/step:.0f} |")
     else:
-        out("(b) `generate` with a static cache and torch.compile(mode=\"reduce-overhead\"), batch 1\n")
+        # mode="reduce-overhead" (CUDA graphs) fails inside generate() with transformers 5.17 /
+        # torch 2.11 ("accessing tensor output of CUDAGraphs that has been overwritten", seen on
+        # the H200 2026-12-01): the default inductor mode, no CUDA graphs.
+        out("(b) `generate` with a static cache and torch.compile(fullgraph=True) (default mode; "
+            "reduce-overhead's CUDA graphs fail inside generate here), batch 1\n")
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        model.forward = torch.compile(model.forward, fullgraph=True)
         a = time.time()
         run(1, 3)
         run(1, 3)

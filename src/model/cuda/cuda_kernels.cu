@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "model/cuda/cuda_constants.h"
 #include "model/cuda/cuda_kernels.h"
@@ -201,8 +202,7 @@ __global__ void __launch_bounds__(kMatmulThreads)
 // Preconditions (checked by LaunchMatmul, else MatmulKernel): lda, k and every shard bound
 // multiples of 8, a and w 16-byte aligned.
 
-constexpr int kPk = 64;       // K per stage
-constexpr int kPs = kPk + 8;  // smem row stride (bf16): 144 bytes, conflict-free fragments
+// BK: K per stage; smem rows BK + 8 bf16 (144 / 272 bytes: conflict-free fragment loads).
 
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -215,12 +215,13 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int BK>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     MatmulPipeKernel(const uint16_t* __restrict__ a, int lda, const uint16_t* __restrict__ w, int m,
                      int n, int k, int shards, const float* __restrict__ bias,
                      float* __restrict__ out) {
   constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  constexpr int kPk = BK, kPs = BK + 8;
   constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;
   constexpr int MI = WTM / 16, NI = WTN / 8;
   extern __shared__ __align__(16) uint16_t psmem[];
@@ -324,24 +325,36 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // few sequences, bandwidth: many CTAs with 8 stages in flight); medium: M <= kMatmulMediumM
 // (64 x 64, 4 warps of 32 x 32; measured faster here than 128 x 32 tiles); large: prefill
 // (128 x 128 tiles, 8 warps of 64 x 32).
-template <int BM, int BN, int WM, int WN, int ST>
+template <int BM, int BN, int WM, int WN, int ST, int BK = 64>
 struct TileShape {
   static constexpr int kThreads = WM * WN * 32;
-  static constexpr size_t kSmem = static_cast<size_t>(ST) * (BM + BN) * kPs * 2;
+  static constexpr size_t kSmem = static_cast<size_t>(ST) * (BM + BN) * (BK + 8) * 2;
   static void Launch(const uint16_t* a, int lda, const uint16_t* w, int m, int n, int k, int shards,
                      const float* bias, float* out, cudaStream_t stream) {
     const dim3 grid((n + BN - 1) / BN, (m + BM - 1) / BM, shards);
-    MatmulPipeKernel<BM, BN, WM, WN, ST>
+    MatmulPipeKernel<BM, BN, WM, WN, ST, BK>
         <<<grid, kThreads, kSmem, stream>>>(a, lda, w, m, n, k, shards, bias, out);
   }
   static void SetSmem() {
-    cudaFuncSetAttribute(MatmulPipeKernel<BM, BN, WM, WN, ST>,
+    cudaFuncSetAttribute(MatmulPipeKernel<BM, BN, WM, WN, ST, BK>,
                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   }
 };
 using SmallTile = TileShape<16, 32, 1, 4, 8>;
+using SmallTile16 = TileShape<16, 16, 1, 2, 8>;         // variant 1: twice the CTAs
+using SmallTileK128 = TileShape<16, 32, 1, 4, 4, 128>;  // variant 2: 256-byte row segments
+using SmallTile64 = TileShape<16, 64, 1, 4, 6>;         // variant 3: 16 x 16 per warp
 using MediumTile = TileShape<64, 64, 2, 2, 4>;
+using MediumTile128 = TileShape<128, 64, 2, 4, 4>;  // variant 1: one M tile up to 128 rows
 using LargeTile = TileShape<128, 128, 2, 4, 3>;
+
+// Tile-shape variants (KVB_MATMUL_SMALL / KVB_MATMUL_MEDIUM, read once; for the speed bench and
+// the device tests, which run the invariance cases under each): every variant keeps the
+// per-element K order, so the choice never changes a bit.
+int EnvVariant(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr ? std::atoi(e) : 0;
+}
 
 // ---- the row-parallel shard tree + residual ----
 
@@ -811,18 +824,40 @@ void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, i
     return;
   }
   static bool attrs_set[64] = {};  // per device: the dynamic shared memory the shapes take
+  static const int small_variant = EnvVariant("KVB_MATMUL_SMALL");
+  static const int medium_variant = EnvVariant("KVB_MATMUL_MEDIUM");
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev >= 0 && dev < 64 && !attrs_set[dev]) {
     SmallTile::SetSmem();
+    SmallTile16::SetSmem();
+    SmallTileK128::SetSmem();
+    SmallTile64::SetSmem();
     MediumTile::SetSmem();
+    MediumTile128::SetSmem();
     LargeTile::SetSmem();
     attrs_set[dev] = true;
   }
   if (m <= kMatmulSmallM) {
-    SmallTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+    switch (small_variant) {
+      case 1:
+        SmallTile16::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+        break;
+      case 2:
+        SmallTileK128::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+        break;
+      case 3:
+        SmallTile64::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+        break;
+      default:
+        SmallTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+    }
   } else if (m <= kMatmulMediumM) {
-    MediumTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+    if (medium_variant == 1) {
+      MediumTile128::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+    } else {
+      MediumTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+    }
   } else {
     LargeTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
   }
