@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
   }
 }
 
-// The tile shapes: (BM, BN, warps along M, along N, stages). Small: M <= kMatmulSmallM (decode of
-// few sequences, bandwidth: many CTAs with 8 stages in flight); medium: M <= kMatmulMediumM
+// The tile shapes: (BM, BN, warps along M, along N, stages, BK). Small: M <= kMatmulSmallM (decode
+// of few sequences, bandwidth: 16 x 32 tiles, 4 stages of 128-wide K); medium: M <= kMatmulMediumM
 // (64 x 64, 4 warps of 32 x 32; measured faster here than 128 x 32 tiles); large: prefill
 // (128 x 128 tiles, 8 warps of 64 x 32).
 template <int BM, int BN, int WM, int WN, int ST, int BK = 64>
@@ -849,8 +849,11 @@ void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, i
       case 3:
         SmallTile64::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
         break;
-      default:
+      case 4:
         SmallTile::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
+        break;
+      default:  // 0 and 2: the fastest measured on the H200 (docs/gpu.md "Speed")
+        SmallTileK128::Launch(a, lda, w, m, n, k, shards, bias, out, stream);
     }
   } else if (m <= kMatmulMediumM) {
     if (medium_variant == 1) {

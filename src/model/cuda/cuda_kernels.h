@@ -37,7 +37,7 @@ void LaunchRmsNorm(const float* x, const int32_t* row_index, int rows, int n, in
 /// and bias != null), i < m, j < n; shards 1 or 8 (cuda_plan.h PlanMatmul). a: [m][lda] bf16,
 /// w: [n][k] bf16, out: [shards][m][n] fp32. Every element: one fp32 accumulator, one
 /// m16n8k16 mma per 16-wide k step ascending from the shard's start, whatever m and whichever
-/// tile shape runs (m <= kMatmulSmallM: 16 x 32 tiles, <= kMatmulMediumM: 64 x 64, else
+/// tile shape runs (m <= kMatmulSmallM: 16 x 32 tiles with 128-wide K stages, <= kMatmulMediumM: 64 x 64, else
 /// 128 x 128; a cp.async pipeline when
 /// lda, k / shards are multiples of 8 and a, w 16-byte aligned, else the plain 64 x 64 kernel).
 void LaunchMatmul(const uint16_t* a, int lda, const uint16_t* w, int m, int n, int k, int shards,
