@@ -161,8 +161,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
     [](CLI::App& sub) -> kvbridge::apps::CommandMain {
       auto o = std::make_shared<MakeModelOptions>();
       sub.add_option("--preset", o->preset,
-                     "tiny | small (any arch) | qwen2.5-0.5b | qwen3-0.6b | llama-3.2-1b (shapes "
-                     "and config.json of the real checkpoints, random bf16 weights)")
+                     "tiny | small (any arch) | qwen2.5-0.5b | qwen3-0.6b | llama-3.2-1b | "
+                     "qwen2.5-7b (15 GB; shapes and config.json of the real checkpoints, random "
+                     "bf16 weights)")
           ->check(CLI::IsMember(kvbridge::RandomModelPresetNames()))
           ->capture_default_str();
       sub.add_option("--seed", o->seed, "weight seed")->capture_default_str();
