@@ -140,6 +140,16 @@ class CopyPool {
     for (size_t i = w.begin; i < w.end; ++i) {
       const Segment& s = segs[i];
       uint8_t* remote = w.map->layer_base[s.remote_layer] + s.remote_offset;
+      if (i + 1 < w.end) {
+        // Blocks are scattered: start the next segment's page walks and first lines now (the
+        // hardware prefetchers stop at page ends); 4 KiB blocks gained ~10-20 % with it.
+        const Segment& nx = segs[i + 1];
+        const uint8_t* nr = w.map->layer_base[nx.remote_layer] + nx.remote_offset;
+        const uint8_t* nsrc = read ? nr : nx.local;
+        const uint8_t* ndst = read ? nx.local : nr;
+        for (int line = 0; line < 4; ++line) __builtin_prefetch(nsrc + 64 * line, 0);
+        __builtin_prefetch(ndst, 1);
+      }
       for (uint64_t done = 0; done < s.length;) {
         // relaxed: cancel is advisory; bytes before it is seen may still land, which the
         // contract allows (terminal only once this copy stops).
