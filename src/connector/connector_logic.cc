@@ -8,7 +8,7 @@
 #include "kvbridge/connector/tp_plan.h"
 
 #ifdef KVBRIDGE_PLANTED_FAULTS
-#include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
+#include "testing/planted_faults.h"  // test-only switches (src/sim builds them in)
 #endif
 
 namespace kvbridge {

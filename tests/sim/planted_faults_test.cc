@@ -1,8 +1,8 @@
-// Proof that the simulator finds bugs: each planted fault (include/kvbridge/sim/planted_faults.h,
+// Proof that the simulator finds bugs: each planted fault (src/testing/planted_faults.h,
 // compiled only into this test's copy of the connector core) must be reported as its matching
 // invariant violation within a bounded number of seeds, and the failing seed must pass with the
 // fault switched off.
-#include "kvbridge/sim/planted_faults.h"
+#include "testing/planted_faults.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // Proof that the simulator finds TP accounting bugs: each planted TP fault
-// (include/kvbridge/sim/planted_faults.h) is reported as its matching invariant violation within
+// (src/testing/planted_faults.h) is reported as its matching invariant violation within
 // a bounded number of seeds, and the same seed passes with the fault off.
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <string>
 
 #include "kvbridge/common/logging.h"
-#include "kvbridge/sim/planted_faults.h"
+#include "testing/planted_faults.h"
 #include "kvbridge/sim/simulator.h"
 
 #ifndef KVBRIDGE_PLANTED_FAULTS

@@ -1,5 +1,6 @@
-// kvbridge/sim/planted_faults.h — test-only switches that plant known P/D protocol bugs into the
-// real connector cores, so the simulator's tests can prove that it finds them.
+// testing/planted_faults.h — test-only switches that plant known P/D protocol bugs into the
+// real connector cores, so the simulator's tests can prove that it finds them. Not a public
+// header: it lives in src/testing (included as "testing/planted_faults.h"), outside include/.
 //
 // This header compiles to nothing unless KVBRIDGE_PLANTED_FAULTS is defined, and only the sim
 // test targets define it (they build their own copy of the connector core,
