@@ -7,7 +7,7 @@
 #include "kvbridge/common/state_table.h"
 #include "kvbridge/connector/tp_plan.h"
 #ifdef KVBRIDGE_PLANTED_FAULTS
-#include "kvbridge/sim/planted_faults.h"  // test-only switches (src/sim builds them in)
+#include "testing/planted_faults.h"  // test-only switches (src/sim builds them in)
 #endif
 
 namespace kvbridge {
@@ -73,6 +73,25 @@ bool WritePrefillCore::Hold(const std::string& request_id, const std::set<int>& 
 namespace {
 
 using TS = WritePrefillCore::TargetState;
+
+// Answers a decode rank's block ids with a WriteDone(outcome) that no WRITE carries (a refusal,
+// or the confirmation of an empty drain), as engine `prefill_engine_id` rank `prefill_rank`.
+void AnswerBlocks(WritePrefillCore::Counters& counters, std::vector<ConnectorAction>& actions,
+                  const WriteBlocksMsg& msg, const std::string& prefill_engine_id, int prefill_rank,
+                  WriteOutcome outcome, std::string reason) {
+  ++counters.targets_failed;
+  actions.push_back(SendMessageAction{.to = PeerEndpoint{.engine_id = msg.decode_engine_id,
+                                                         .host = msg.decode_host,
+                                                         .port = msg.decode_port,
+                                                         .rank = msg.decode_rank},
+                                      .msg = WriteDoneMsg{.transfer_id = msg.transfer_id,
+                                                          .prefill_engine_id = prefill_engine_id,
+                                                          .prefill_rank = prefill_rank,
+                                                          .decode_engine_id = msg.decode_engine_id,
+                                                          .decode_rank = msg.decode_rank,
+                                                          .outcome = outcome,
+                                                          .reason = std::move(reason)}});
+}
 
 // A target's legal transitions; anything else is a bug (FailedPrecondition: the target fails).
 // clang-format off
@@ -292,38 +311,16 @@ void WritePrefillCore::CancelTarget(Rank& k, Target& g, WriteOutcome outcome, st
 }
 
 void WritePrefillCore::Reject(Rank& k, const WriteBlocksMsg& msg, std::string reason) {
-  ++k.counters.targets_failed;
-  k.actions.push_back(
-      SendMessageAction{.to = PeerEndpoint{.engine_id = msg.decode_engine_id,
-                                           .host = msg.decode_host,
-                                           .port = msg.decode_port,
-                                           .rank = msg.decode_rank},
-                        .msg = WriteDoneMsg{.transfer_id = msg.transfer_id,
-                                            .prefill_engine_id = msg.prefill_engine_id,
-                                            .prefill_rank = msg.prefill_rank,
-                                            .decode_engine_id = msg.decode_engine_id,
-                                            .decode_rank = msg.decode_rank,
-                                            .outcome = WriteOutcome::kFailed,
-                                            .reason = std::move(reason)}});
+  AnswerBlocks(k.counters, k.actions, msg, msg.prefill_engine_id, msg.prefill_rank,
+               WriteOutcome::kFailed, std::move(reason));
 }
 
 bool WritePrefillCore::AnswerOvertakenCancel(Rank& k, const WriteBlocksMsg& msg) {
   auto it = k.overtaken_cancels.find({msg.transfer_id, msg.decode_engine_id, msg.decode_rank});
   if (it == k.overtaken_cancels.end()) return false;
   k.overtaken_cancels.erase(it);
-  ++k.counters.targets_failed;
-  k.actions.push_back(
-      SendMessageAction{.to = PeerEndpoint{.engine_id = msg.decode_engine_id,
-                                           .host = msg.decode_host,
-                                           .port = msg.decode_port,
-                                           .rank = msg.decode_rank},
-                        .msg = WriteDoneMsg{.transfer_id = msg.transfer_id,
-                                            .prefill_engine_id = options_.engine_id,
-                                            .prefill_rank = k.rank,
-                                            .decode_engine_id = msg.decode_engine_id,
-                                            .decode_rank = msg.decode_rank,
-                                            .outcome = WriteOutcome::kCancelled,
-                                            .reason = "cancelled by the decode"}});
+  AnswerBlocks(k.counters, k.actions, msg, options_.engine_id, k.rank, WriteOutcome::kCancelled,
+               "cancelled by the decode");
   return true;
 }
 
