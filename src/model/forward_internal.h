@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/forward.h"
-#include "kvbridge/model/kv_cache_view.h"
 
 namespace kvbridge::model_internal {
 

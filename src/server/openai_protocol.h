@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "kvbridge/engine/engine.h"
+#include "kvbridge/engine/request.h"
 #include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/tokenizer.h"
 #include "kvbridge/server/api_server.h"

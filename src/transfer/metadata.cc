@@ -10,18 +10,6 @@
 namespace kvbridge::transfer {
 
 namespace {
-const char* DtypeStr(KvDtype d) {
-  switch (d) {
-    case KvDtype::kFp32:
-      return "fp32";
-    case KvDtype::kBf16:
-      return "bf16";
-    case KvDtype::kFp8E4M3:
-      return "fp8";
-  }
-  return "?";
-}
-
 // Typed getters that refuse what nlohmann would convert with undefined behaviour (a float or
 // out-of-range number read as an integer, a double out of float range).
 uint64_t GetU64(const nlohmann::json& j, const char* key) {
@@ -92,7 +80,7 @@ uint64_t ComputeCompatHash(const AgentMetadata& m) {
   std::string s = "v";
   s.append(std::to_string(m.version));
   s.append("|fp=").append(m.model_fingerprint);
-  s.append("|dt=").append(DtypeStr(m.layout.dtype));
+  s.append("|dt=").append(KvDtypeName(m.layout.dtype));
   s.append("|hd=").append(std::to_string(m.layout.head_dim));
   s.append("|bs=").append(std::to_string(m.layout.block_size));
   s.append("|nl=").append(std::to_string(m.layout.num_layers));
@@ -113,7 +101,7 @@ std::string EncodeMetadata(const AgentMetadata& m) {
   j["head_count"] = m.head_count;
   j["layout"] = {{"num_layers", m.layout.num_layers}, {"num_kv_heads", m.layout.num_kv_heads},
                  {"head_dim", m.layout.head_dim},     {"block_size", m.layout.block_size},
-                 {"num_blocks", m.layout.num_blocks}, {"dtype", DtypeStr(m.layout.dtype)}};
+                 {"num_blocks", m.layout.num_blocks}, {"dtype", KvDtypeName(m.layout.dtype)}};
   j["block_bytes"] = m.layout.BlockBytes();
   j["layer_base"] = m.layer_base;
   j["layer_bytes"] = m.layer_bytes;
@@ -212,7 +200,8 @@ Status CheckCompatible(const AgentMetadata& local, const AgentMetadata& peer) {
     return mismatch("model_fingerprint", local.model_fingerprint, peer.model_fingerprint);
   }
   if (local.layout.dtype != peer.layout.dtype) {
-    return mismatch("dtype", DtypeStr(local.layout.dtype), DtypeStr(peer.layout.dtype));
+    return mismatch("dtype", std::string(KvDtypeName(local.layout.dtype)),
+                    std::string(KvDtypeName(peer.layout.dtype)));
   }
   if (local.layout.head_dim != peer.layout.head_dim) {
     return mismatch("head_dim", std::to_string(local.layout.head_dim),

@@ -9,119 +9,23 @@
 //   req.sampling.n = 8; req.sampling.max_tokens = 32;
 //   RETURN_IF_ERROR(engine->AddRequest(std::move(req), [](const RequestOutput& out) { ... }));
 //
+// The value types (EngineRequest, RequestOutput, EngineConfig, ...) are in request.h.
+//
 // Thread-safety: every public method may be called from any thread.
 // CONTRACT NOTE: the serve, connector and proxy modules build on these names; extend, don't rename.
 #pragma once
 
-#include <cstdint>
 #include <functional>
 #include <memory>
-#include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
-#include <vector>
 
-#include "kvbridge/common/clock.h"
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
-#include "kvbridge/engine/kv_connector.h"
-#include "kvbridge/model/kv_cache_view.h"
+#include "kvbridge/engine/request.h"
 
 namespace kvbridge {
 
 class Model;
-
-/// OpenAI-style sampling parameters of one request (all n siblings share them).
-struct SamplingParams {
-  int n = 1;                      ///< parallel samples; siblings are "{i}_{request_id}"
-  int max_tokens = 16;            ///< generated tokens per sibling, >= 1
-  int min_tokens = 0;             ///< EOS and stop strings are ignored before this many
-  float temperature = 1.0f;       ///< 0 = greedy
-  float top_p = 1.0f;             ///< (0, 1]
-  int top_k = 0;                  ///< 0 = off
-  std::optional<uint64_t> seed;   ///< per-request seed: same output whatever the batch
-  std::vector<std::string> stop;  ///< stop strings (not included in the output)
-  std::vector<int32_t> stop_token_ids;
-  bool ignore_eos = false;
-  int logprobs = -1;  ///< -1: none; k >= 0: sampled token's logprob + top-k
-};
-
-struct EngineRequest {
-  std::string request_id;
-  std::vector<int32_t> prompt_token_ids;
-  SamplingParams sampling;
-  /// P/D parameters (DESIGN.md "Conventions": do_remote_decode, do_remote_prefill, ...),
-  /// already validated by the caller's connector; null when absent.
-  nlohmann::json kv_transfer_params;
-  TimePoint arrival_time = 0;
-};
-
-struct TopLogprob {
-  int32_t token = 0;
-  float logprob = 0;
-};
-struct TokenLogprob {
-  int32_t token = 0;
-  float logprob = 0;
-  std::vector<TopLogprob> top;  ///< top-k, most likely first
-};
-
-/// New tokens of one sibling since its last output.
-struct CompletionOutput {
-  int index = 0;  ///< sibling index i in [0, n)
-  std::vector<int32_t> new_token_ids;
-  std::vector<TokenLogprob> new_logprobs;  ///< parallel to new_token_ids when logprobs >= 0
-  bool finished = false;
-  std::string finish_reason;  ///< "length" | "stop" | "abort" (when finished)
-};
-
-struct RequestOutput {
-  std::string request_id;
-  std::vector<CompletionOutput> outputs;  ///< only siblings with news
-  int num_prompt_tokens = 0;
-  int num_cached_tokens = 0;          ///< prompt tokens served from the prefix cache / remote KV
-  bool finished = false;              ///< every sibling finished: last callback for this id
-  nlohmann::json kv_transfer_params;  ///< set on the final output of a do_remote_decode request
-  Status error;                       ///< non-OK ends the request (finished = true)
-};
-
-struct EngineConfig {
-  int block_size = 16;
-  int64_t num_blocks = 0;  ///< explicit count; 0 = from kv_cache_memory_bytes
-  int64_t kv_cache_memory_bytes = 256ll << 20;
-  KvDtype kv_dtype = KvDtype::kFp32;
-  bool enable_prefix_caching = true;
-  int max_num_seqs = 64;
-  int max_num_batched_tokens = 2048;
-  int max_model_len = 0;             ///< 0 = model's max_position_embeddings
-  int max_waiting_requests = 1024;   ///< AddRequest beyond this: ResourceExhausted (HTTP 503)
-  uint64_t seed = 0;                 ///< default seed for requests without one
-  bool debug_poison_kv_nan = false;  ///< fill the pool with NaN at start (tests)
-  /// Tensor-parallel ranks inside this engine (threads of one process, docs/engine.md). Must
-  /// divide 8 (the fixed K-shards of row-parallel matmuls) and num_attention_heads, and
-  /// num_key_value_heads % T == 0 or T % num_key_value_heads == 0. Logits are bitwise equal at
-  /// every valid T.
-  int tensor_parallel_size = 1;
-  /// Where the forward pass runs: -1 = the CPU (Model / TensorParallelModel, KV in host memory);
-  /// N >= 0 = CUDA GPU N (CudaModel, KV pool and weights in device memory, logits copied to
-  /// the host where the sampler runs unchanged). With a GPU: tensor_parallel_size must be 1 and
-  /// connector_factory empty (P/D between GPU engines is a later issue); the KV pool has
-  /// num_blocks blocks, else is sized by gpu_memory_utilization (kv_cache_memory_bytes unused).
-  int cuda_device = -1;
-  double gpu_memory_utilization = 0.9;   ///< cuda_device >= 0 and num_blocks == 0 (as vLLM)
-  KvConnectorFactory connector_factory;  ///< empty: no P/D connector (colocated engine)
-};
-
-struct EngineStats {
-  int running = 0;
-  int waiting = 0;
-  int waiting_for_remote_kv = 0;
-  int64_t kv_blocks_total = 0;
-  int64_t kv_blocks_active = 0;  ///< distinct blocks referenced by a live request or held
-  int64_t kv_blocks_held_for_transfer = 0;
-  int64_t kv_blocks_cached_free = 0;
-  int64_t kv_blocks_free = 0;
-};
 
 class Engine {
  public:

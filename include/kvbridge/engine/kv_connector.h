@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "kvbridge/common/clock.h"
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
-#include "kvbridge/model/kv_cache_view.h"
 
 namespace kvbridge {
 

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "kvbridge/common/status.h"
-#include "kvbridge/engine/engine.h"
+#include "kvbridge/engine/request.h"
 
 namespace kvbridge {
 

@@ -57,8 +57,8 @@
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/engine/block_pool.h"
-#include "kvbridge/engine/engine.h"
 #include "kvbridge/engine/kv_connector.h"
+#include "kvbridge/engine/request.h"
 #include "kvbridge/model/forward.h"
 #include "kvbridge/model/tokenizer.h"
 

@@ -39,9 +39,9 @@
 #include <utility>
 #include <vector>
 
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/forward.h"
-#include "kvbridge/model/kv_cache_view.h"
 
 namespace kvbridge {
 

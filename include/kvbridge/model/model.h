@@ -25,10 +25,10 @@
 #include <string_view>
 #include <vector>
 
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/forward.h"
-#include "kvbridge/model/kv_cache_view.h"
 #include "kvbridge/model/tokenizer.h"
 
 namespace kvbridge {

@@ -33,10 +33,10 @@
 #include <span>
 #include <vector>
 
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/forward.h"
-#include "kvbridge/model/kv_cache_view.h"
 
 namespace kvbridge {
 

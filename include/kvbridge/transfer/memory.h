@@ -22,8 +22,8 @@
 #include <string_view>
 #include <vector>
 
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/status.h"
-#include "kvbridge/model/kv_cache_view.h"
 
 namespace kvbridge::transfer {
 

@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvbridge/common/kv_cache_view.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/forward.h"
-#include "kvbridge/model/kv_cache_view.h"
 #include "model/cuda/cuda_constants.h"
 
 namespace kvbridge::cuda_internal {

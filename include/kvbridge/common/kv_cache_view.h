@@ -1,4 +1,7 @@
-// kvbridge/model/kv_cache_view.h — the paged KV cache as the forward pass sees it.
+// kvbridge/common/kv_cache_view.h — the paged KV cache layout shared by model, engine and transfer.
+//
+// In common (not model) because three modules read it and only the model computes on it: the
+// transfer engine moves blocks in this layout without linking the model.
 //
 // This layout is a contract between the model (which reads/writes K and V), the engine's block
 // pool (which owns the memory) and the transfer engine (which moves blocks between processes).

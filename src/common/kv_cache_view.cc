@@ -1,4 +1,4 @@
-#include "kvbridge/model/kv_cache_view.h"
+#include "kvbridge/common/kv_cache_view.h"
 
 namespace kvbridge {
 
