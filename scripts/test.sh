@@ -63,6 +63,9 @@ npm_tools() {
 }
 stage npm-tools npm_tools
 stage build bash -c "cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build -j$JOBS"
+# clang's -Wthread-safety over every src/ and tests/ unit (syntax only, no code generated):
+# GUARDED_BY/REQUIRES (kvbridge/common/thread_annotations.h) are checked, not just comments.
+stage thread-safety scripts/thread_safety_check.py build -j "$JOBS"
 stage unit ctest_label build unit
 stage release release_libs
 if ((QUICK == 0)); then

@@ -204,8 +204,10 @@ int RunServe(const ServeOptions& o) {
   auto srv = server::ApiServer::Create(sc, engine->get(), (*model)->tokenizer());
   if (!srv.ok()) return Fail(srv.status());
   if (kv) {
-    Status s = kv->InstallRoutes(**srv);
-    if (!s.ok()) return Fail(s);
+    for (Route& route : kv->Routes()) {
+      Status s = (*srv)->RegisterRoute(std::move(route));
+      if (!s.ok()) return Fail(s);
+    }
   }
   Status started = (*srv)->Start();
   if (!started.ok()) return Fail(started);

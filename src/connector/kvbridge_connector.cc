@@ -15,14 +15,15 @@
 #include <thread>
 #include <variant>
 
+#include "kvbridge/common/http_route.h"
 #include "kvbridge/common/logging.h"
+#include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/connector/connector_logic.h"
 #include "kvbridge/connector/decode_core.h"
 #include "kvbridge/connector/prefill_core.h"
 #include "kvbridge/connector/tp_plan.h"
 #include "kvbridge/connector/write_decode_core.h"
 #include "kvbridge/connector/write_prefill_core.h"
-#include "kvbridge/server/api_server.h"
 #include "kvbridge/transfer/agent.h"
 #include "kvbridge/transfer/metadata.h"
 
@@ -31,8 +32,6 @@ namespace {
 
 using nlohmann::json;
 namespace xfer = transfer;
-
-constexpr const char* kTokenHeader = "X-KVBridge-Cluster-Token";
 
 std::string RandomHex(int n) {
   std::random_device rd;
@@ -148,19 +147,19 @@ class KvBridgeRuntime::Impl {
   KvBridgeOptions options;
   std::string engine_id;
 
-  std::mutex mu;
-  std::deque<Event> inbox;                                 // guarded by mu
-  std::function<void()> wake;                              // guarded by mu
-  std::string metadata_blob;                               // guarded by mu
-  std::map<std::string, std::set<int>> held_snapshot;      // guarded by mu: READ holds
-  std::map<std::string, std::set<int>> writable_snapshot;  // guarded by mu: WRITE offers
-  std::map<uint64_t, xfer::Notification> reply_paths;      // guarded by mu
-  std::map<uint64_t, int> reply_ranks;  // guarded by mu: token -> local rank (absent: rank 0)
-  std::vector<std::string> rank_metadata_blobs;      // guarded by mu: rank r's metadata, r < tp
-  uint64_t next_reply_token = 1;                     // guarded by mu
-  bool connector_made = false;                       // guarded by mu
-  std::map<std::string, std::string> peer_backends;  // guarded by mu: peer agent -> backend
-  KvBridgeStats stats;                               // guarded by mu
+  Mutex mu;
+  std::deque<Event> inbox GUARDED_BY(mu);
+  std::function<void()> wake GUARDED_BY(mu);
+  std::string metadata_blob GUARDED_BY(mu);
+  std::map<std::string, std::set<int>> held_snapshot GUARDED_BY(mu);      // READ holds
+  std::map<std::string, std::set<int>> writable_snapshot GUARDED_BY(mu);  // WRITE offers
+  std::map<uint64_t, xfer::Notification> reply_paths GUARDED_BY(mu);
+  std::map<uint64_t, int> reply_ranks GUARDED_BY(mu);  // token -> local rank (absent: rank 0)
+  std::vector<std::string> rank_metadata_blobs GUARDED_BY(mu);  // rank r's metadata, r < tp
+  uint64_t next_reply_token GUARDED_BY(mu) = 1;
+  bool connector_made GUARDED_BY(mu) = false;
+  std::map<std::string, std::string> peer_backends GUARDED_BY(mu);  // peer agent -> backend
+  KvBridgeStats stats GUARDED_BY(mu);
   std::atomic<int64_t> reads_inflight{0};
   // Peer requests the hold check refused (tcp serving side), by the peer's op.
   std::atomic<int64_t> refused_reads{0}, refused_writes{0};
@@ -169,7 +168,7 @@ class KvBridgeRuntime::Impl {
   void Push(Event e) {
     std::function<void()> w;
     {
-      std::lock_guard<std::mutex> l(mu);
+      MutexLock l(&mu);
       inbox.push_back(std::move(e));
       w = wake;
     }
@@ -186,7 +185,7 @@ class KvBridgeRuntime::Impl {
     }
     uint64_t token = 0;
     if (n.wants_reply) {
-      std::lock_guard<std::mutex> l(mu);
+      MutexLock l(&mu);
       token = next_reply_token++;
       reply_paths[token] = n;
       if (rank != 0) reply_ranks[token] = rank;
@@ -194,7 +193,7 @@ class KvBridgeRuntime::Impl {
     Push(EvMessage{std::move(*m), token});
   }
   std::deque<Event> TakeInbox() {
-    std::lock_guard<std::mutex> l(mu);
+    MutexLock l(&mu);
     std::deque<Event> out;
     out.swap(inbox);
     return out;
@@ -209,7 +208,7 @@ class Worker {
   Worker() : thread_([this] { Run(); }) {}
   ~Worker() {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       stop_ = true;
     }
     cv_.notify_all();
@@ -217,7 +216,7 @@ class Worker {
   }
   void Add(std::function<void()> job) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       jobs_.push_back(std::move(job));
     }
     cv_.notify_all();
@@ -225,21 +224,21 @@ class Worker {
 
  private:
   void Run() {
-    std::unique_lock<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     while (true) {
-      cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
+      cv_.wait(l.native(), [&]() REQUIRES(mu_) { return stop_ || !jobs_.empty(); });
       if (stop_) return;
       auto job = std::move(jobs_.front());
       jobs_.pop_front();
-      l.unlock();
+      l.Unlock();
       job();
-      l.lock();
+      l.Lock();
     }
   }
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  bool stop_ = false;
+  std::deque<std::function<void()>> jobs_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -251,7 +250,7 @@ class TransferWatcher {
       : impl_(std::move(impl)), thread_([this] { Run(); }) {}
   ~TransferWatcher() {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       stop_ = true;
     }
     cv_.notify_all();
@@ -259,7 +258,7 @@ class TransferWatcher {
   }
   void Add(KvTransferMode op, uint64_t id, xfer::TransferHandle h) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       items_.push_back({op, id, std::move(h), std::chrono::steady_clock::now()});
     }
     cv_.notify_all();
@@ -267,7 +266,7 @@ class TransferWatcher {
   // Test-only (KVBRIDGE_DEBUG_READ_DONE_DELAY_MS): hold each ended READ this long before
   // reporting it, so a test can act "after the READ began, before the decode notified".
   void SetDebugReadReportDelay(std::chrono::milliseconds d) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     debug_read_delay_ = d;
   }
 
@@ -280,9 +279,10 @@ class TransferWatcher {
     std::chrono::steady_clock::time_point due{};  // when an ended transfer may be reported
   };
   void Run() {
-    std::unique_lock<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     while (true) {
-      cv_.wait(l, [&] { return stop_ || !items_.empty() || !delayed_.empty(); });
+      cv_.wait(l.native(),
+               [&]() REQUIRES(mu_) { return stop_ || !items_.empty() || !delayed_.empty(); });
       if (stop_) return;
       std::vector<Item> done;
       const auto now = std::chrono::steady_clock::now();
@@ -310,7 +310,7 @@ class TransferWatcher {
       // one ending first is seen when the oldest ends or within the 1 ms slice.
       std::optional<xfer::TransferHandle> oldest;
       if (done.empty() && !items_.empty()) oldest = items_.front().handle;
-      l.unlock();
+      l.Unlock();
       for (Item& d : done) {
         const double secs =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - d.t0).count();
@@ -325,16 +325,16 @@ class TransferWatcher {
       } else if (done.empty()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));  // only test-delayed ends
       }
-      l.lock();
+      l.Lock();
     }
   }
   std::shared_ptr<KvBridgeRuntime::Impl> impl_;
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::vector<Item> items_;
-  std::vector<Item> delayed_;  // ended, held back by debug_read_delay_
-  std::chrono::milliseconds debug_read_delay_{0};
-  bool stop_ = false;
+  std::vector<Item> items_ GUARDED_BY(mu_);
+  std::vector<Item> delayed_ GUARDED_BY(mu_);  // ended, held back by debug_read_delay_
+  std::chrono::milliseconds debug_read_delay_ GUARDED_BY(mu_){0};
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: starts after the members it uses
 };
 
@@ -407,7 +407,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
 
   ~KvBridgeConnector() override {
     {
-      std::lock_guard<std::mutex> l(impl_->mu);
+      MutexLock l(&impl_->mu);
       impl_->wake = nullptr;
       impl_->metadata_blob.clear();
       impl_->held_snapshot.clear();
@@ -484,7 +484,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   }
 
   bool Idle() const override {
-    std::lock_guard<std::mutex> l(impl_->mu);
+    MutexLock l(&impl_->mu);
     return logic_.Idle() && impl_->inbox.empty() && handles_.empty();
   }
 
@@ -591,7 +591,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   }
 
   std::pair<std::string, int> AdvertisedEndpoint() const override {
-    std::lock_guard<std::mutex> l(impl_->mu);
+    MutexLock l(&impl_->mu);
     return {opt().advertise_host, opt().advertise_port};
   }
 
@@ -722,7 +722,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       if (!impl) return false;
       const bool read = op == xfer::TransferOp::kRead;
       const bool ok = [&] {
-        std::lock_guard<std::mutex> l(impl->mu);
+        MutexLock l(&impl->mu);
         const auto& snap = read ? impl->held_snapshot : impl->writable_snapshot;
         auto it = snap.find(std::string(tid));
         if (it == snap.end()) return false;
@@ -750,7 +750,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     }
     if (hooks_.metrics != nullptr) RegisterMetrics(*hooks_.metrics);
     {
-      std::lock_guard<std::mutex> l(impl_->mu);
+      MutexLock l(&impl_->mu);
       impl_->metadata_blob = xfer::EncodeMetadata(md);
       impl_->wake = hooks_.wake;
     }
@@ -766,13 +766,13 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
                          [impl] { return static_cast<double>(impl->reads_inflight.load()); });
     reg.AddCallbackGauge("kvbridge_kv_notifications_parked",
                          "Control messages parked for transfers not yet registered.", [impl] {
-                           std::lock_guard<std::mutex> l(impl->mu);
+                           MutexLock l(&impl->mu);
                            return static_cast<double>(impl->stats.parked);
                          });
     reg.AddCallbackGauge("kvbridge_kv_transfer_table_entries",
                          "Prefill transfer-table entries (transfer ids with mapped siblings).",
                          [impl] {
-                           std::lock_guard<std::mutex> l(impl->mu);
+                           MutexLock l(&impl->mu);
                            return static_cast<double>(impl->stats.transfers);
                          });
     m_bytes_ =
@@ -840,7 +840,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         cli.set_connection_timeout(2, 0);
         cli.set_read_timeout(5, 0);
         httplib::Headers h;
-        if (!token.empty()) h.emplace(kTokenHeader, token);
+        if (!token.empty()) h.emplace(std::string(kClusterTokenHeader), token);
         auto res = cli.Get("/v1/kv/metadata/" + std::to_string(rank), h);
         if (!res) {
           return UnavailableError("GET http://" + host + ":" + std::to_string(port) +
@@ -859,7 +859,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         for (xfer::TransferAgent* a : rank_agents) RETURN_IF_ERROR(a->AddPeer(md).status());
         KVB_LOG_INFO("kv connector: peer {} via {}", key, backend);
         {
-          std::lock_guard<std::mutex> l(impl->mu);
+          MutexLock l(&impl->mu);
           impl->peer_backends[key] = backend;
         }
         return md.agent_name;
@@ -935,7 +935,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       xfer::Notification n;
       int via = 0;  // the local rank whose agent received the message
       {
-        std::lock_guard<std::mutex> l(impl_->mu);
+        MutexLock l(&impl_->mu);
         auto it = impl_->reply_paths.find(s.reply_token);
         if (it == impl_->reply_paths.end()) return;
         n = it->second;
@@ -1079,7 +1079,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       });
       rank_agents_.push_back(std::move(agent));
     }
-    std::lock_guard<std::mutex> l(impl_->mu);
+    MutexLock l(&impl_->mu);
     impl_->rank_metadata_blobs = std::move(blobs);
     return OkStatus();
   }
@@ -1109,7 +1109,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   }
   void SyncHeldSnapshot() {
     auto [held, writable] = HeldSnapshot();
-    std::lock_guard<std::mutex> l(impl_->mu);
+    MutexLock l(&impl_->mu);
     impl_->held_snapshot = std::move(held);
     impl_->writable_snapshot = std::move(writable);
   }
@@ -1165,7 +1165,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     for (int64_t us : logic_.TakeWriteTransferTimes()) {
       if (m_seconds_) m_seconds_->Observe(static_cast<double>(us) * 1e-6);
     }
-    std::lock_guard<std::mutex> l(impl_->mu);
+    MutexLock l(&impl_->mu);
     impl_->held_snapshot = std::move(held);
     impl_->writable_snapshot = std::move(writable);
     for (uint64_t t : unused_tokens_) impl_->reply_paths.erase(t);
@@ -1244,7 +1244,7 @@ KvConnectorFactory KvBridgeRuntime::Factory() {
   std::shared_ptr<Impl> impl = impl_;
   return [impl](const EngineHooks& hooks) -> Result<std::unique_ptr<KvConnector>> {
     {
-      std::lock_guard<std::mutex> l(impl->mu);
+      MutexLock l(&impl->mu);
       if (impl->connector_made) {
         return FailedPreconditionError("kv connector: one engine per KvBridgeRuntime");
       }
@@ -1277,67 +1277,70 @@ namespace {
 
 // GET /v1/kv/metadata/<rank>: that TP rank's transfer-agent metadata (endpoints, tp_size,
 // tp_rank, head range, layout); 404 for a rank the engine does not have.
-std::function<server::HttpResponse(const server::HttpRequest&)> RankMetadataRoute(
-    std::shared_ptr<KvBridgeRuntime::Impl> impl, server::ApiServer* s) {
-  return [impl, s](const server::HttpRequest& r) {
-    if (!s->CheckClusterToken(r)) return server::OpenAiErrorResponse(403, "cluster token required");
+RouteHandler RankMetadataRoute(std::shared_ptr<KvBridgeRuntime::Impl> impl) {
+  return [impl](const HttpRequest& r) {
+    if (!ClusterTokenMatches(r, impl->options.cluster_token)) {
+      return OpenAiErrorResponse(403, "cluster token required");
+    }
     const int rank = r.path_matches.size() > 1 ? std::stoi(r.path_matches[1]) : 0;
-    std::lock_guard<std::mutex> l(impl->mu);
-    if (impl->metadata_blob.empty())
-      return server::OpenAiErrorResponse(503, "kv connector not ready");
-    if (rank == 0) return server::HttpResponse{.status = 200, .body = impl->metadata_blob};
+    MutexLock l(&impl->mu);
+    if (impl->metadata_blob.empty()) return OpenAiErrorResponse(503, "kv connector not ready");
+    if (rank == 0) return HttpResponse{.status = 200, .body = impl->metadata_blob};
     if (rank >= static_cast<int>(impl->rank_metadata_blobs.size())) {
-      return server::OpenAiErrorResponse(
+      return OpenAiErrorResponse(
           404, "no TP rank " + std::to_string(rank) + " on this engine (tp_size " +
                    std::to_string(std::max<size_t>(1, impl->rank_metadata_blobs.size())) + ")");
     }
-    return server::HttpResponse{.status = 200,
-                                .body = impl->rank_metadata_blobs[static_cast<size_t>(rank)]};
+    return HttpResponse{.status = 200,
+                        .body = impl->rank_metadata_blobs[static_cast<size_t>(rank)]};
   };
 }
 
 }  // namespace
 
-Status KvBridgeRuntime::InstallRoutes(server::ApiServer& srv) {
+std::vector<Route> KvBridgeRuntime::Routes() {
   std::shared_ptr<Impl> impl = impl_;
-  server::ApiServer* s = &srv;
-  RETURN_IF_ERROR(
-      srv.RegisterRoute("GET", "/v1/kv/metadata", [impl, s](const server::HttpRequest& r) {
-        if (!s->CheckClusterToken(r))
-          return server::OpenAiErrorResponse(403, "cluster token required");
-        std::lock_guard<std::mutex> l(impl->mu);
-        if (impl->metadata_blob.empty()) {
-          return server::OpenAiErrorResponse(503, "kv connector not ready");
-        }
-        return server::HttpResponse{.status = 200, .body = impl->metadata_blob};
-      }));
-  RETURN_IF_ERROR(
-      srv.RegisterRoute("GET", R"(/v1/kv/metadata/(\d{1,4}))", RankMetadataRoute(impl, s)));
-  return srv.RegisterRoute("POST", "/v1/kv/release", [impl, s](const server::HttpRequest& r) {
-    if (!s->CheckClusterToken(r)) return server::OpenAiErrorResponse(403, "cluster token required");
-    json j = json::parse(r.body, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) {
-      return server::OpenAiErrorResponse(400, "body must be a JSON object {\"transfer_id\"}");
-    }
-    j["type"] = "release";
-    if (!j.contains("prefill_engine_id")) j["prefill_engine_id"] = "";
-    auto m = DecodeMessage(j.dump());
-    if (!m.ok()) return server::OpenAiErrorResponse(400, m.status().message());
-    const ReleaseMsg rel = std::get<ReleaseMsg>(*m);
-    if (!rel.prefill_engine_id.empty() && rel.prefill_engine_id != impl->engine_id) {
-      return server::OpenAiErrorResponse(
-          404,
-          "engine " + rel.prefill_engine_id + " is not this incarnation (" + impl->engine_id + ")");
-    }
-    impl->Push(EvMessage{rel, 0});
-    return server::HttpResponse{
-        .status = 200,
-        .body = json{{"transfer_id", rel.transfer_id}, {"status", "accepted"}}.dump()};
-  });
+  std::vector<Route> routes;
+  routes.push_back({"GET", "/v1/kv/metadata", [impl](const HttpRequest& r) {
+                      if (!ClusterTokenMatches(r, impl->options.cluster_token)) {
+                        return OpenAiErrorResponse(403, "cluster token required");
+                      }
+                      MutexLock l(&impl->mu);
+                      if (impl->metadata_blob.empty()) {
+                        return OpenAiErrorResponse(503, "kv connector not ready");
+                      }
+                      return HttpResponse{.status = 200, .body = impl->metadata_blob};
+                    }});
+  routes.push_back({"GET", R"(/v1/kv/metadata/(\d{1,4}))", RankMetadataRoute(impl)});
+  routes.push_back(
+      {"POST", "/v1/kv/release", [impl](const HttpRequest& r) {
+         if (!ClusterTokenMatches(r, impl->options.cluster_token)) {
+           return OpenAiErrorResponse(403, "cluster token required");
+         }
+         json j = json::parse(r.body, nullptr, false);
+         if (j.is_discarded() || !j.is_object()) {
+           return OpenAiErrorResponse(400, "body must be a JSON object {\"transfer_id\"}");
+         }
+         j["type"] = "release";
+         if (!j.contains("prefill_engine_id")) j["prefill_engine_id"] = "";
+         auto m = DecodeMessage(j.dump());
+         if (!m.ok()) return OpenAiErrorResponse(400, m.status().message());
+         const ReleaseMsg rel = std::get<ReleaseMsg>(*m);
+         if (!rel.prefill_engine_id.empty() && rel.prefill_engine_id != impl->engine_id) {
+           return OpenAiErrorResponse(404, "engine " + rel.prefill_engine_id +
+                                               " is not this incarnation (" + impl->engine_id +
+                                               ")");
+         }
+         impl->Push(EvMessage{rel, 0});
+         return HttpResponse{
+             .status = 200,
+             .body = json{{"transfer_id", rel.transfer_id}, {"status", "accepted"}}.dump()};
+       }});
+  return routes;
 }
 
 void KvBridgeRuntime::SetAdvertisedEndpoint(const std::string& host, int port) {
-  std::lock_guard<std::mutex> l(impl_->mu);
+  MutexLock l(&impl_->mu);
   impl_->options.advertise_host = host;
   impl_->options.advertise_port = port;
 }
@@ -1345,12 +1348,12 @@ void KvBridgeRuntime::SetAdvertisedEndpoint(const std::string& host, int port) {
 const std::string& KvBridgeRuntime::engine_id() const { return impl_->engine_id; }
 
 std::map<std::string, std::string> KvBridgeRuntime::PeerBackends() const {
-  std::lock_guard<std::mutex> l(impl_->mu);
+  MutexLock l(&impl_->mu);
   return impl_->peer_backends;
 }
 
 std::vector<std::string> KvBridgeRuntime::LocalBackends() const {
-  std::lock_guard<std::mutex> l(impl_->mu);
+  MutexLock l(&impl_->mu);
   std::vector<std::string> out;
   if (impl_->metadata_blob.empty()) return out;
   auto md = xfer::DecodeMetadata(impl_->metadata_blob);
@@ -1360,7 +1363,7 @@ std::vector<std::string> KvBridgeRuntime::LocalBackends() const {
 }
 
 KvBridgeStats KvBridgeRuntime::Stats() const {
-  std::lock_guard<std::mutex> l(impl_->mu);
+  MutexLock l(&impl_->mu);
   KvBridgeStats s = impl_->stats;
   s.idle = s.idle && impl_->inbox.empty();
   return s;

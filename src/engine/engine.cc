@@ -11,6 +11,7 @@
 #include <variant>
 
 #include "kvbridge/common/logging.h"
+#include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/engine/engine_core.h"
 #include "kvbridge/model/model.h"
 
@@ -28,17 +29,17 @@ class EngineImpl final : public Engine {
     config_ = config;
     ASSIGN_OR_RETURN(core_,
                      EngineCore::Create(config, std::move(model), &metrics_, [this] { Wake(); }));
-    g_running_ = &metrics_.AddGauge("kvbridge_requests_running", "Sequences running.");
-    g_waiting_ = &metrics_.AddGauge("kvbridge_requests_waiting", "Sequences waiting or preempted.");
-    g_waiting_remote_ =
+    m_running_ = &metrics_.AddGauge("kvbridge_requests_running", "Sequences running.");
+    m_waiting_ = &metrics_.AddGauge("kvbridge_requests_waiting", "Sequences waiting or preempted.");
+    m_waiting_remote_ =
         &metrics_.AddGauge("kvbridge_requests_waiting_for_remote_kv",
                            "Requests waiting for remote KV (WAITING_FOR_REMOTE_KVS).");
-    g_blocks_total_ = &metrics_.AddGauge("kvbridge_kv_blocks_total", "KV blocks in the pool.");
-    g_blocks_active_ = &metrics_.AddGauge(
+    m_blocks_total_ = &metrics_.AddGauge("kvbridge_kv_blocks_total", "KV blocks in the pool.");
+    m_blocks_active_ = &metrics_.AddGauge(
         "kvbridge_kv_blocks_active", "Distinct KV blocks referenced by a live request or held.");
-    g_blocks_held_ = &metrics_.AddGauge("kvbridge_kv_blocks_held_for_transfer",
+    m_blocks_held_ = &metrics_.AddGauge("kvbridge_kv_blocks_held_for_transfer",
                                         "Distinct KV blocks with a transfer hold.");
-    g_blocks_cached_ = &metrics_.AddGauge("kvbridge_kv_blocks_cached_free",
+    m_blocks_cached_ = &metrics_.AddGauge("kvbridge_kv_blocks_cached_free",
                                           "Unreferenced KV blocks kept as prefix-cache entries.");
     metrics_
         .AddGauge("kvbridge_model_weight_bytes",
@@ -54,7 +55,7 @@ class EngineImpl final : public Engine {
 
   Status AddRequest(EngineRequest request, OutputCallback on_output) override {
     RETURN_IF_ERROR(core_->ValidateRequest(request));
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return UnavailableError("engine is shut down");
     if (live_ids_.count(request.request_id)) {
       return AlreadyExistsError("request id '" + request.request_id + "' is already in use");
@@ -72,14 +73,14 @@ class EngineImpl final : public Engine {
   }
 
   void Abort(const std::string& request_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!live_ids_.count(request_id)) return;
     commands_.push_back(AbortCmd{request_id});
     cv_.notify_one();
   }
 
   EngineStats Stats() const override {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(&stats_mu_);
     return stats_;
   }
 
@@ -88,7 +89,7 @@ class EngineImpl final : public Engine {
 
   void Shutdown() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stopping_) {
         if (!thread_.joinable()) return;
       }
@@ -109,7 +110,7 @@ class EngineImpl final : public Engine {
   using Command = std::variant<AddCmd, AbortCmd>;
 
   void Wake() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     wake_ = true;
     cv_.notify_one();
   }
@@ -122,7 +123,7 @@ class EngineImpl final : public Engine {
       if (out.finished) {
         callbacks_.erase(it);
         // The id is free before the final callback runs, so the callback's owner may reuse it.
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         live_ids_.erase(out.request_id);
       }
       if (cb) cb(out);
@@ -139,7 +140,7 @@ class EngineImpl final : public Engine {
     co.finish_reason = reason;
     out.outputs.push_back(co);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       live_ids_.erase(id);
     }
     if (cb) cb(out);
@@ -162,18 +163,18 @@ class EngineImpl final : public Engine {
 
   void PublishStats() {
     EngineStats s = core_->Stats();
-    g_running_->Set(s.running);
-    g_waiting_->Set(s.waiting);
-    g_waiting_remote_->Set(s.waiting_for_remote_kv);
-    g_blocks_total_->Set(static_cast<double>(s.kv_blocks_total));
-    g_blocks_active_->Set(static_cast<double>(s.kv_blocks_active));
-    g_blocks_held_->Set(static_cast<double>(s.kv_blocks_held_for_transfer));
-    g_blocks_cached_->Set(static_cast<double>(s.kv_blocks_cached_free));
+    m_running_->Set(s.running);
+    m_waiting_->Set(s.waiting);
+    m_waiting_remote_->Set(s.waiting_for_remote_kv);
+    m_blocks_total_->Set(static_cast<double>(s.kv_blocks_total));
+    m_blocks_active_->Set(static_cast<double>(s.kv_blocks_active));
+    m_blocks_held_->Set(static_cast<double>(s.kv_blocks_held_for_transfer));
+    m_blocks_cached_->Set(static_cast<double>(s.kv_blocks_cached_free));
     {
-      std::lock_guard<std::mutex> lock(stats_mu_);
+      MutexLock lock(&stats_mu_);
       stats_ = s;
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     waiting_snapshot_ = s.waiting + s.waiting_for_remote_kv;
   }
 
@@ -182,15 +183,15 @@ class EngineImpl final : public Engine {
     while (true) {
       std::deque<Command> cmds;
       {
-        std::unique_lock<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (idle && !stopping_ && commands_.empty() && !wake_) {
           std::optional<TimePoint> deadline = core_->NextDeadline();
-          auto pred = [this] { return stopping_ || !commands_.empty() || wake_; };
+          auto pred = [this]() REQUIRES(mu_) { return stopping_ || !commands_.empty() || wake_; };
           if (deadline) {
             DurationUs wait = std::max<DurationUs>(0, *deadline - SteadyNow());
-            cv_.wait_for(lock, std::chrono::microseconds(wait), pred);
+            cv_.wait_for(lock.native(), std::chrono::microseconds(wait), pred);
           } else {
-            cv_.wait(lock, pred);
+            cv_.wait(lock.native(), pred);
           }
         }
         if (stopping_) break;
@@ -214,7 +215,7 @@ class EngineImpl final : public Engine {
     // Shutdown: every queued and unfinished request ends with "abort".
     std::deque<Command> cmds;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       cmds.swap(commands_);
       num_queued_adds_ = 0;
     }
@@ -235,25 +236,25 @@ class EngineImpl final : public Engine {
   std::unique_ptr<EngineCore> core_;                           // engine thread only (after Init)
   std::unordered_map<std::string, OutputCallback> callbacks_;  // engine thread only
 
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::deque<Command> commands_;              // guarded by mu_
-  std::unordered_set<std::string> live_ids_;  // guarded by mu_
-  int num_queued_adds_ = 0;                   // guarded by mu_
-  int waiting_snapshot_ = 0;                  // guarded by mu_
-  bool wake_ = false;                         // guarded by mu_
-  bool stopping_ = false;                     // guarded by mu_
+  std::deque<Command> commands_ GUARDED_BY(mu_);
+  std::unordered_set<std::string> live_ids_ GUARDED_BY(mu_);
+  int num_queued_adds_ GUARDED_BY(mu_) = 0;
+  int waiting_snapshot_ GUARDED_BY(mu_) = 0;
+  bool wake_ GUARDED_BY(mu_) = false;
+  bool stopping_ GUARDED_BY(mu_) = false;
 
-  mutable std::mutex stats_mu_;
-  EngineStats stats_;  // guarded by stats_mu_
+  mutable Mutex stats_mu_;
+  EngineStats stats_ GUARDED_BY(stats_mu_);
 
-  Gauge* g_running_ = nullptr;
-  Gauge* g_waiting_ = nullptr;
-  Gauge* g_waiting_remote_ = nullptr;
-  Gauge* g_blocks_total_ = nullptr;
-  Gauge* g_blocks_active_ = nullptr;
-  Gauge* g_blocks_held_ = nullptr;
-  Gauge* g_blocks_cached_ = nullptr;
+  Gauge* m_running_ = nullptr;
+  Gauge* m_waiting_ = nullptr;
+  Gauge* m_waiting_remote_ = nullptr;
+  Gauge* m_blocks_total_ = nullptr;
+  Gauge* m_blocks_active_ = nullptr;
+  Gauge* m_blocks_held_ = nullptr;
+  Gauge* m_blocks_cached_ = nullptr;
   std::thread thread_;
 };
 

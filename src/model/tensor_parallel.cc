@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 
+#include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/model/model.h"
 #include "model/forward_internal.h"
 #include "model/kernels.h"
@@ -124,7 +125,7 @@ class RankTeam {
   }
   ~RankTeam() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
     cv_.notify_all();
@@ -136,15 +137,15 @@ class RankTeam {
   // Runs fn(r) for every rank concurrently; returns when all returned. Not reentrant.
   void Run(const std::function<void(int)>& fn) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       job_ = &fn;
       pending_ = static_cast<int>(threads_.size());
       ++generation_;
     }
     cv_.notify_all();
     fn(0);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    MutexLock lock(&mu_);
+    done_cv_.wait(lock.native(), [&]() REQUIRES(mu_) { return pending_ == 0; });
     job_ = nullptr;
   }
 
@@ -154,24 +155,24 @@ class RankTeam {
     for (;;) {
       const std::function<void(int)>* job;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        MutexLock lock(&mu_);
+        cv_.wait(lock.native(), [&]() REQUIRES(mu_) { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
         job = job_;
       }
       (*job)(rank);
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (--pending_ == 0) done_cv_.notify_all();
     }
   }
 
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* job_ = nullptr;  // guarded by mu_
-  uint64_t generation_ = 0;                        // guarded by mu_
-  int pending_ = 0;                                // guarded by mu_
-  bool stop_ = false;                              // guarded by mu_
+  const std::function<void(int)>* job_ GUARDED_BY(mu_) = nullptr;
+  uint64_t generation_ GUARDED_BY(mu_) = 0;
+  int pending_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 
@@ -184,7 +185,7 @@ struct TensorParallelModel::Impl {
   size_t replicated_bytes = 0;
   std::unique_ptr<RankTeam> team;           // null at tp 1
   std::unique_ptr<std::barrier<>> barrier;  // tp participants; null at tp 1
-  mutable std::mutex forward_mu;            // one Forward at a time (team + barrier)
+  mutable Mutex forward_mu;                 // one Forward at a time (team + barrier)
 
   Status ForwardTp(const ForwardBatch& batch, std::span<const PagedKvView> rank_kv,
                    std::vector<float>* logits) const;
@@ -274,7 +275,7 @@ Status TensorParallelModel::Forward(const ForwardBatch& batch, std::span<const P
                                 " KV views for tensor_parallel_size " + std::to_string(impl_->tp));
   }
   if (impl_->tp == 1) return impl_->model->Forward(batch, rank_kv[0], logits);
-  std::lock_guard<std::mutex> lock(impl_->forward_mu);
+  MutexLock lock(&impl_->forward_mu);
   return impl_->ForwardTp(batch, rank_kv, logits);
 }
 

@@ -10,9 +10,9 @@ struct ThreadPool::Job {
   int64_t grain;
   int64_t pieces;
   std::atomic<int64_t> next{0};  // next piece to claim
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable done_cv;
-  int64_t done = 0;  // guarded by mu
+  int64_t done GUARDED_BY(mu) = 0;
 };
 
 ThreadPool::ThreadPool(int num_threads) {
@@ -21,7 +21,7 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   cv_.notify_all();
@@ -40,7 +40,7 @@ void ThreadPool::RunPieces(Job& job) {
     ++ran;
   }
   if (ran > 0) {
-    std::lock_guard<std::mutex> lock(job.mu);
+    MutexLock lock(&job.mu);
     job.done += ran;
     if (job.done == job.pieces) job.done_cv.notify_all();
   }
@@ -50,8 +50,8 @@ void ThreadPool::WorkerLoop() {
   for (;;) {
     std::shared_ptr<Job> job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      MutexLock lock(&mu_);
+      cv_.wait(lock.native(), [&]() REQUIRES(mu_) { return stop_ || !queue_.empty(); });
       if (stop_) return;
       job = queue_.front();
       queue_.pop_front();
@@ -75,15 +75,15 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   job->grain = grain;
   job->pieces = pieces;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // One queue entry per worker that could help; each entry lets one worker join the job.
     const int64_t helpers = std::min<int64_t>(pieces - 1, static_cast<int64_t>(workers_.size()));
     for (int64_t i = 0; i < helpers; ++i) queue_.push_back(job);
   }
   cv_.notify_all();
   RunPieces(*job);
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->done_cv.wait(lock, [&] { return job->done == job->pieces; });
+  MutexLock lock(&job->mu);
+  job->done_cv.wait(lock.native(), [&]() REQUIRES(job->mu) { return job->done == job->pieces; });
 }
 
 }  // namespace kvbridge::model_internal

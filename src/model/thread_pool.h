@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "kvbridge/common/thread_annotations.h"
+
 namespace kvbridge::model_internal {
 
 class ThreadPool {
@@ -31,10 +33,10 @@ class ThreadPool {
   void WorkerLoop();
   static void RunPieces(Job& job);
 
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> queue_;  // guarded by mu_
-  bool stop_ = false;                       // guarded by mu_
+  std::deque<std::shared_ptr<Job>> queue_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 

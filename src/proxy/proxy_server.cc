@@ -210,12 +210,12 @@ struct ProxyServer::Impl {
     for (Role r : {Role::kPrefill, Role::kDecode}) {
       std::string label = "role=\"" + std::string(RoleName(r)) + "\"";
       int i = r == Role::kPrefill ? 0 : 1;
-      leg_seconds[i] =
+      m_leg_seconds[i] =
           &metrics.AddHistogram("kvbridge_proxy_leg_seconds", "Leg latency, sent to response end.",
                                 Histogram::LatencyBucketsSeconds(), label);
-      leg_first_byte_seconds[i] = &metrics.AddHistogram("kvbridge_proxy_leg_first_byte_seconds",
-                                                        "Leg latency, sent to status line.",
-                                                        Histogram::LatencyBucketsSeconds(), label);
+      m_leg_first_byte_seconds[i] = &metrics.AddHistogram(
+          "kvbridge_proxy_leg_first_byte_seconds", "Leg latency, sent to status line.",
+          Histogram::LatencyBucketsSeconds(), label);
       metrics.AddCallbackGauge(
           "kvbridge_proxy_instances_known", "Instances in the registry.",
           [this, r] { return CountInstances(r, false); }, label);
@@ -223,28 +223,28 @@ struct ProxyServer::Impl {
           "kvbridge_proxy_instances_healthy", "Instances routable now.",
           [this, r] { return CountInstances(r, true); }, label);
     }
-    releases_ok =
+    m_releases_ok =
         &metrics.AddCounter("kvbridge_proxy_releases_total",
                             "Holds released at a prefill by transfer_id.", "result=\"ok\"");
-    releases_failed =
+    m_releases_failed =
         &metrics.AddCounter("kvbridge_proxy_releases_total",
                             "Holds released at a prefill by transfer_id.", "result=\"failed\"");
-    leg_connections_new =
+    m_leg_connections_new =
         &metrics.AddCounter("kvbridge_proxy_leg_connections_total",
                             "Upstream connections legs used, by kind.", "kind=\"new\"");
-    leg_connections_reused =
+    m_leg_connections_reused =
         &metrics.AddCounter("kvbridge_proxy_leg_connections_total",
                             "Upstream connections legs used, by kind.", "kind=\"reused\"");
-    leg_retries = &metrics.AddCounter(
+    m_leg_retries = &metrics.AddCounter(
         "kvbridge_proxy_leg_retries_total",
         "Legs sent again on a new connection after a reused one failed before any response byte.");
     metrics.AddCallbackGauge("kvbridge_proxy_upstream_idle_connections",
                              "Keep-alive upstream connections waiting in the pool.",
                              [this] { return static_cast<double>(pool.IdleCount()); });
-    registrations_ok = &metrics.AddCounter("kvbridge_proxy_registrations_total",
-                                           "Instance registrations.", "result=\"ok\"");
-    registrations_refused = &metrics.AddCounter("kvbridge_proxy_registrations_total",
-                                                "Instance registrations.", "result=\"refused\"");
+    m_registrations_ok = &metrics.AddCounter("kvbridge_proxy_registrations_total",
+                                             "Instance registrations.", "result=\"ok\"");
+    m_registrations_refused = &metrics.AddCounter("kvbridge_proxy_registrations_total",
+                                                  "Instance registrations.", "result=\"refused\"");
   }
 
   double CountInstances(Role r, bool healthy_only) {
@@ -311,15 +311,15 @@ struct ProxyServer::Impl {
   Gauge& in_flight;
   Counter& expired;
   std::map<Outcome, Counter*> outcome_counters;
-  Histogram* leg_seconds[2] = {nullptr, nullptr};
-  Histogram* leg_first_byte_seconds[2] = {nullptr, nullptr};
-  Counter* releases_ok = nullptr;
-  Counter* releases_failed = nullptr;
-  Counter* registrations_ok = nullptr;
-  Counter* registrations_refused = nullptr;
-  Counter* leg_connections_new = nullptr;
-  Counter* leg_connections_reused = nullptr;
-  Counter* leg_retries = nullptr;
+  Histogram* m_leg_seconds[2] = {nullptr, nullptr};
+  Histogram* m_leg_first_byte_seconds[2] = {nullptr, nullptr};
+  Counter* m_releases_ok = nullptr;
+  Counter* m_releases_failed = nullptr;
+  Counter* m_registrations_ok = nullptr;
+  Counter* m_registrations_refused = nullptr;
+  Counter* m_leg_connections_new = nullptr;
+  Counter* m_leg_connections_reused = nullptr;
+  Counter* m_leg_retries = nullptr;
   // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -608,9 +608,9 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
       stream.socket().non_blocking(true, ec);  // for WriteNow; once per connection
       stream.expires_never();
       sock.emplace(stream.release_socket());
-      impl->leg_connections_new->Inc();
+      impl->m_leg_connections_new->Inc();
     } else {
-      impl->leg_connections_reused->Inc();
+      impl->m_leg_connections_reused->Inc();
     }
     ctx->SetLegSocket(leg.leg_id, &*sock);
     // No per-operation timer (it would arm and cancel one on every read and write): the flow's
@@ -619,7 +619,7 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
       if (reused) {
-        impl->leg_retries->Inc();
+        impl->m_leg_retries->Inc();
         continue;
       }
       fail(LegFailure::kBroken, "write: " + ec.message());
@@ -634,14 +634,14 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     if (ctx->Cancelled(leg.leg_id)) co_return;
     if (ec) {
       if (reused && !parser.got_some() && buf.size() == 0) {
-        impl->leg_retries->Inc();
+        impl->m_leg_retries->Inc();
         continue;
       }
       fail(LegFailure::kBroken, "read header: " + ec.message());
       co_return;
     }
     const TimePoint t1 = SteadyNow();
-    impl->leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
+    impl->m_leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
     ctx->Push(ctx->flow.OnLegStatus(leg.leg_id, static_cast<int>(parser.get().result_int()),
                                     ToStd(parser.get()[http::field::content_type]), t1));
     if (!co_await drain()) co_return;
@@ -683,7 +683,7 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
       beast::error_code ignore;
       sock->shutdown(tcp::socket::shutdown_both, ignore);
     }
-    impl->leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
+    impl->m_leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
     ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
     co_return;
   }
@@ -713,9 +713,9 @@ awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel) {
   auto r = co_await HttpCall(http::verb::post, rel.prefill.url, "/v1/kv/release", body.dump(),
                              options.cluster_token, options.connect_timeout);
   if (r.ok() && r->status / 100 == 2) {
-    releases_ok->Inc();
+    m_releases_ok->Inc();
   } else {
-    releases_failed->Inc();
+    m_releases_failed->Inc();
     KVB_LOG_WARN(
         "release of transfer {} at {} failed: {}", rel.transfer_id, rel.prefill.url,
         r.ok() ? "HTTP " + std::to_string(r->status) + " " + r->body : r.status().ToString());
@@ -833,7 +833,7 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
         s = registry.Register(parsed->first, parsed->second, now);
       }
       if (!s.ok()) {
-        registrations_refused->Inc();
+        m_registrations_refused->Inc();
         KVB_LOG_WARN("registration refused: {}", s.ToString());
         int code = s.code() == StatusCode::kFailedPrecondition ? 409
                    : s.code() == StatusCode::kAlreadyExists    ? 409
@@ -841,7 +841,7 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
         co_return co_await WriteWhole(sock, req, code, "application/json",
                                       ErrorJson(code, "registration_refused", s.ToString()));
       }
-      registrations_ok->Inc();
+      m_registrations_ok->Inc();
       std::string id = parsed->first.id.empty() ? parsed->first.url : parsed->first.id;
       while (!id.empty() && id.back() == '/') id.pop_back();
       KVB_LOG_INFO("registered {} {} ({})", RoleName(parsed->first.role), parsed->first.url, id);

@@ -98,7 +98,7 @@ std::unique_ptr<RegistrationClient> RegistrationClient::Start(RegistrationOption
 RegistrationClient::~RegistrationClient() { Stop(); }
 
 Status RegistrationClient::last_status() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return last_status_;
 }
 
@@ -126,10 +126,10 @@ void RegistrationClient::Run() {
       KVB_LOG_WARN("proxy registration: {}", s.ToString());
     }
     previous = s;
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     last_status_ = s;
-    if (cv_.wait_for(lock, std::chrono::microseconds(options_.heartbeat_interval),
-                     [this] { return stop_; })) {
+    if (cv_.wait_for(lock.native(), std::chrono::microseconds(options_.heartbeat_interval),
+                     [this]() REQUIRES(mu_) { return stop_; })) {
       break;
     }
   }
@@ -137,7 +137,7 @@ void RegistrationClient::Run() {
 
 void RegistrationClient::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
   }

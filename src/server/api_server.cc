@@ -1,19 +1,21 @@
 #include "kvbridge/server/api_server.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <regex>
@@ -22,87 +24,13 @@
 
 #include "kvbridge/common/clock.h"
 #include "kvbridge/common/logging.h"
+#include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/engine/engine.h"
 #include "server/openai_protocol.h"
 
 namespace kvbridge::server {
 
 using nlohmann::json;
-
-std::string HttpRequest::Header(std::string_view name) const {
-  for (const auto& [k, v] : headers) {
-    if (k.size() == name.size() && std::equal(k.begin(), k.end(), name.begin(), [](char a, char b) {
-          return std::tolower(a) == std::tolower(b);
-        })) {
-      return v;
-    }
-  }
-  return "";
-}
-
-namespace {
-
-std::string_view ErrorType(int status) {
-  switch (status) {
-    case 400:
-      return "invalid_request_error";
-    case 401:
-      return "authentication_error";
-    case 403:
-      return "permission_error";
-    case 404:
-      return "not_found_error";
-    case 405:
-      return "invalid_request_error";
-    case 413:
-      return "invalid_request_error";
-    case 503:
-      return "overloaded_error";
-    case 504:
-      return "timeout_error";
-    default:
-      return status >= 500 ? "internal_error" : "invalid_request_error";
-  }
-}
-
-}  // namespace
-
-std::string OpenAiErrorBody(int status, std::string_view message, std::string_view param) {
-  json err{{"message", std::string(message)},
-           {"type", std::string(ErrorType(status))},
-           {"param", param.empty() ? json(nullptr) : json(std::string(param))},
-           {"code", status}};
-  return DumpJson(json{{"error", err}});
-}
-
-HttpResponse OpenAiErrorResponse(int status, std::string_view message, std::string_view param) {
-  return HttpResponse{status, OpenAiErrorBody(status, message, param), "application/json"};
-}
-
-int HttpStatusFromStatus(const Status& status) {
-  switch (status.code()) {
-    case StatusCode::kOk:
-      return 200;
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-    case StatusCode::kFailedPrecondition:
-    case StatusCode::kAlreadyExists:
-      return 400;
-    case StatusCode::kUnauthenticated:
-      return 401;
-    case StatusCode::kPermissionDenied:
-      return 403;
-    case StatusCode::kNotFound:
-      return 404;
-    case StatusCode::kResourceExhausted:
-    case StatusCode::kUnavailable:
-      return 503;
-    case StatusCode::kDeadlineExceeded:
-      return 504;
-    default:
-      return 500;
-  }
-}
 
 namespace {
 
@@ -114,49 +42,15 @@ void SetError(httplib::Response& res, int status, std::string_view message,
   res.set_content(OpenAiErrorBody(status, message, param), "application/json");
 }
 
-// cpp-httplib 0.11.4 gives handlers no socket and no is_connection_closed(); the connection's
-// fd is found by its address pair (it stays open while the handler runs, so it cannot be reused).
-int FindConnectionFd(const httplib::Request& req) {
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return -1;
-  int found = -1;
-  while (dirent* e = readdir(dir)) {
-    char* end = nullptr;
-    long fd = std::strtol(e->d_name, &end, 10);
-    if (end == e->d_name || *end != '\0' || fd == dirfd(dir)) continue;
-    struct stat st {};
-    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    sockaddr_storage peer{}, local{};
-    socklen_t plen = sizeof(peer), llen = sizeof(local);
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &plen) != 0) continue;
-    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &llen) != 0)
-      continue;
-    auto addr_port = [](const sockaddr_storage& ss, std::string* ip, int* port) {
-      char buf[INET6_ADDRSTRLEN] = {0};
-      if (ss.ss_family == AF_INET) {
-        auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
-        inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf));
-        *port = ntohs(a->sin_port);
-      } else if (ss.ss_family == AF_INET6) {
-        auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
-        inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
-        *port = ntohs(a->sin6_port);
-      } else {
-        return false;
-      }
-      *ip = buf;
-      return true;
-    };
-    std::string pip, lip;
-    int pport = -1, lport = -1;
-    if (!addr_port(peer, &pip, &pport) || !addr_port(local, &lip, &lport)) continue;
-    if (pport != req.remote_port || pip != req.remote_addr) continue;
-    if (req.local_port > 0 && lport != req.local_port) continue;
-    found = static_cast<int>(fd);
-    break;
-  }
-  closedir(dir);
-  return found;
+// The socket of the plain-HTTP connection the calling thread serves (PlainHttpServer sets it for
+// the connection's lifetime; handlers and content providers run on that thread).
+thread_local int t_connection_fd = -1;
+
+// The socket of the connection `req` came on: TLS requests carry their SSL*, plain ones are
+// served by PlainHttpServer on this thread. -1 when unknown (then no disconnect is detected).
+int RequestSocket(const httplib::Request& req) {
+  if (req.ssl != nullptr) return SSL_get_fd(req.ssl);
+  return t_connection_fd;
 }
 
 // True once the peer closed (FIN/RST). A peer that only half-closes its sending side after the
@@ -173,6 +67,90 @@ bool ConnectionClosed(int fd) {
   return false;
 }
 
+// poll() for `events` on fd up to timeout_ms, retrying on EINTR; true when ready.
+bool PollFor(int fd, short events, int timeout_ms) {
+  pollfd p{fd, events, 0};
+  int n;
+  do {
+    n = poll(&p, 1, timeout_ms);
+  } while (n < 0 && errno == EINTR);
+  return n > 0;
+}
+
+int TimeoutMs(time_t sec, time_t usec) { return static_cast<int>(sec * 1000 + usec / 1000); }
+
+// "ip", port of a socket's peer (getpeername) or local end (getsockname), numeric as httplib has
+// them.
+void SocketAddress(int fd, bool peer, std::string& ip, int& port) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  auto* sa = reinterpret_cast<sockaddr*>(&ss);
+  if ((peer ? getpeername(fd, sa, &len) : getsockname(fd, sa, &len)) != 0) return;
+  char host[NI_MAXHOST] = {0};
+  if (getnameinfo(sa, len, host, sizeof(host), nullptr, 0, NI_NUMERICHOST) != 0) return;
+  ip = host;
+  port = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+}
+
+// One plain-HTTP connection as a cpp-httplib Stream: reads buffered (the request parser reads a
+// byte at a time), both directions bounded by the server's read/write timeouts, writes with
+// MSG_NOSIGNAL. cpp-httplib 0.11.4 keeps its own socket stream out of its header.
+class ConnectionStream final : public httplib::Stream {
+ public:
+  ConnectionStream(int fd, int read_timeout_ms, int write_timeout_ms)
+      : fd_(fd), read_timeout_ms_(read_timeout_ms), write_timeout_ms_(write_timeout_ms) {}
+
+  bool is_readable() const override { return PollFor(fd_, POLLIN, read_timeout_ms_); }
+  bool is_writable() const override { return PollFor(fd_, POLLOUT, write_timeout_ms_); }
+  ssize_t read(char* ptr, size_t size) override {
+    if (buffered() == 0) {
+      if (!is_readable()) return -1;
+      if (size >= sizeof(buf_)) return Recv(ptr, size);
+      const ssize_t n = Recv(buf_, sizeof(buf_));
+      if (n <= 0) return n;
+      begin_ = 0;
+      end_ = static_cast<size_t>(n);
+    }
+    const size_t n = std::min(size, buffered());
+    std::memcpy(ptr, buf_ + begin_, n);
+    begin_ += n;
+    return static_cast<ssize_t>(n);
+  }
+  using httplib::Stream::write;
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!is_writable()) return -1;
+    ssize_t n;
+    do {
+      n = ::send(fd_, ptr, size, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    return n;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    SocketAddress(fd_, /*peer=*/true, ip, port);
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    SocketAddress(fd_, /*peer=*/false, ip, port);
+  }
+  socket_t socket() const override { return fd_; }
+  /// Bytes read from the socket and not yet consumed (a pipelined next request).
+  size_t buffered() const { return end_ - begin_; }
+
+ private:
+  ssize_t Recv(char* ptr, size_t size) {
+    ssize_t n;
+    do {
+      n = ::recv(fd_, ptr, size, 0);
+    } while (n < 0 && errno == EINTR);
+    return n;
+  }
+
+  int fd_;
+  int read_timeout_ms_, write_timeout_ms_;
+  char buf_[4096];
+  size_t begin_ = 0, end_ = 0;
+};
+
 std::string RandomHex(int n) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   static const char* kHex = "0123456789abcdef";
@@ -185,13 +163,6 @@ int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-bool ConstantTimeEquals(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
 }
 
 HttpRequest ToHttpRequest(const httplib::Request& req) {
@@ -214,17 +185,55 @@ class BacklogServer : public Base {
   using Base::Base;
   bool RaiseListenBacklog(int backlog) const { return ::listen(this->svr_sock_, backlog) == 0; }
 };
-using HttpServer = BacklogServer<httplib::Server>;
+
+// Plain HTTP with each connection served here instead of in the library, so that the thread
+// serving it knows its socket (t_connection_fd) and a handler can watch that one socket for the
+// client going away. 0.11.4 gives handlers no socket, but lets a subclass serve a connection
+// (process_and_close_socket is virtual, process_request protected); the loop keeps the
+// library's keep-alive rules: at most keep_alive_max_count_ requests, an idle connection closed
+// after keep_alive_timeout_sec_, the last request answered with "Connection: close".
+class PlainHttpServer final : public BacklogServer<httplib::Server> {
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    ConnectionStream strm(sock, TimeoutMs(read_timeout_sec_, read_timeout_usec_),
+                          TimeoutMs(write_timeout_sec_, write_timeout_usec_));
+    t_connection_fd = sock;
+    bool ret = false;
+    for (size_t left = keep_alive_max_count_; left > 0 && NextRequestArrives(strm); --left) {
+      bool connection_closed = false;
+      ret = process_request(strm, /*close_connection=*/left == 1, connection_closed, nullptr);
+      if (!ret || connection_closed) break;
+    }
+    t_connection_fd = -1;
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+    return ret;
+  }
+
+  // Waits (in slices, so Stop() is not held up by idle connections) until the next request's
+  // bytes arrive; false when the keep-alive timeout passes or the server stops.
+  bool NextRequestArrives(const ConnectionStream& strm) const {
+    if (strm.buffered() > 0) return true;
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::seconds(keep_alive_timeout_sec_);
+    while (svr_sock_ != INVALID_SOCKET) {
+      if (PollFor(strm.socket(), POLLIN, 50)) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+    }
+    return false;
+  }
+};
+using HttpServer = PlainHttpServer;
 using HttpsServer = BacklogServer<httplib::SSLServer>;  // --ssl-certfile / --ssl-keyfile
 
 // One HTTP generation request: its engine requests (one per prompt) and their outputs.
 struct Job {
   Job(const ParsedRequest& parsed, const Tokenizer& tok, std::string id, std::string model)
       : builder(parsed, tok, std::move(id), std::move(model), UnixSeconds()) {}
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable cv;
-  ResponseBuilder builder;               // guarded by mu
-  uint64_t version = 0;                  // guarded by mu; bumps on every engine output
+  ResponseBuilder builder GUARDED_BY(mu);
+  uint64_t version GUARDED_BY(mu) = 0;   // bumps on every engine output
   std::vector<std::string> request_ids;  // set before the first AddRequest returns; then const
   std::atomic<bool> aborted{false};
 };
@@ -243,30 +252,30 @@ struct ApiServer::Impl {
   int bound_port = -1;
   bool started = false;
   std::atomic<bool> stopping{false};
-  std::mutex stop_call_mu;  // serializes Stop()
-  std::mutex stop_mu;
+  Mutex stop_call_mu;  // serializes Stop()
+  Mutex stop_mu;
   std::condition_variable stop_cv;
-  bool stopped = false;  // guarded by stop_mu
+  bool stopped GUARDED_BY(stop_mu) = false;
 
-  std::mutex jobs_mu;
-  std::set<std::shared_ptr<Job>> live_jobs;  // guarded by jobs_mu
+  Mutex jobs_mu;
+  std::set<std::shared_ptr<Job>> live_jobs GUARDED_BY(jobs_mu);
 
   MetricsRegistry metrics;
-  Gauge* in_flight = nullptr;
-  Counter* disconnects = nullptr;
-  Counter* engine_rejections = nullptr;
+  Gauge* m_in_flight = nullptr;
+  Counter* m_disconnects = nullptr;
+  Counter* m_engine_rejections = nullptr;
 
   void AbortJob(Job& job) {
     if (job.aborted.exchange(true)) return;
     for (const std::string& id : job.request_ids) engine->Abort(id);
   }
   void Track(const std::shared_ptr<Job>& job) {
-    std::lock_guard<std::mutex> l(jobs_mu);
-    if (live_jobs.insert(job).second) in_flight->Add(1);
+    MutexLock l(&jobs_mu);
+    if (live_jobs.insert(job).second) m_in_flight->Add(1);
   }
   void Untrack(const std::shared_ptr<Job>& job) {
-    std::lock_guard<std::mutex> l(jobs_mu);
-    if (live_jobs.erase(job) > 0) in_flight->Add(-1);
+    MutexLock l(&jobs_mu);
+    if (live_jobs.erase(job) > 0) m_in_flight->Add(-1);
   }
 
   // kvbridge_http_requests_total{code}: counted before the response is written (so a client
@@ -352,7 +361,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
     er.arrival_time = SteadyNow();
     Status s = engine->AddRequest(std::move(er), [job, p](const RequestOutput& out) {
       {
-        std::lock_guard<std::mutex> l(job->mu);
+        MutexLock l(&job->mu);
         job->builder.Apply(p, out);
         ++job->version;
       }
@@ -363,27 +372,27 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
       for (size_t q = 0; q < p; ++q) engine->Abort(job->request_ids[q]);
       job->aborted = true;
       Untrack(job);
-      if (s.code() == StatusCode::kResourceExhausted) engine_rejections->Inc();
+      if (s.code() == StatusCode::kResourceExhausted) m_engine_rejections->Inc();
       return SetError(res, HttpStatusFromStatus(s), s.message());
     }
   }
 
-  const int fd = FindConnectionFd(req);
+  const int fd = RequestSocket(req);
   if (!parsed.stream) {
-    std::unique_lock<std::mutex> l(job->mu);
+    MutexLock l(&job->mu);
     while (!job->builder.AllFinished()) {
-      job->cv.wait_for(l, kPollInterval);
+      job->cv.wait_for(l.native(), kPollInterval);
       if (job->builder.AllFinished()) break;
       if (!job->aborted && (ConnectionClosed(fd) || stopping.load())) {
-        if (!stopping.load()) disconnects->Inc();
-        l.unlock();
+        if (!stopping.load()) m_disconnects->Inc();
+        l.Unlock();
         AbortJob(*job);  // never call the engine while holding job->mu (its callback takes it)
-        l.lock();
+        l.Lock();
       }
     }
     Status s = job->builder.FirstError();
     json out = job->builder.FinalBody();
-    l.unlock();
+    l.Unlock();
     Untrack(job);
     if (!s.ok()) return SetError(res, HttpStatusFromStatus(s), s.message());
     res.status = 200;
@@ -399,8 +408,9 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
         std::string frames;
         bool done = false;
         {
-          std::unique_lock<std::mutex> l(job->mu);
-          job->cv.wait_for(l, kPollInterval, [&] { return job->version != *seen; });
+          MutexLock l(&job->mu);
+          job->cv.wait_for(l.native(), kPollInterval,
+                           [&]() REQUIRES(job->mu) { return job->version != *seen; });
           *seen = job->version;
           frames = job->builder.TakeStreamFrames();
           done = job->builder.StreamDone();
@@ -416,11 +426,11 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
       [this, job](bool success) {
         bool finished;
         {
-          std::lock_guard<std::mutex> l(job->mu);
+          MutexLock l(&job->mu);
           finished = job->builder.AllFinished();
         }
         if (!finished) {
-          if (!success && !stopping.load()) disconnects->Inc();
+          if (!success && !stopping.load()) m_disconnects->Inc();
           AbortJob(*job);
         }
         Untrack(job);
@@ -491,13 +501,13 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
   d->engine = engine;
   d->limits = ProtocolLimits{d->config.served_model_name, d->config.max_model_len, d->config.max_n,
                              d->config.max_logprobs, d->config.chat_templates.get()};
-  d->in_flight = &d->metrics.AddGauge(
+  d->m_in_flight = &d->metrics.AddGauge(
       "kvbridge_http_generation_requests_in_flight",
       "Completion and chat requests accepted and not yet answered (or streamed) to the end.");
-  d->disconnects = &d->metrics.AddCounter(
+  d->m_disconnects = &d->metrics.AddCounter(
       "kvbridge_http_client_disconnects_total",
       "Generation requests aborted because the client went away before the answer.");
-  d->engine_rejections = &d->metrics.AddCounter(
+  d->m_engine_rejections = &d->metrics.AddCounter(
       "kvbridge_http_engine_rejections_total",
       "Generation requests refused with 503 because the engine queue was full.");
 
@@ -574,6 +584,10 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
   return std::unique_ptr<ApiServer>(new ApiServer(std::move(impl)));
 }
 
+Status ApiServer::RegisterRoute(Route route) {
+  return RegisterRoute(route.method, route.pattern, std::move(route.handler));
+}
+
 Status ApiServer::RegisterRoute(std::string_view method, const std::string& pattern,
                                 RouteHandler handler) {
   if (impl_->started) return FailedPreconditionError("RegisterRoute after Start");
@@ -637,11 +651,11 @@ int ApiServer::port() const { return impl_->bound_port; }
 
 void ApiServer::Stop() {
   Impl* d = impl_.get();
-  std::lock_guard<std::mutex> call(d->stop_call_mu);
+  MutexLock call(&d->stop_call_mu);
   if (d->stopping.exchange(true)) return;
   std::vector<std::shared_ptr<Job>> jobs;
   {
-    std::lock_guard<std::mutex> l(d->jobs_mu);
+    MutexLock l(&d->jobs_mu);
     jobs.assign(d->live_jobs.begin(), d->live_jobs.end());
   }
   for (auto& job : jobs) d->AbortJob(*job);
@@ -650,20 +664,19 @@ void ApiServer::Stop() {
     if (d->listen_thread.joinable()) d->listen_thread.join();
   }
   {
-    std::lock_guard<std::mutex> l(d->stop_mu);
+    MutexLock l(&d->stop_mu);
     d->stopped = true;
   }
   d->stop_cv.notify_all();
 }
 
 void ApiServer::Wait() {
-  std::unique_lock<std::mutex> l(impl_->stop_mu);
-  impl_->stop_cv.wait(l, [this] { return impl_->stopped; });
+  MutexLock l(&impl_->stop_mu);
+  impl_->stop_cv.wait(l.native(), [this]() REQUIRES(impl_->stop_mu) { return impl_->stopped; });
 }
 
 bool ApiServer::CheckClusterToken(const HttpRequest& req) const {
-  if (impl_->config.cluster_token.empty()) return true;
-  return ConstantTimeEquals(req.Header("X-KVBridge-Cluster-Token"), impl_->config.cluster_token);
+  return ClusterTokenMatches(req, impl_->config.cluster_token);
 }
 
 MetricsRegistry& ApiServer::metrics() { return impl_->metrics; }

@@ -23,12 +23,12 @@
 namespace kvbridge::server {
 namespace {
 
+using kvbridge::testing::MakeSelfSignedCert;
+using kvbridge::testing::TestCert;
 using nlohmann::json;
 using testing::ByteCodec;
 using testing::FakeEngine;
 using testing::FakeEngineOptions;
-using kvbridge::testing::MakeSelfSignedCert;
-using kvbridge::testing::TestCert;
 
 // Raw HTTP/1.1 over a socket, for tests that must control when the client goes away.
 class RawClient {
@@ -581,6 +581,36 @@ TEST_F(ApiServerTest, DisconnectWhileWaitingForAWholeAnswerAborts) {
   EXPECT_EQ(ScrapeMetric(Metrics(), "kvbridge_http_client_disconnects_total"), 1.0);
 }
 
+// The server watches each request's own connection: on a keep-alive connection the second
+// request is the one aborted when the client goes away, and its blocks are freed.
+TEST_F(ApiServerTest, DisconnectOnTheSecondRequestOfAKeepAliveConnectionFreesBlocks) {
+  StartServer();
+  RawClient c(server_->port());
+  ASSERT_TRUE(c.connected());
+  c.Post("/v1/completions", json{{"prompt", "abcdefgh"}, {"max_tokens", 2}}.dump());
+  std::string first = c.ReadUntil("\"usage\"");
+  ASSERT_NE(first.find("HTTP/1.1 200"), std::string::npos) << first;
+  ASSERT_TRUE(Drained(2000));
+  engine_->SetPaused(true);  // the second request is queued and never progresses on its own
+  c.Post("/v1/completions", json{{"prompt", "ijklmnop"}, {"max_tokens", 5}}.dump());
+  for (int i = 0; i < 500 && engine_->requests_added() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(engine_->requests_added(), 2);
+  ASSERT_EQ(engine_->Stats().running, 1);
+  EXPECT_GT(engine_->Stats().kv_blocks_active, 0);
+  c.Close();
+  EXPECT_TRUE(Drained(2000));
+  for (int i = 0;
+       i < 100 && ScrapeMetric(Metrics(), "kvbridge_http_generation_requests_in_flight") != 0;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string m = Metrics();
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_http_client_disconnects_total"), 1.0);
+  EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_active"), 0.0);
+}
+
 TEST_F(ApiServerTest, SixtyFourConcurrentMixedRequests) {
   StartServer();
   constexpr int kClients = 64;
@@ -688,6 +718,51 @@ TEST_F(ApiServerTest, StopEndsAStreamPromptly) {
 // the server answers HTTPS only — a client that trusts the certificate gets the API, a plain
 // HTTP client gets no answer, a client that does not trust it fails the handshake; with a CA
 // bundle, a client without a certificate it signed is refused. Bad TLS configs fail Create.
+// Over TLS the request's socket comes from its SSL session: a client that goes away mid-stream
+// aborts its request and frees its blocks, as over plain HTTP.
+TEST_F(ApiServerTest, TlsDisconnectMidStreamAbortsAndFreesBlocks) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("kvb_tls_disc_" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  const TestCert cert = MakeSelfSignedCert(dir, "server");
+  FakeEngineOptions eo;
+  eo.step_interval_ms = 10;
+  ServerConfig cfg;
+  cfg.ssl_certfile = cert.cert;
+  cfg.ssl_keyfile = cert.key;
+  StartServer(eo, cfg);
+  httplib::SSLClient c("127.0.0.1", server_->port());
+  c.set_ca_cert_path(cert.cert.c_str());
+  c.enable_server_certificate_verification(true);
+  int chunks = 0;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = json{{"prompt", "abcdefgh"}, {"n", 4}, {"max_tokens", 200}, {"stream", true}}.dump();
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+    return ++chunks < 2;  // go away after the first chunks
+  };
+  auto r = c.send(req);
+  c.stop();
+  EXPECT_GE(chunks, 2);
+  // 200 tokens at 10 ms would take 2 s; the abort must free the blocks long before.
+  EXPECT_TRUE(Drained(1000));
+  // (Metrics() speaks plain HTTP: read the server's own registry instead.)
+  for (int i = 0; i < 100 && ScrapeMetric(server_->metrics().Render(),
+                                          "kvbridge_http_generation_requests_in_flight") != 0;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(ScrapeMetric(server_->metrics().Render(), "kvbridge_http_client_disconnects_total"),
+            1.0);
+  EXPECT_EQ(engine_->Stats().kv_blocks_active, 0);
+  server_->Stop();
+  server_.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(ApiServerTest, TlsServesHttpsOnly) {
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("kvb_tls_" + std::to_string(::getpid()))).string();

@@ -33,7 +33,7 @@ Status FakeEngine::AddRequest(EngineRequest request, OutputCallback on_output) {
   if (request.sampling.n < 1 || request.sampling.max_tokens < 1) {
     return InvalidArgumentError("bad sampling");
   }
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (stop_) return UnavailableError("engine stopped");
   if (live_.count(request.request_id)) return AlreadyExistsError(request.request_id);
   if (static_cast<int>(live_.size()) >= options_.max_waiting_requests) {
@@ -54,14 +54,14 @@ Status FakeEngine::AddRequest(EngineRequest request, OutputCallback on_output) {
 }
 
 void FakeEngine::Abort(const std::string& request_id) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = live_.find(request_id);
   if (it != live_.end()) it->second->abort = true;
   cv_.notify_all();
 }
 
 EngineStats FakeEngine::Stats() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   EngineStats s;
   s.running = static_cast<int>(live_.size());
   s.kv_blocks_total = options_.num_blocks;
@@ -72,7 +72,7 @@ EngineStats FakeEngine::Stats() const {
 
 void FakeEngine::Shutdown() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     if (stop_ && !thread_.joinable()) return;
     stop_ = true;
     for (auto& [id, live] : live_) live->abort = true;
@@ -82,25 +82,25 @@ void FakeEngine::Shutdown() {
 }
 
 void FakeEngine::SetPaused(bool paused) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   paused_ = paused;
   cv_.notify_all();
 }
 
 int64_t FakeEngine::requests_added() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return added_;
 }
 
 EngineRequest FakeEngine::last_request() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return last_;
 }
 
 void FakeEngine::Loop() {
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (;;) {
-    cv_.wait_for(l, std::chrono::milliseconds(options_.step_interval_ms));
+    cv_.wait_for(l.native(), std::chrono::milliseconds(options_.step_interval_ms));
     bool any_abort = false;
     for (auto& [id, live] : live_) any_abort |= live->abort;
     if (stop_ && live_.empty()) return;
@@ -175,9 +175,9 @@ void FakeEngine::Loop() {
         ++it;
       }
     }
-    l.unlock();
+    l.Unlock();
     for (auto& [cb, out] : outs) cb(out);  // outside the lock: callbacks may call Stats()
-    l.lock();
+    l.Lock();
   }
 }
 

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/engine/engine.h"
 #include "kvbridge/model/tokenizer.h"
 #include "kvbridge/server/api_server.h"
@@ -74,13 +75,13 @@ class FakeEngine : public Engine {
   int64_t BlocksOf(const Live& l) const;
 
   FakeEngineOptions options_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  std::map<std::string, std::unique_ptr<Live>> live_;  // guarded by mu_
-  bool paused_ = false;
-  bool stop_ = false;
-  int64_t added_ = 0;
-  EngineRequest last_;
+  std::map<std::string, std::unique_ptr<Live>> live_ GUARDED_BY(mu_);
+  bool paused_ GUARDED_BY(mu_) = false;
+  bool stop_ GUARDED_BY(mu_) = false;
+  int64_t added_ GUARDED_BY(mu_) = 0;
+  EngineRequest last_ GUARDED_BY(mu_);
   MetricsRegistry metrics_;
   std::thread thread_;
 };

@@ -101,7 +101,7 @@ std::unique_ptr<PdEngine> PdEngine::Start(const PdEngineOptions& o) {
   auto srv = server::ApiServer::Create(sc, e->engine.get(), TinyModel()->tokenizer());
   EXPECT_TRUE(srv.ok()) << srv.status().ToString();
   e->server = std::move(srv).value();
-  EXPECT_TRUE(e->kv->InstallRoutes(*e->server).ok());
+  for (Route& route : e->kv->Routes()) EXPECT_TRUE(e->server->RegisterRoute(std::move(route)).ok());
   EXPECT_TRUE(e->server->Start().ok());
   e->kv->SetAdvertisedEndpoint("127.0.0.1", e->server->port());
   return e;

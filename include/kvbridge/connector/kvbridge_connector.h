@@ -3,7 +3,8 @@
 // threads and HTTP.
 //
 // One KvBridgeRuntime per engine process. It makes the engine's KvConnector (through Factory())
-// and installs the connector's HTTP routes on the engine's ApiServer:
+// and hands out the connector's HTTP routes as plain data (http_route.h) for the engine's HTTP
+// server to install, so this library does not link the server:
 //
 //   ASSIGN_OR_RETURN(KvTransferConfig cfg, ParseKvTransferConfig(flag));
 //   ASSIGN_OR_RETURN(auto kv, KvBridgeRuntime::Create({.config = cfg, .cluster_token = tok}));
@@ -12,7 +13,7 @@
 //   server_config.validate_kv_transfer_params = kv->ValidateHook();
 //   server_config.cluster_token = tok;
 //   ASSIGN_OR_RETURN(auto server, server::ApiServer::Create(server_config, engine.get(), codec));
-//   RETURN_IF_ERROR(kv->InstallRoutes(*server));
+//   for (Route& r : kv->Routes()) RETURN_IF_ERROR(server->RegisterRoute(std::move(r)));
 //   RETURN_IF_ERROR(server->Start());
 //   kv->SetAdvertisedEndpoint("127.0.0.1", server->port());  // what prefills return to proxies
 //
@@ -27,7 +28,7 @@
 // and sends control messages (messages.h) as agent notifications; the prefill answers ReadDone
 // on the notification's reply path.
 //
-// Thread-safety: Create/Factory/InstallRoutes/SetAdvertisedEndpoint from the controlling thread
+// Thread-safety: Create/Factory/Routes/SetAdvertisedEndpoint from the controlling thread
 // before serving; ValidateHook and the routes run on HTTP threads; the KvConnector runs on the
 // engine thread (kv_connector.h). Internal threads: one metadata fetcher, one transfer (READ and
 // WRITE) watcher.
@@ -39,15 +40,12 @@
 #include <string>
 #include <vector>
 
+#include "kvbridge/common/http_route.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/connector/kv_transfer_config.h"
 #include "kvbridge/engine/kv_connector.h"
 
 namespace kvbridge {
-
-namespace server {
-class ApiServer;
-}
 
 struct KvBridgeOptions {
   KvTransferConfig config;
@@ -108,8 +106,10 @@ class KvBridgeRuntime {
   /// kv_producer|kv_both, do_remote_prefill needs kv_consumer|kv_both) and normalizes in place.
   /// InvalidArgument (HTTP 400) with no effect otherwise.
   std::function<Status(nlohmann::json&)> ValidateHook() const;
-  /// Adds GET /v1/kv/metadata and POST /v1/kv/release. Call before server.Start().
-  Status InstallRoutes(server::ApiServer& server);
+  /// GET /v1/kv/metadata, GET /v1/kv/metadata/<rank> and POST /v1/kv/release, each behind
+  /// the cluster token (403 without it) when one is configured. Install them before the server
+  /// starts; the handlers hold the runtime alive and may run on any thread, concurrently.
+  std::vector<Route> Routes();
   /// remote_host/remote_port that this engine's prefill answers carry (its HTTP endpoint).
   void SetAdvertisedEndpoint(const std::string& host, int port);
   /// This engine incarnation's id (remote_engine_id): config engine_id, else "kvb-<random hex>".

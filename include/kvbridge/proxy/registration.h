@@ -29,6 +29,7 @@
 
 #include "kvbridge/common/clock.h"
 #include "kvbridge/common/status.h"
+#include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/proxy/registry.h"
 
 namespace kvbridge::proxy {
@@ -75,10 +76,10 @@ class RegistrationClient {
   RegistrationOptions options_;
   LoadFn load_;
   std::atomic<bool> registered_{false};
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;   // guarded by mu_
-  Status last_status_;  // guarded by mu_
+  bool stop_ GUARDED_BY(mu_) = false;
+  Status last_status_ GUARDED_BY(mu_);
   std::thread thread_;
 };
 

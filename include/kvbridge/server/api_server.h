@@ -10,7 +10,8 @@
 // is the tokenizer's Decode(ids, skip_special_tokens=true) and a stream's deltas come from an
 // IncrementalDecoder, so the deltas of a streamed answer concatenate to the whole answer's text.
 // Errors use OpenAI's shape
-// {"error":{"message","type","param","code"}} (docs/api.md lists every status).
+// {"error":{"message","type","param","code"}} (docs/api.md lists every status). Requests,
+// responses, routes and the error helpers are plain data in kvbridge/common/http_route.h.
 //
 //   ServerConfig cfg;
 //   cfg.port = 8000;
@@ -47,6 +48,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvbridge/common/http_route.h"
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/chat_template.h"
@@ -57,39 +59,6 @@ namespace kvbridge {
 class Engine;
 
 namespace server {
-
-/// A request as route handlers see it.
-struct HttpRequest {
-  std::string method;
-  std::string path;
-  std::string body;
-  std::multimap<std::string, std::string> headers;  ///< names as sent (lookup: Header())
-  std::vector<std::string> path_matches;  ///< regex captures of the route pattern, [0] = whole path
-  std::string remote_addr;
-  /// First value of header `name` (case-insensitive), or "" when absent.
-  std::string Header(std::string_view name) const;
-};
-
-/// A whole (non-streaming) response from a route handler.
-struct HttpResponse {
-  int status = 200;
-  std::string body;
-  std::string content_type = "application/json";
-};
-
-using RouteHandler = std::function<HttpResponse(const HttpRequest&)>;
-
-/// The OpenAI error body {"error":{"message","type","param","code"}}; `param` null when empty;
-/// `code` is the HTTP status. type: "invalid_request_error" (400), "authentication_error"
-/// (401), "permission_error" (403), "not_found_error" (404), "overloaded_error" (503),
-/// "internal_error" (500).
-std::string OpenAiErrorBody(int status, std::string_view message, std::string_view param = "");
-/// OpenAiErrorBody as a whole response.
-HttpResponse OpenAiErrorResponse(int status, std::string_view message, std::string_view param = "");
-/// HTTP status for a library Status: InvalidArgument/OutOfRange/FailedPrecondition/
-/// AlreadyExists → 400, Unauthenticated → 401, PermissionDenied → 403, NotFound → 404,
-/// ResourceExhausted/Unavailable → 503, DeadlineExceeded → 504, others → 500; OK → 200.
-int HttpStatusFromStatus(const Status& status);
 
 struct ServerConfig {
   std::string host = "127.0.0.1";
@@ -136,6 +105,9 @@ class ApiServer {
   /// against the whole path (captures land in HttpRequest::path_matches). Routes under /v1/ get
   /// the API-key check. Errors: FailedPrecondition after Start, InvalidArgument (method, regex).
   Status RegisterRoute(std::string_view method, const std::string& pattern, RouteHandler handler);
+  /// RegisterRoute(route.method, route.pattern, route.handler): a route another module hands
+  /// out as data (e.g. KvBridgeRuntime::Routes()).
+  Status RegisterRoute(Route route);
 
   /// Binds host:port and serves on background threads; returns once listening.
   /// Errors: Unavailable (cannot bind), FailedPrecondition (already started).
