@@ -18,6 +18,7 @@
 #include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/cuda_model.h"
+#include "kvbridge/model/generation_config.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/proxy/registration.h"
 #include "kvbridge/server/api_server.h"
@@ -37,8 +38,12 @@ struct ServeOptions {
   int64_t kv_cache_memory = 256ll << 20;
   int64_t num_kv_blocks = 0;
   std::string kv_cache_dtype = "auto";
-  std::string dtype = "auto";  // resident weight type (vLLM's --dtype)
-  std::string chat_template;   // vLLM's --chat-template: a file, or the template itself
+  std::string dtype = "auto";              // resident weight type (vLLM's --dtype)
+  std::string chat_template;               // vLLM's --chat-template: a file, or the template itself
+  std::string generation_config = "auto";  // vLLM's --generation-config: auto | vllm | DIR
+  bool enable_auto_tool_choice = false;    // vLLM's tool-call flags
+  std::string tool_call_parser;
+  std::string reasoning_parser;
   std::vector<std::string> ignored_vllm_flags;  // given vLLM flags with no effect here
   bool enable_prefix_caching = true;
   uint64_t seed = 0;
@@ -174,6 +179,33 @@ int RunServe(const ServeOptions& o) {
     sc.chat_templates = std::make_shared<const ChatTemplates>(*std::move(templates));
   }
 
+  // generation_config.json as vLLM reads it: its EOS ids stop in every mode, its sampling
+  // values are the defaults of requests that leave them out unless --generation-config vllm.
+  auto gen = LoadGenerationConfig(o.model_dir, o.generation_config);
+  if (!gen.ok()) return Fail(gen.status().WithPrefix("generation config"));
+  if (gen->eos_token_ids) ec.eos_token_ids = *gen->eos_token_ids;
+  SamplingDefaults defaults = gen->defaults;
+  // No repetition penalty or min_p in this engine's sampler: not applied, and said so.
+  if (defaults.repetition_penalty || defaults.min_p) {
+    KVB_LOG_WARN(
+        "generation config {}: repetition_penalty / min_p defaults are not applied (this "
+        "engine's sampler has neither)",
+        gen->path);
+    defaults.repetition_penalty.reset();
+    defaults.min_p.reset();
+  }
+  if (!defaults.empty()) {
+    KVB_LOG_WARN(
+        "Default sampling parameters have been overridden by the model's Hugging Face "
+        "generation config recommended from the model creator. If this is not intended, please "
+        "relaunch with `--generation-config vllm`.");
+    KVB_LOG_INFO("Using default sampling params from {}: {}", gen->path, defaults.ToString());
+  }
+  sc.sampling_defaults = defaults;
+  sc.enable_auto_tool_choice = o.enable_auto_tool_choice;
+  sc.tool_call_parser = o.tool_call_parser;
+  sc.reasoning_parser = o.reasoning_parser;
+
   std::shared_ptr<KvBridgeRuntime> kv;
   KvTransferConfig kv_cfg;
   if (!o.proxy.empty() && o.kv_transfer_config.empty())
@@ -274,6 +306,20 @@ const bool kRegistered = RegisterCommand(
           ->capture_default_str();
       sub.add_option("--port-file", o->port_file,
                      "Write the bound port (a number and a newline) to this file once listening");
+      sub.add_option("--generation-config", o->generation_config,
+                     "Where sampling defaults come from, as vLLM: auto (the checkpoint's "
+                     "generation_config.json), vllm (none: the OpenAI defaults), or a directory "
+                     "holding a generation_config.json. Its eos_token_id stops in every mode")
+          ->capture_default_str();
+      sub.add_flag("--enable-auto-tool-choice", o->enable_auto_tool_choice,
+                   "Parse the model's tool calls for tool_choice \"auto\" (needs "
+                   "--tool-call-parser), as vLLM");
+      sub.add_option("--tool-call-parser", o->tool_call_parser,
+                     "How tool calls are written: hermes (<tool_call>{...}</tool_call>: Qwen, "
+                     "Hermes) | llama3_json (Llama 3's JSON), as vLLM");
+      sub.add_option("--reasoning-parser", o->reasoning_parser,
+                     "Split <think>...</think> into message.reasoning_content: qwen3 | "
+                     "deepseek_r1, as vLLM");
       sub.add_option("--chat-template", o->chat_template,
                      "Chat template (a file, or the Jinja text itself) instead of the "
                      "checkpoint's (chat_template.jinja / tokenizer_config.json); as vLLM");

@@ -1,6 +1,7 @@
 #include "kvbridge/connector/kv_transfer_config.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 
@@ -77,14 +78,62 @@ bool IsValidTransferId(std::string_view id) {
   return std::all_of(id.begin(), id.end(), IsIdChar);
 }
 
+namespace {
+
+// Keys of other connectors' recipes (vLLM's KVTransferConfig and its P2pNccl, NIXL, Mooncake
+// and LMCache connectors' kv_connector_extra_config) with no same-named notion here: the
+// kvbridge setting to use instead.
+const std::map<std::string, std::string>& ForeignKeys() {
+  static const auto* keys = [] {
+    const std::string proxy =
+        "serve --proxy HOST:PORT (the kvbridge proxy the engine registers "
+        "and heartbeats with; docs/proxy.md)";
+    const std::string ports =
+        "no port setting: each rank's transfer agent binds its own port and the prefill's "
+        "kv_transfer_params carry it (remote_port); serve --advertise-host sets the address";
+    const std::string buffer =
+        "serve --kv-cache-memory / --num-kv-blocks (the KV cache itself is the transfer buffer)";
+    return new std::map<std::string, std::string>{
+        {"proxy_ip", proxy},
+        {"proxy_port", proxy},
+        {"proxy_ping_port", proxy},
+        {"http_port", "serve --port"},
+        {"kv_ip", "serve --advertise-host"},
+        {"kv_port", ports},
+        {"handshake_port", ports},
+        {"notify_port", ports},
+        {"side_channel_port", ports},
+        {"backend", "kv_connector_extra_config.transport (auto|shm|tcp|ucx)"},
+        {"mooncake_protocol", "kv_connector_extra_config.transport (auto|shm|tcp|ucx)"},
+        {"kv_buffer_size", buffer},
+        {"kv_buffer_device", buffer + " and serve --device"},
+        {"mem_pool_size_gb", buffer},
+        {"kv_rank", "kv_role (kv_producer|kv_consumer|kv_both): kvbridge has no fixed P/D ranks"},
+        {"kv_parallel_size",
+         "kv_role (kv_producer|kv_consumer|kv_both): kvbridge has no fixed P/D ranks"},
+        {"kv_connector_module_path", "kv_connector \"KVBridgeConnector\" (built in)"},
+    };
+  }();
+  return *keys;
+}
+
+}  // namespace
+
 Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
   json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Bad("--kv-transfer-config: not valid JSON");
   if (!j.is_object()) return Bad("--kv-transfer-config: must be a JSON object");
   const std::string top = "--kv-transfer-config: ";
   static const std::set<std::string> kTopKeys = {"kv_connector", "kv_role",
-                                                 "kv_connector_extra_config"};
+                                                 "kv_connector_extra_config", "engine_id",
+                                                 "kv_load_failure_policy"};
   for (const auto& [k, v] : j.items()) {
+    if (auto f = ForeignKeys().find(k); f != ForeignKeys().end()) {
+      return Bad(top + "\"" + k +
+                 "\" (vLLM's, for other connectors) has no kvbridge meaning "
+                 "here; use " +
+                 f->second);
+    }
     if (!kTopKeys.count(k)) {
       return Bad(top + "unknown key \"" + k +
                  "\" (allowed: kv_connector, kv_role, kv_connector_extra_config)");
@@ -105,6 +154,19 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
     c.role = s == "kv_producer" ? KvRole::kProducer
                                 : (s == "kv_consumer" ? KvRole::kConsumer : KvRole::kBoth);
   }
+  // vLLM's KVTransferConfig fields that mean here what they mean there.
+  if (j.contains("kv_load_failure_policy")) {
+    ASSIGN_OR_RETURN(std::string s,
+                     GetEnum(j, top, "kv_load_failure_policy", {"recompute", "fail"}));
+    c.load_failure_policy = s == "fail" ? LoadFailurePolicy::kFail : LoadFailurePolicy::kRecompute;
+  }
+  if (j.contains("engine_id")) {
+    const json& v = j.at("engine_id");
+    if (!v.is_string() || !IsValidTransferId(v.get<std::string>())) {
+      return Bad(top + "engine_id must be a string of 1-128 chars [A-Za-z0-9._:-]");
+    }
+    c.engine_id = v.get<std::string>();
+  }
   if (!j.contains("kv_connector_extra_config")) return c;
   const json& x = j.at("kv_connector_extra_config");
   if (!x.is_object()) return Bad(top + "kv_connector_extra_config must be an object");
@@ -117,8 +179,14 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
                                                    "read_timeout_ms",
                                                    "heartbeat_ms",
                                                    "max_parked_messages",
-                                                   "engine_id"};
+                                                   "engine_id",
+                                                   "send_type",
+                                                   "backends"};
   for (const auto& [k, v] : x.items()) {
+    if (auto f = ForeignKeys().find(k); f != ForeignKeys().end()) {
+      return Bad(where + k + " (another connector's key) has no kvbridge meaning here; use " +
+                 f->second);
+    }
     if (!kExtraKeys.count(k)) {
       std::string list;
       for (const auto& a : kExtraKeys) list += (list.empty() ? "" : ", ") + a;
@@ -128,6 +196,24 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
   if (x.contains("mode")) {
     ASSIGN_OR_RETURN(std::string s, GetEnum(x, where, "mode", {"read", "write"}));
     c.mode = s == "write" ? KvTransferMode::kWrite : KvTransferMode::kRead;
+  }
+  // P2pNcclConnector's send_type: PUT / PUT_ASYNC = the prefill pushes (kvbridge's write
+  // mode), GET = the decode pulls (read mode).
+  if (x.contains("send_type")) {
+    if (x.contains("mode")) return Bad(where + "give mode or send_type, not both");
+    ASSIGN_OR_RETURN(std::string s, GetEnum(x, where, "send_type", {"PUT", "PUT_ASYNC", "GET"}));
+    c.mode = s == "GET" ? KvTransferMode::kRead : KvTransferMode::kWrite;
+  }
+  // NixlConnector's backends: ["UCX"] is kvbridge's ucx transport.
+  if (x.contains("backends")) {
+    if (x.contains("transport")) return Bad(where + "give transport or backends, not both");
+    const json& b = x.at("backends");
+    if (!b.is_array() || b.size() != 1 || b[0] != "UCX") {
+      return Bad(where +
+                 "backends: only [\"UCX\"] has a kvbridge equivalent (transport \"ucx\"); "
+                 "use transport (auto|shm|tcp|ucx)");
+    }
+    c.transport = KvTransport::kUcx;
   }
   if (x.contains("transport")) {
     ASSIGN_OR_RETURN(std::string s, GetEnum(x, where, "transport", {"auto", "shm", "tcp", "ucx"}));

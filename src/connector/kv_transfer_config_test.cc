@@ -54,7 +54,34 @@ TEST(KvTransferConfig, RefusesBadInputWithClearMessage) {
       {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_server"})",
        "allowed: kv_producer|kv_consumer|kv_both"},
       {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_rank":0})",
-       "unknown key \"kv_rank\""},
+       "\"kv_rank\" (vLLM's, for other connectors) has no kvbridge meaning here; use kv_role"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_port":"21001"})",
+       "remote_port"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_buffer_size":"1e1"})",
+       "use serve --kv-cache-memory"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_ip":"10.0.0.1"})",
+       "use serve --advertise-host"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_producer","kv_connector_extra_config":{"proxy_ip":"0.0.0.0","proxy_port":"30001"}})",
+       "proxy_ip (another connector's key) has no kvbridge meaning here; use serve --proxy "
+       "HOST:PORT"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"http_port":"20001"}})",
+       "http_port (another connector's key) has no kvbridge meaning here; use serve --port"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"handshake_port":1}})",
+       "handshake_port (another connector's key)"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"notify_port":1}})",
+       "notify_port (another connector's key)"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"proxy_ping_port":1}})",
+       "use serve --proxy"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"backend":"nixl"}})",
+       "use kv_connector_extra_config.transport (auto|shm|tcp|ucx)"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"backends":["GDS"]}})",
+       "only [\"UCX\"]"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"send_type":"PUSH"}})",
+       "allowed: PUT|PUT_ASYNC|GET"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"send_type":"GET","mode":"read"}})",
+       "mode or send_type, not both"},
+      {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_load_failure_policy":"retry"})",
+       "allowed: recompute|fail"},
       {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"mode":"push"}})",
        "mode: unknown value \"push\""},
       {R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_both","kv_connector_extra_config":{"transport":"rdma"}})",
@@ -162,6 +189,24 @@ TEST(KvTransferParams, OutOfRangeBlockIdsAllowedWhenRemotePoolUnknown) {
   json j = DecodeLeg();
   j["remote_block_ids"] = {7, 3, 100000};
   EXPECT_TRUE(ParseKvTransferParams(j, {.block_size = 16}).ok());
+}
+
+// Keys of vLLM's KVTransferConfig and other connectors' recipes that mean the same here.
+TEST(KvTransferConfig, HonoursVllmKeysWithTheSameMeaning) {
+  auto c = ParseKvTransferConfig(
+      R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_producer","engine_id":"p0",
+          "kv_load_failure_policy":"fail",
+          "kv_connector_extra_config":{"send_type":"PUT_ASYNC","backends":["UCX"]}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->engine_id, "p0");
+  EXPECT_EQ(c->load_failure_policy, LoadFailurePolicy::kFail);
+  EXPECT_EQ(c->mode, KvTransferMode::kWrite);
+  EXPECT_EQ(c->transport, KvTransport::kUcx);
+  c = ParseKvTransferConfig(
+      R"({"kv_connector":"KVBridgeConnector","kv_role":"kv_consumer",
+          "kv_connector_extra_config":{"send_type":"GET"}})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->mode, KvTransferMode::kRead);
 }
 
 }  // namespace

@@ -23,6 +23,13 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
   }
   if (config.num_blocks < 0) return InvalidArgumentError("engine: num_blocks must be >= 0");
   const ModelConfig& mc = model->config();
+  for (int32_t e : config.eos_token_ids.value_or(std::vector<int32_t>{})) {
+    if (e < 0 || e >= mc.vocab_size) {
+      return InvalidArgumentError("engine: eos_token_id " + std::to_string(e) +
+                                  " outside the vocabulary [0, " + std::to_string(mc.vocab_size) +
+                                  ")");
+    }
+  }
   int max_len = config.max_model_len == 0 ? mc.max_position_embeddings : config.max_model_len;
   if (max_len <= 1 || max_len > mc.max_position_embeddings) {
     return InvalidArgumentError("engine: max_model_len " + std::to_string(max_len) +
@@ -111,8 +118,8 @@ Status EngineCore::CreateCpuModel(MetricsRegistry* metrics, int64_t* num_blocks_
   for (int r = 0; r < tp; ++r) {
     const size_t bytes = core->tp_model_->RankWeightBytes(r);
     if (tp > 1) {
-      KVB_LOG_INFO("engine: TP rank {}/{}: {} weight bytes ({:.2f} MiB), KV heads [{}, {})",
-                   r, tp, bytes, bytes / 1048576.0, core->tp_model_->kv_heads(r).begin,
+      KVB_LOG_INFO("engine: TP rank {}/{}: {} weight bytes ({:.2f} MiB), KV heads [{}, {})", r, tp,
+                   bytes, bytes / 1048576.0, core->tp_model_->kv_heads(r).begin,
                    core->tp_model_->kv_heads(r).end);
     }
     if (metrics != nullptr) {
@@ -152,8 +159,13 @@ Status EngineCore::Finish(MetricsRegistry* metrics, std::function<void()> wake, 
   sc.max_num_batched_tokens = config.max_num_batched_tokens;
   sc.max_model_len = max_len;
   sc.vocab_size = mc.vocab_size;
-  for (int e : mc.eos_token_ids) sc.eos_token_ids.push_back(e);
+  if (config.eos_token_ids) {
+    sc.eos_token_ids = *config.eos_token_ids;
+  } else {
+    for (int e : mc.eos_token_ids) sc.eos_token_ids.push_back(e);
+  }
   const int tok_eos = model->tokenizer().eos_id();
+  sc.tokenizer_eos_token_id = tok_eos;
   if (tok_eos >= 0 && std::find(sc.eos_token_ids.begin(), sc.eos_token_ids.end(), tok_eos) ==
                           sc.eos_token_ids.end()) {
     sc.eos_token_ids.push_back(tok_eos);

@@ -378,6 +378,8 @@ TEST(EngineCore, StopConditions) {
   auto g = RunAll(*core, &now)["g"].tokens.at(0);
   ASSERT_EQ(g.size(), 12u);
 
+  // A stop token: its id is returned (vLLM keeps it in token_ids), its text is not, and it is
+  // the stop_reason.
   EngineRequest st = Req("stop_id", Prompt(12, 5), 12);
   st.sampling.stop_token_ids = {g[3]};
   ASSERT_TRUE(core->AddRequest(st, now).ok());
@@ -385,6 +387,16 @@ TEST(EngineCore, StopConditions) {
   auto first = std::find(g.begin(), g.end(), g[3]) - g.begin();
   EXPECT_EQ(o.tokens.at(0), std::vector<int32_t>(g.begin(), g.begin() + first + 1));
   EXPECT_EQ(o.reasons.at(0), "stop");
+  EXPECT_EQ(o.final_output.at(0).stop_reason, nlohmann::json(g[3]));
+  EXPECT_EQ(o.final_output.at(0).text_tokens, first);
+  EXPECT_EQ(o.final_output.at(0).text_len, -1);
+  // include_stop_str_in_output keeps the stop token's text too.
+  st.request_id = "stop_id_kept";
+  st.sampling.include_stop_str_in_output = true;
+  ASSERT_TRUE(core->AddRequest(st, now).ok());
+  o = RunAll(*core, &now)["stop_id_kept"];
+  EXPECT_EQ(o.tokens.at(0).size(), static_cast<size_t>(first + 1));
+  EXPECT_EQ(o.final_output.at(0).text_tokens, -1);
 
   // min_tokens masks the stop token until it is reached.
   EngineRequest mt = st;
@@ -393,34 +405,74 @@ TEST(EngineCore, StopConditions) {
   ASSERT_TRUE(core->AddRequest(mt, now).ok());
   o = RunAll(*core, &now)["min"];
   EXPECT_EQ(o.tokens.at(0).size(), 12u);
+  EXPECT_EQ(o.reasons.at(0), "length");
+  EXPECT_TRUE(o.final_output.at(0).stop_reason.is_null());
   for (int32_t t : o.tokens.at(0)) EXPECT_NE(t, g[3]);
 
-  // Stop string made of two consecutive byte tokens of the continuation (byte tokenizer:
-  // token id = byte), starting after the first token so some output precedes it.
-  size_t k = 1;
-  while (k + 1 < g.size() && !(g[k] < 256 && g[k + 1] < 256)) ++k;
-  ASSERT_LT(k + 1, g.size()) << "no two consecutive byte tokens in the greedy continuation";
-  std::string s = {static_cast<char>(g[k]), static_cast<char>(g[k + 1])};
+  // Stop strings made of two consecutive byte tokens of the continuation (byte tokenizer:
+  // token id = byte), starting after the first token so some output precedes it, the second
+  // byte not seen before (so a one-byte stop string of it matches at the same token).
   std::string text;
   for (int32_t t : g) {
     if (t < 256) text.push_back(static_cast<char>(t));
   }
-  EngineRequest ss = Req("stop_str", Prompt(12, 5), 12);
-  ss.sampling.stop = {s};
-  ASSERT_TRUE(core->AddRequest(ss, now).ok());
-  o = RunAll(*core, &now)["stop_str"];
-  // Expected: the tokens whose text ends before the first occurrence of the stop string.
-  const size_t pos = text.find(s);
-  std::vector<int32_t> expect;
-  size_t bytes = 0;
-  for (int32_t t : g) {
-    size_t next = bytes + (t < 256 ? 1 : 0);
-    if (next > pos) break;
-    expect.push_back(t);
-    bytes = next;
+  size_t k = 1;
+  auto fits = [&](size_t i) {
+    if (!(g[i] < 256 && g[i + 1] < 256)) return false;
+    for (size_t j = 0; j <= i; ++j) {
+      if (g[j] == g[i + 1]) return false;
+    }
+    return true;
+  };
+  while (k + 1 < g.size() && !fits(k)) ++k;
+  ASSERT_LT(k + 1, g.size()) << "no fitting byte pair in the greedy continuation";
+  const std::string s = {static_cast<char>(g[k]), static_cast<char>(g[k + 1])};
+  const std::string c = {static_cast<char>(g[k + 1])};
+  // The text before token k + 1 (tokens >= 256 have no text here).
+  size_t pos = 0;
+  for (size_t j = 0; j < k; ++j) pos += g[j] < 256 ? 1 : 0;
+  ASSERT_EQ(text.find(s), pos);
+  struct Case {
+    std::vector<std::string> stop;
+    bool include;
+    std::string reason;
+    int64_t text_len;
+  };
+  const Case cases[] = {
+      {{s}, false, s, static_cast<int64_t>(pos)},
+      {{s}, true, s, static_cast<int64_t>(pos + 2)},
+      // vLLM takes the first string of the list that matches, not the earliest match.
+      {{s, c}, false, s, static_cast<int64_t>(pos)},
+      {{c, s}, false, c, static_cast<int64_t>(pos + 1)},
+      {{"\x01never", c, s}, true, c, static_cast<int64_t>(pos + 2)},
+  };
+  int n = 0;
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(n);
+    const std::string id = "stop_str" + std::to_string(n++);
+    EngineRequest ss = Req(id, Prompt(12, 5), 12);
+    ss.sampling.stop = cs.stop;
+    ss.sampling.include_stop_str_in_output = cs.include;
+    ASSERT_TRUE(core->AddRequest(ss, now).ok());
+    o = RunAll(*core, &now)[id];
+    // Every token up to the one that completes the string is returned; the text is cut.
+    EXPECT_EQ(o.tokens.at(0), std::vector<int32_t>(g.begin(), g.begin() + k + 2));
+    EXPECT_EQ(o.reasons.at(0), "stop");
+    EXPECT_EQ(o.final_output.at(0).stop_reason, nlohmann::json(cs.reason));
+    EXPECT_EQ(o.final_output.at(0).text_len, cs.text_len);
+    EXPECT_EQ(o.final_output.at(0).text_tokens, -1);
   }
-  EXPECT_EQ(o.tokens.at(0), expect);
-  EXPECT_EQ(o.reasons.at(0), "stop");
+  // min_tokens past the match: the string is not searched in text made before min_tokens.
+  EngineRequest late = Req("late", Prompt(12, 5), 12);
+  late.sampling.stop = {s};
+  late.sampling.min_tokens = static_cast<int>(k + 2);
+  ASSERT_TRUE(core->AddRequest(late, now).ok());
+  o = RunAll(*core, &now)["late"];
+  const bool again = text.find(s, pos + 1) != std::string::npos;
+  if (!again) {
+    EXPECT_EQ(o.tokens.at(0), g);
+    EXPECT_EQ(o.reasons.at(0), "length");
+  }
   EXPECT_EQ(core->pool().NumActive(), 0);
 }
 

@@ -73,6 +73,7 @@ struct Collected {
   std::map<int, std::vector<int32_t>> tokens;  // by sibling index
   std::map<int, std::vector<TokenLogprob>> logprobs;
   std::map<int, std::string> reasons;
+  std::map<int, CompletionOutput> final_output;  // the finishing CompletionOutput (its ids)
   bool finished = false;
   int outputs_after_finish = 0;
   int num_cached_tokens = -1;
@@ -89,7 +90,10 @@ inline void Collect(std::vector<RequestOutput> outs, std::map<std::string, Colle
       t.insert(t.end(), co.new_token_ids.begin(), co.new_token_ids.end());
       auto& l = c.logprobs[co.index];
       l.insert(l.end(), co.new_logprobs.begin(), co.new_logprobs.end());
-      if (co.finished) c.reasons[co.index] = co.finish_reason;
+      if (co.finished) {
+        c.reasons[co.index] = co.finish_reason;
+        c.final_output[co.index] = co;
+      }
     }
     c.num_cached_tokens = o.num_cached_tokens;
     if (o.finished) {

@@ -29,7 +29,10 @@ struct Scheduler::Seq {
   // e.g. the first byte of a UTF-8 character).
   std::vector<size_t> text_end;
   size_t text_final_tokens = 0;  // output tokens whose text_end is known
-  int num_output_final = -1;     // output tokens kept at finish (stop-string truncation)
+  int num_output_final = -1;     // output tokens kept at finish
+  nlohmann::json stop_reason;    // CompletionOutput::stop_reason
+  bool drop_last_text = false;   // a stop token / EOS ended it and its text is not kept
+  int64_t text_len = -1;         // CompletionOutput::text_len
   int num_emitted = 0;
   bool finish_emitted = false;
   std::string finish_reason;
@@ -608,11 +611,17 @@ void Scheduler::AppendToken(Seq* s, int32_t token, std::span<const float> row, T
       std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(), token) !=
           config_.eos_token_ids.end()) {
     stop = RequestState::kFinishedStopped;
+    // vLLM: the tokenizer's EOS has no stop_reason; the generation config's other EOS ids are
+    // stop_token_ids and report themselves.
+    if (token != config_.tokenizer_eos_token_id) s->stop_reason = token;
+    s->drop_last_text = !sp.include_stop_str_in_output;
   }
   if (!stop && min_reached &&
       std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) !=
           sp.stop_token_ids.end()) {
     stop = RequestState::kFinishedStopped;
+    s->stop_reason = token;
+    s->drop_last_text = !sp.include_stop_str_in_output;
   }
   if (g->max_stop_len > 0) {
     const size_t old = s->text.size();
@@ -625,18 +634,16 @@ void Scheduler::AppendToken(Seq* s, int32_t token, std::span<const float> row, T
                 s->text_end.end(), s->text.size());
       s->text_final_tokens = s->text_end.size();
     }
-    if (!stop && min_reached) {
-      size_t best = std::string::npos;
+    if (!stop && min_reached && s->text.size() > old) {
+      // vLLM's check: the first stop string (in the request's order) that ends in the new text.
       for (const std::string& st : sp.stop) {
-        size_t from = old >= st.size() - 1 ? old - (st.size() - 1) : 0;
-        size_t p = s->text.find(st, from);
-        if (p != std::string::npos) best = std::min(best, p);
-      }
-      if (best != std::string::npos) {
-        int keep = 0;
-        while (keep < num_out && s->text_end[keep] <= best) ++keep;
-        s->num_output_final = keep;
+        const size_t from = old >= st.size() - 1 ? old - (st.size() - 1) : 0;
+        const size_t p = s->text.find(st, from);
+        if (p == std::string::npos) continue;
+        s->stop_reason = st;
+        s->text_len = static_cast<int64_t>(sp.include_stop_str_in_output ? p + st.size() : p);
         stop = RequestState::kFinishedStopped;
+        break;
       }
     }
   }
@@ -899,8 +906,11 @@ void Scheduler::FlushOutputs() {
         upto = s->num_output_final;
       } else {
         upto = s->num_output();
-        if (g->max_stop_len > 1) {
-          // Hold back tokens that could still start a stop string.
+        if (g->max_stop_len > 1 && !sp.include_stop_str_in_output) {
+          // Hold back tokens whose text could still start a stop string (vLLM holds back
+          // max_stop_len - 1 characters; whole tokens here, so the deltas differ in where they
+          // split, never in what they add up to). A kept stop string needs no hold-back: the
+          // text is cut only past it, inside the finishing token.
           const size_t safe =
               s->text.size() >= g->max_stop_len - 1 ? s->text.size() - (g->max_stop_len - 1) : 0;
           upto = 0;
@@ -920,6 +930,11 @@ void Scheduler::FlushOutputs() {
       if (fin) {
         co.finished = true;
         co.finish_reason = s->finish_reason;
+        if (s->state == RequestState::kFinishedStopped) {
+          co.stop_reason = s->stop_reason;
+          if (s->drop_last_text) co.text_tokens = std::max(0, s->num_output_final - 1);
+          co.text_len = s->text_len;
+        }
         s->finish_emitted = true;
       }
       out.outputs.push_back(std::move(co));

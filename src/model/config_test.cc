@@ -1,6 +1,12 @@
 #include "kvbridge/model/config.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "kvbridge/model/generation_config.h"
 
 namespace kvbridge {
 namespace {
@@ -315,6 +321,74 @@ TEST(ModelConfig, FromFileNamesThePath) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), StatusCode::kNotFound);
   EXPECT_NE(c.status().message().find("/nonexistent/config.json"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvbridge
+
+// generation_config.json as vLLM reads it (LoadGenerationConfig).
+namespace kvbridge {
+namespace {
+
+TEST(GenerationConfig, EosIdsAndDiffDefaultsAsVllm) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("kvb_gencfg_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "other");
+  auto write = [](const fs::path& p, const std::string& text) {
+    std::ofstream(p, std::ios::trunc) << text;
+  };
+  // No file: nothing, in every mode but a directory.
+  auto none = LoadGenerationConfig(dir.string(), "auto");
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_FALSE(none->eos_token_ids);
+  EXPECT_TRUE(none->defaults.empty());
+  EXPECT_EQ(none->path, "");
+  auto missing = LoadGenerationConfig(dir.string(), (dir / "nowhere").string());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("nowhere"), std::string::npos);
+
+  // Qwen3's: values equal to GenerationConfig()'s defaults (top_k 50 here) are no defaults.
+  write(dir / "generation_config.json",
+        R"({"bos_token_id": 151643, "do_sample": true, "eos_token_id": [151645, 151643],
+            "pad_token_id": 151643, "temperature": 0.6, "top_k": 50, "top_p": 0.95,
+            "max_new_tokens": 64, "transformers_version": "4.51.0"})");
+  auto q = LoadGenerationConfig(dir.string(), "");
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(*q->eos_token_ids, (std::vector<int32_t>{151645, 151643}));
+  EXPECT_EQ(q->defaults.temperature, 0.6);
+  EXPECT_EQ(q->defaults.top_p, 0.95);
+  EXPECT_FALSE(q->defaults.top_k);
+  EXPECT_EQ(q->defaults.max_tokens, 64);
+  EXPECT_FALSE(q->defaults.repetition_penalty);
+  EXPECT_EQ(q->defaults.ToString(), R"({"max_tokens":64,"temperature":0.6,"top_p":0.95})");
+  // vllm: the same EOS ids, no sampling defaults.
+  auto v = LoadGenerationConfig(dir.string(), "vllm");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v->eos_token_ids, (std::vector<int32_t>{151645, 151643}));
+  EXPECT_TRUE(v->defaults.empty());
+  // A directory: its file instead; a single eos id.
+  write(dir / "other" / "generation_config.json",
+        R"({"eos_token_id": 7, "top_k": 20, "temperature": 1.0, "repetition_penalty": 1.05})");
+  auto o = LoadGenerationConfig(dir.string(), (dir / "other").string());
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(*o->eos_token_ids, (std::vector<int32_t>{7}));
+  EXPECT_EQ(o->defaults.top_k, 20);
+  EXPECT_FALSE(o->defaults.temperature);
+  EXPECT_EQ(o->defaults.repetition_penalty, 1.05);
+
+  // Bad files name the file and the key.
+  for (const char* bad : {R"({"eos_token_id": "x"})", R"({"eos_token_id": [1, -2]})",
+                          R"({"temperature": "hot"})", R"({"top_k": 1.5})", R"([1])", "{"}) {
+    write(dir / "generation_config.json", bad);
+    auto r = LoadGenerationConfig(dir.string(), "auto");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("generation_config.json"), std::string::npos) << bad;
+  }
+  write(dir / "generation_config.json", R"({"top_p": "x"})");
+  EXPECT_NE(LoadGenerationConfig(dir.string(), "vllm").status().message().find("'top_p'"),
+            std::string::npos);
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -493,14 +493,30 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
   if (config.max_n < 1) return InvalidArgumentError("max_n must be >= 1");
   if (config.max_model_len < 0) return InvalidArgumentError("max_model_len must be >= 0");
   if (config.port < 0 || config.port > 65535) return InvalidArgumentError("port out of range");
+  ASSIGN_OR_RETURN(const ToolParserKind tool_parser, ParseToolParserName(config.tool_call_parser));
+  ASSIGN_OR_RETURN(const ReasoningParserKind reasoning_parser,
+                   ParseReasoningParserName(config.reasoning_parser));
+  if (config.enable_auto_tool_choice && tool_parser == ToolParserKind::kNone) {
+    // vLLM's refusal, word for word.
+    return InvalidArgumentError(
+        "When `--enable-auto-tool-choice` is set, `--tool-call-parser` "
+        "must be set as well");
+  }
   std::signal(SIGPIPE, SIG_IGN);
 
   auto impl = std::make_unique<Impl>(std::move(tokenizer));
   Impl* d = impl.get();
   d->config = std::move(config);
   d->engine = engine;
-  d->limits = ProtocolLimits{d->config.served_model_name, d->config.max_model_len, d->config.max_n,
-                             d->config.max_logprobs, d->config.chat_templates.get()};
+  d->limits = ProtocolLimits{d->config.served_model_name,
+                             d->config.max_model_len,
+                             d->config.max_n,
+                             d->config.max_logprobs,
+                             d->config.chat_templates.get(),
+                             &d->config.sampling_defaults,
+                             d->config.enable_auto_tool_choice,
+                             tool_parser,
+                             reasoning_parser};
   d->m_in_flight = &d->metrics.AddGauge(
       "kvbridge_http_generation_requests_in_flight",
       "Completion and chat requests accepted and not yet answered (or streamed) to the end.");

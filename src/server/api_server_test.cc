@@ -837,5 +837,191 @@ TEST_F(ApiServerTest, TlsServesHttpsOnly) {
   std::filesystem::remove_all(dir);
 }
 
+// Tools and reasoning end to end: the request's tools reach the checkpoint's template, and a
+// fixed model output (the fake engine's script) comes back as vLLM's hermes + qwen3 parsers
+// shape it, whole and streamed.
+class ToolsEndToEndTest : public ApiServerTest {
+ protected:
+  void Start(const std::string& script, bool flags = true) {
+    auto t = ChatTemplate::Parse(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+        "hermes-like");
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    auto templates = std::make_shared<ChatTemplates>();
+    templates->templates.emplace_back("default", *t);
+    ServerConfig cfg;
+    cfg.chat_templates = templates;
+    if (flags) {
+      cfg.enable_auto_tool_choice = true;
+      cfg.tool_call_parser = "hermes";
+      cfg.reasoning_parser = "qwen3";
+    }
+    FakeEngineOptions e;
+    e.scripted_output = script;
+    e.max_model_len = 512;
+    StartServer(e, cfg);
+  }
+  static json Body(bool stream) {
+    return json{{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}},
+                {"tools",
+                 {{{"type", "function"},
+                   {"function",
+                    {{"name", "get_weather"},
+                     {"parameters",
+                      {{"type", "object"}, {"properties", {{"city", {{"type", "string"}}}}}}}}}}}},
+                {"max_tokens", 200},
+                {"stream", stream}};
+  }
+  static std::vector<json> Events(const std::string& body) {
+    std::vector<json> out;
+    size_t pos = 0;
+    while ((pos = body.find("data: ", pos)) != std::string::npos) {
+      const size_t end = body.find("\n\n", pos);
+      const std::string payload = body.substr(pos + 6, end - pos - 6);
+      pos = end;
+      if (payload != "[DONE]") out.push_back(json::parse(payload));
+    }
+    return out;
+  }
+};
+
+TEST_F(ToolsEndToEndTest, ToolCallsAndReasoningWholeAndStreamed) {
+  Start(
+      "<think>plan</think>Sure.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+      "{\"city\":\"Paris\"}}\n</tool_call>");
+  // The tools reach the template (tojson of the request's tool, keys sorted as the server's
+  // json keeps them).
+  auto tk = Post("/tokenize", Body(false));
+  ASSERT_TRUE(tk);
+  ASSERT_EQ(tk->status, 200) << tk->body;
+  std::string rendered;
+  const json tk_body = json::parse(tk->body);
+  for (const json& id : tk_body["tokens"]) rendered.push_back(id.get<char>());
+  EXPECT_EQ(rendered,
+            "<|user|>Weather in Paris?<tools>{\"function\": {\"name\": \"get_weather\", "
+            "\"parameters\": {\"properties\": {\"city\": {\"type\": \"string\"}}, \"type\": "
+            "\"object\"}}, \"type\": \"function\"}</tools><|assistant|>");
+
+  auto r = Post("/v1/chat/completions", Body(false));
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  json choice = json::parse(r->body)["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  json message = choice["message"];
+  ASSERT_EQ(message["tool_calls"].size(), 1u);
+  const std::string id = message["tool_calls"][0]["id"];
+  EXPECT_EQ(id.rfind("chatcmpl-tool-", 0), 0u);
+  message["tool_calls"][0].erase("id");
+  EXPECT_EQ(message, json::parse(R"({"role": "assistant", "reasoning_content": "plan",
+      "content": "Sure.", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+      "arguments": "{\"city\": \"Paris\"}"}}]})"));
+
+  auto s = Post("/v1/chat/completions", Body(true));
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->status, 200);
+  std::string reasoning, content;
+  std::vector<json> calls;
+  json last;
+  for (const json& e : Events(s->body)) {
+    const json& c = e["choices"][0];
+    const json& d = c["delta"];
+    reasoning += d.value("reasoning_content", "");
+    content += d.value("content", "");
+    if (d.contains("tool_calls")) calls.push_back(d["tool_calls"][0]);
+    last = c;
+  }
+  EXPECT_EQ(reasoning, "plan");
+  EXPECT_EQ(content, "Sure.");
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0]["index"], 0);
+  EXPECT_EQ(calls[0]["type"], "function");
+  EXPECT_EQ(calls[0]["function"], json({{"name", "get_weather"}}));
+  EXPECT_EQ(calls[1], json::parse(R"({"index": 0, "function": {"arguments":
+      "{\"city\": \"Paris\"}"}})"));
+  EXPECT_EQ(last["finish_reason"], "tool_calls");
+
+  // Bad tools / tool_choice: 400, nothing reaches the engine.
+  const int64_t before = engine_->requests_added();
+  struct Bad {
+    const char* key;
+    json value;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {"tools", "get_weather", "'tools' must be a list"},
+      {"tools", json::array({{{"type", "function"}}}), "each tool must be"},
+      {"tool_choice", "required", "required\\\" is not supported (it needs"},
+      {"tool_choice",
+       {{"type", "function"}, {"function", {{"name", "get_weather"}}}},
+       "named function"},
+      {"tool_choice", "sometimes", "'tool_choice' must be"},
+      {"tool_choice", 3, "'tool_choice' must be"},
+  };
+  for (const Bad& b : bad) {
+    json body = Body(false);
+    body[b.key] = b.value;
+    auto e = Post("/v1/chat/completions", body);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->status, 400) << b.key << ": " << e->body;
+    EXPECT_NE(e->body.find(b.says), std::string::npos) << e->body;
+  }
+  EXPECT_EQ(engine_->requests_added(), before);
+  EXPECT_TRUE(Drained());
+}
+
+TEST_F(ToolsEndToEndTest, MalformedToolCallIsContent) {
+  const std::string script = "<tool_call>{\"name\": \"get_weather\", \"arguments\": }</tool_call>";
+  Start(script);
+  auto r = Post("/v1/chat/completions", Body(false));
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json choice = json::parse(r->body)["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "stop");
+  EXPECT_EQ(choice["message"],
+            json({{"role", "assistant"}, {"content", script}, {"reasoning_content", nullptr}}));
+  auto s = Post("/v1/chat/completions", Body(true));
+  ASSERT_TRUE(s);
+  std::string content;
+  for (const json& e : Events(s->body)) {
+    content += e["choices"][0]["delta"].value("content", "");
+    EXPECT_FALSE(e["choices"][0]["delta"].contains("tool_calls"));
+  }
+  EXPECT_EQ(content, script);
+}
+
+// Without --enable-auto-tool-choice: tools with tool_choice "auto" (the default with tools) is
+// vLLM's 400; tool_choice "none" renders them and returns plain content.
+TEST_F(ToolsEndToEndTest, AutoToolChoiceNeedsTheFlags) {
+  Start("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", /*flags=*/false);
+  auto r = Post("/v1/chat/completions", Body(false));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_NE(r->body.find("\\\"auto\\\" tool choice requires --enable-auto-tool-choice and "
+                         "--tool-call-parser to be set"),
+            std::string::npos)
+      << r->body;
+  json body = Body(false);
+  body["tool_choice"] = "none";
+  r = Post("/v1/chat/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["message"],
+            json({{"role", "assistant"},
+                  {"content", "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"}}));
+  ServerConfig cfg;
+  cfg.enable_auto_tool_choice = true;
+  FakeEngine engine;
+  auto refused = ApiServer::Create(cfg, &engine, ByteCodec::Make());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("`--tool-call-parser` must be set"), std::string::npos);
+  cfg.tool_call_parser = "pythonic";
+  refused = ApiServer::Create(cfg, &engine, ByteCodec::Make());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("hermes and llama3_json"), std::string::npos);
+  engine.Shutdown();
+}
+
 }  // namespace
 }  // namespace kvbridge::server

@@ -129,6 +129,11 @@ void FakeEngine::Loop() {
         } else {
           const int j = lv.generated[i];
           int32_t tok = TokenAt(sum, j, i);
+          if (!options_.scripted_output.empty()) {
+            tok = j < static_cast<int>(options_.scripted_output.size())
+                      ? static_cast<unsigned char>(options_.scripted_output[j])
+                      : ByteCodec::kEos;
+          }
           if (options_.eos_at >= 0 && j == options_.eos_at && !sp.ignore_eos &&
               j >= sp.min_tokens) {
             tok = ByteCodec::kEos;
@@ -146,12 +151,18 @@ void FakeEngine::Loop() {
           if (tok == ByteCodec::kEos) {
             co.finished = true;
             co.finish_reason = "stop";
-          } else if (lv.generated[i] >= sp.min_tokens) {
+            if (!sp.include_stop_str_in_output) co.text_tokens = lv.generated[i] - 1;
+          } else if (lv.generated[i] > sp.min_tokens) {
+            // The engine's semantics, for strings that end the text (one byte per token).
             for (const std::string& s : sp.stop) {
               if (lv.text[i].size() >= s.size() &&
                   lv.text[i].compare(lv.text[i].size() - s.size(), s.size(), s) == 0) {
                 co.finished = true;
                 co.finish_reason = "stop";
+                co.stop_reason = s;
+                co.text_len = static_cast<int64_t>(lv.text[i].size() -
+                                                   (sp.include_stop_str_in_output ? 0 : s.size()));
+                break;
               }
             }
           }

@@ -37,6 +37,9 @@ struct FakeEngineOptions {
   /// Token j of sibling i of a prompt whose ids sum to s: 'a' + (s + 3*j + 5*i) % 26; a sibling
   /// emits EOS at position `eos_at` (when >= 0 and not ignore_eos).
   int eos_at = -1;
+  /// Non-empty: every sibling writes these bytes (one token each, then EOS) instead: a fixed
+  /// model output, e.g. a tool call for the parsers' end-to-end tests.
+  std::string scripted_output;
 };
 
 class FakeEngine : public Engine {

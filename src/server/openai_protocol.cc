@@ -126,8 +126,13 @@ std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limi
     return BadRequest("'best_of' other than n is not supported", "best_of");
   }
 
+  // vLLM's default_sampling_params (the generation config's): for keys the request leaves out.
+  const SamplingDefaults no_defaults;
+  const SamplingDefaults& dflt =
+      limits.sampling_defaults != nullptr ? *limits.sampling_defaults : no_defaults;
   std::optional<double> temperature;
   KVB_API_TRY(GetNumber(body, "temperature", &temperature));
+  if (!temperature) temperature = dflt.temperature;
   if (temperature) {
     if (!(*temperature >= 0.0) || *temperature > 100.0) {
       return BadRequest("'temperature' must be in [0, 100], got " + std::to_string(*temperature),
@@ -137,6 +142,7 @@ std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limi
   }
   std::optional<double> top_p;
   KVB_API_TRY(GetNumber(body, "top_p", &top_p));
+  if (!top_p) top_p = dflt.top_p;
   if (top_p) {
     if (!(*top_p > 0.0 && *top_p <= 1.0)) {
       return BadRequest("'top_p' must be in (0, 1], got " + std::to_string(*top_p), "top_p");
@@ -145,6 +151,7 @@ std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limi
   }
   std::optional<int64_t> top_k;
   KVB_API_TRY(GetInt(body, "top_k", &top_k));
+  if (!top_k) top_k = dflt.top_k;
   if (top_k) {
     if (*top_k < -1) {
       return BadRequest(
@@ -157,24 +164,41 @@ std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limi
   if (seed) s.seed = static_cast<uint64_t>(*seed);
 
   if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {
-    if (it->is_string()) {
-      if (!it->get_ref<const std::string&>().empty()) s.stop.push_back(it->get<std::string>());
-    } else if (it->is_array()) {
-      for (const json& v : *it) {
-        if (!v.is_string())
-          return BadRequest("'stop' must be a string or a list of strings", "stop");
-        if (!v.get_ref<const std::string&>().empty()) s.stop.push_back(v.get<std::string>());
+    const char* const kStopType = "'stop' must be a string or a list of strings";
+    auto add = [&](const json& v) -> std::optional<ApiError> {
+      if (!v.is_string()) return BadRequest(kStopType, "stop");
+      const std::string& str = v.get_ref<const std::string&>();
+      if (str.size() > kMaxStopStringBytes) {
+        return BadRequest("a 'stop' string must be at most " + std::to_string(kMaxStopStringBytes) +
+                              " bytes, got " + std::to_string(str.size()),
+                          "stop");
       }
+      if (!str.empty()) s.stop.push_back(str);  // vLLM drops empty strings
+      return std::nullopt;
+    };
+    if (it->is_array()) {
+      if (it->size() > kMaxStopStrings) {
+        return BadRequest("'stop' must hold at most " + std::to_string(kMaxStopStrings) +
+                              " strings, got " + std::to_string(it->size()),
+                          "stop");
+      }
+      for (const json& v : *it) KVB_API_TRY(add(v));
     } else {
-      return BadRequest("'stop' must be a string or a list of strings", "stop");
+      KVB_API_TRY(add(*it));
     }
   }
   if (auto it = body.find("stop_token_ids"); it != body.end() && !it->is_null()) {
     if (!it->is_array())
       return BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids");
+    if (it->size() > kMaxStopTokenIds) {
+      return BadRequest("'stop_token_ids' must hold at most " + std::to_string(kMaxStopTokenIds) +
+                            " ids, got " + std::to_string(it->size()),
+                        "stop_token_ids");
+    }
     for (const json& v : *it) {
-      if (!v.is_number_integer()) {
-        return BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids");
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > INT32_MAX) {
+        return BadRequest("'stop_token_ids' must be a list of token ids (integers >= 0)",
+                          "stop_token_ids");
       }
       s.stop_token_ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
     }
@@ -182,6 +206,9 @@ std::optional<ApiError> ParseCommon(const json& body, const ProtocolLimits& limi
   std::optional<bool> ignore_eos;
   KVB_API_TRY(GetBool(body, "ignore_eos", &ignore_eos));
   if (ignore_eos) s.ignore_eos = *ignore_eos;
+  std::optional<bool> include_stop;
+  KVB_API_TRY(GetBool(body, "include_stop_str_in_output", &include_stop));
+  if (include_stop) s.include_stop_str_in_output = *include_stop;
 
   std::optional<bool> stream;
   KVB_API_TRY(GetBool(body, "stream", &stream));
@@ -262,13 +289,21 @@ std::optional<ApiError> FinishLengths(const json& body, const ProtocolLimits& li
                             std::to_string(*max_tokens) + " for the completion).",
                         max_key);
     }
-    // OpenAI defaults: completions 16 tokens, chat the rest of the context.
-    s.max_tokens =
-        static_cast<int>(max_tokens ? *max_tokens : (chat ? room : std::min<int64_t>(16, room)));
+    // OpenAI defaults: completions 16 tokens, chat the rest of the context; the generation
+    // config's max_new_tokens instead when it sets one (vLLM), within the room.
+    int64_t dflt = chat ? room : std::min<int64_t>(16, room);
+    if (limits.sampling_defaults != nullptr && limits.sampling_defaults->max_tokens) {
+      dflt = std::clamp<int64_t>(*limits.sampling_defaults->max_tokens, 1, room);
+    }
+    s.max_tokens = static_cast<int>(max_tokens ? *max_tokens : dflt);
   } else {
     if (max_tokens && *max_tokens > (1 << 30))
       return BadRequest("'max_tokens' is too large", max_key);
-    s.max_tokens = static_cast<int>(max_tokens.value_or(16));
+    int64_t dflt = 16;
+    if (limits.sampling_defaults != nullptr && limits.sampling_defaults->max_tokens) {
+      dflt = std::clamp<int64_t>(*limits.sampling_defaults->max_tokens, 1, 1 << 30);
+    }
+    s.max_tokens = static_cast<int>(max_tokens.value_or(dflt));
   }
   std::optional<int64_t> min_tokens;
   KVB_API_TRY(GetInt(body, "min_tokens", &min_tokens));
@@ -500,6 +535,74 @@ std::optional<ApiError> ChatPromptIds(const json& body, const nlohmann::ordered_
   return EncodeText(tok, *prompt, add_special.value_or(false), "messages", ids);
 }
 
+// tools and tool_choice as vLLM takes them: tools a list of {"type": "function", "function":
+// {"name": string, ...}}; tool_choice "none" | "auto" (the default when tools are given) |
+// "required" | {"type": "function", "function": {"name"}}; "auto" needs the server's
+// --enable-auto-tool-choice and --tool-call-parser. "required" and a named function need
+// guided decoding, which this engine does not have: refused.
+std::optional<ApiError> ParseTools(const json& body, const ProtocolLimits& limits,
+                                   ParsedRequest* out) {
+  out->reasoning_parser = limits.reasoning_parser;
+  size_t num_tools = 0;
+  if (auto it = body.find("tools"); it != body.end() && !it->is_null()) {
+    if (!it->is_array()) return BadRequest("'tools' must be a list of tools", "tools");
+    for (const json& t : *it) {
+      const char* const kShape =
+          "each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}";
+      if (!t.is_object() || t.value("type", json()) != "function")
+        return BadRequest(kShape, "tools");
+      auto fn = t.find("function");
+      if (fn == t.end() || !fn->is_object() || !fn->contains("name") ||
+          !(*fn)["name"].is_string()) {
+        return BadRequest(kShape, "tools");
+      }
+    }
+    num_tools = it->size();
+  }
+  std::string choice = num_tools > 0 ? "auto" : "none";
+  if (auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
+    if (it->is_object()) {
+      if (it->value("type", json()) != "function" || !it->contains("function") ||
+          !(*it)["function"].is_object() || !(*it)["function"].contains("name")) {
+        return BadRequest(
+            "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
+            "\"function\", \"function\": {\"name\": ...}}",
+            "tool_choice");
+      }
+      return BadRequest(
+          "a named function in 'tool_choice' is not supported (it needs guided decoding); use "
+          "\"auto\" (serve --enable-auto-tool-choice --tool-call-parser ...)",
+          "tool_choice");
+    }
+    if (!it->is_string() || (*it != "none" && *it != "auto" && *it != "required")) {
+      return BadRequest(
+          "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": "
+          "\"function\", \"function\": {\"name\": ...}}",
+          "tool_choice");
+    }
+    choice = it->get<std::string>();
+    if (choice == "required") {
+      return BadRequest(
+          "tool_choice \"required\" is not supported (it needs guided decoding); use \"auto\" "
+          "(serve --enable-auto-tool-choice --tool-call-parser ...)",
+          "tool_choice");
+    }
+    if (choice == "auto" && num_tools == 0) {
+      return BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice");
+    }
+  }
+  if (choice == "auto") {
+    if (!limits.enable_auto_tool_choice || limits.tool_parser == ToolParserKind::kNone) {
+      return BadRequest(
+          "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be "
+          "set",
+          "tool_choice");
+    }
+    out->tool_parser = limits.tool_parser;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
@@ -509,6 +612,7 @@ std::optional<ApiError> ParseChatRequest(const json& body, const Tokenizer& tok,
   out->endpoint = Endpoint::kChatCompletions;
   if (!body.is_object()) return BadRequest("the request body must be a JSON object", "");
   KVB_API_TRY(ParseCommon(body, limits, out));
+  KVB_API_TRY(ParseTools(body, limits, out));
   out->prompts.emplace_back();
   KVB_API_TRY(ChatPromptIds(body, ordered, tok, limits, &out->prompts.back()));
 
@@ -666,6 +770,8 @@ ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& 
       include_usage_(request.include_usage),
       tokens_as_ids_(request.tokens_as_ids),
       stream_(request.stream),
+      tool_parser_(request.tool_parser),
+      reasoning_parser_(request.reasoning_parser),
       tok_(tok),
       id_(std::move(id)),
       model_(std::move(model)),
@@ -676,6 +782,12 @@ ResponseBuilder::ResponseBuilder(const ParsedRequest& request, const Tokenizer& 
     if (stream_) {
       for (Choice& c : prompts_[p].choices) {
         c.text_stream.emplace(tok_, /*skip_special_tokens=*/true);
+        if (reasoning_parser_ != ReasoningParserKind::kNone) {
+          c.reasoning_stream.emplace(reasoning_parser_);
+        }
+        if (tool_parser_ != ToolParserKind::kNone) {
+          c.tool_stream.emplace(tool_parser_, MakeToolCallId);
+        }
       }
     }
     prompts_[p].num_prompt_tokens = static_cast<int>(request.prompts[p].size());
@@ -695,9 +807,19 @@ void ResponseBuilder::Apply(size_t prompt_index, const RequestOutput& out) {
     if (o.index < 0 || o.index >= n_) continue;
     Choice& c = p.choices[o.index];
     if (c.finished) continue;
+    if (o.finished) {
+      c.stop_reason = o.stop_reason;
+      c.text_tokens = o.text_tokens;
+      c.text_len = o.text_len;
+    }
     c.token_ids.insert(c.token_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     if (c.text_stream) {
-      for (int32_t id : o.new_token_ids) c.pending_text += c.text_stream->Push(id);
+      // A stop token's text is not pushed when it is not kept (text_tokens).
+      const size_t end = c.text_tokens >= 0 ? std::min<size_t>(c.text_tokens, c.token_ids.size())
+                                            : c.token_ids.size();
+      for (size_t k = c.text_stream->ids().size(); k < end; ++k) {
+        c.pending_text += c.text_stream->Push(c.token_ids[k]);
+      }
     }
     if (logprobs_ >= 0) {
       c.logprobs.insert(c.logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
@@ -732,7 +854,26 @@ void ResponseBuilder::FinishAll(const std::string& reason) {
 void ResponseBuilder::FinishChoice(Choice& c, const std::string& reason) {
   c.finished = true;
   c.finish_reason = reason;
-  if (c.text_stream) c.pending_text += c.text_stream->Finish();
+  if (!c.text_stream) return;
+  c.pending_text += c.text_stream->Finish();
+  // A stop string cuts the text where it starts. The engine held back every token whose text
+  // could begin one, so nothing past the cut was streamed.
+  if (c.text_len >= 0) {
+    const size_t keep = static_cast<size_t>(c.text_len);
+    c.pending_text.resize(keep > c.streamed_text_bytes
+                              ? std::min(c.pending_text.size(), keep - c.streamed_text_bytes)
+                              : 0);
+  }
+}
+
+std::string ResponseBuilder::ChoiceText(const Choice& c) const {
+  std::span<const int32_t> ids(c.token_ids);
+  if (c.text_tokens >= 0 && static_cast<size_t>(c.text_tokens) < ids.size()) {
+    ids = ids.first(static_cast<size_t>(c.text_tokens));
+  }
+  std::string text = tok_.Decode(ids, /*skip_special_tokens=*/true);
+  if (c.text_len >= 0 && static_cast<size_t>(c.text_len) < text.size()) text.resize(c.text_len);
+  return text;
 }
 
 bool ResponseBuilder::AllFinished() const {
@@ -819,6 +960,96 @@ json ResponseBuilder::LogprobsJson(const Choice& c, size_t from, size_t to,
   return json{{"content", content}};
 }
 
+json ResponseBuilder::ChatMessage(const Choice& c, std::string* finish_reason) const {
+  // vLLM's serving_chat: the reasoning parser first, the tool parser on the content it leaves.
+  std::optional<std::string> content = ChoiceText(c);
+  json message{{"role", "assistant"}};
+  if (reasoning_parser_ != ReasoningParserKind::kNone) {
+    auto [reasoning, rest] = ExtractReasoning(reasoning_parser_, *content);
+    message["reasoning_content"] = reasoning ? json(*reasoning) : json(nullptr);
+    content = std::move(rest);
+  }
+  if (tool_parser_ != ToolParserKind::kNone) {
+    ExtractedToolCalls t = ExtractToolCalls(tool_parser_, content.value_or(""));
+    if (t.tools_called) {
+      json calls = json::array();
+      for (const ParsedToolCall& call : t.calls) {
+        calls.push_back(json{{"id", MakeToolCallId()},
+                             {"type", "function"},
+                             {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+      }
+      message["tool_calls"] = std::move(calls);
+      content = t.content;
+      *finish_reason = "tool_calls";
+    } else if (t.content && !t.content->empty()) {
+      content = t.content;
+    }
+  }
+  message["content"] = content ? json(*content) : json(nullptr);
+  return message;
+}
+
+void ResponseBuilder::ParsedStreamChunks(Choice& c, int64_t index, const json& kv,
+                                         const std::function<void(const json&)>& emit) {
+  std::string text = std::move(c.pending_text);
+  c.pending_text.clear();
+  c.streamed_text_bytes += text.size();
+  ChatDelta d;
+  if (c.reasoning_stream) {
+    d = c.reasoning_stream->Push(text);
+    if (c.finished) {
+      ChatDelta rest = c.reasoning_stream->Finish();
+      d.reasoning += rest.reasoning;
+      d.content += rest.content;
+    }
+  } else {
+    d.content = std::move(text);
+  }
+  if (c.tool_stream) {
+    ChatDelta t = c.tool_stream->Push(d.content);
+    if (c.finished) {
+      ChatDelta rest = c.tool_stream->Finish();
+      t.content += rest.content;
+      for (json& tc : rest.tool_calls) t.tool_calls.push_back(std::move(tc));
+    }
+    d.content = std::move(t.content);
+    d.tool_calls = std::move(t.tool_calls);
+  }
+  bool logprobs_sent = false;
+  auto chunk_with = [&](json delta) {
+    json choice{{"index", index}, {"delta", std::move(delta)}};
+    if (logprobs_ >= 0 && !logprobs_sent) {
+      choice["logprobs"] = LogprobsJson(c, c.streamed_tokens, c.token_ids.size(), &c.text_offset);
+      logprobs_sent = true;
+    } else {
+      choice["logprobs"] = nullptr;
+    }
+    choice["finish_reason"] = nullptr;
+    choice["stop_reason"] = nullptr;
+    json chunk = ChunkBase();
+    chunk["choices"].push_back(std::move(choice));
+    return chunk;
+  };
+  if (!d.reasoning.empty() || !d.content.empty()) {
+    json delta = json::object();
+    if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+    if (!d.content.empty()) delta["content"] = d.content;
+    emit(chunk_with(std::move(delta)));
+  }
+  for (json& tc : d.tool_calls) emit(chunk_with(json{{"tool_calls", json::array({tc})}}));
+  if (c.finished) {
+    json chunk = chunk_with(json::object());
+    json& choice = chunk["choices"][0];
+    choice["finish_reason"] =
+        c.tool_stream && c.tool_stream->tools_called() ? "tool_calls" : c.finish_reason;
+    choice["stop_reason"] = c.stop_reason;
+    if (!kv.is_null()) chunk["kv_transfer_params"] = kv;
+    c.finish_sent = true;
+    emit(chunk);
+  }
+  if (logprobs_sent || c.finished) c.streamed_tokens = c.token_ids.size();
+}
+
 json ResponseBuilder::FinalBody() const {
   const bool chat = endpoint_ == Endpoint::kChatCompletions;
   json choices = json::array();
@@ -826,8 +1057,12 @@ json ResponseBuilder::FinalBody() const {
     for (int i = 0; i < n_; ++i) {
       const Choice& c = prompts_[p].choices[i];
       json choice{{"index", static_cast<int64_t>(p) * n_ + i}};
-      std::string text = tok_.Decode(c.token_ids, /*skip_special_tokens=*/true);
-      if (chat) {
+      std::string text = ChoiceText(c);
+      std::string finish_reason = c.finish_reason;
+      if (chat && (tool_parser_ != ToolParserKind::kNone ||
+                   reasoning_parser_ != ReasoningParserKind::kNone)) {
+        choice["message"] = ChatMessage(c, &finish_reason);
+      } else if (chat) {
         choice["message"] = json{{"role", "assistant"}, {"content", text}};
       } else {
         choice["text"] = text;
@@ -838,7 +1073,8 @@ json ResponseBuilder::FinalBody() const {
       } else {
         choice["logprobs"] = nullptr;
       }
-      choice["finish_reason"] = c.finished ? json(c.finish_reason) : json(nullptr);
+      choice["finish_reason"] = c.finished ? json(finish_reason) : json(nullptr);
+      choice["stop_reason"] = c.finished ? c.stop_reason : json(nullptr);
       choices.push_back(std::move(choice));
     }
   }
@@ -886,8 +1122,13 @@ std::string ResponseBuilder::TakeStreamFrames() {
         c.role_sent = true;
       }
       if (!has_text && !has_tokens && !c.finished) continue;
+      if (chat && (c.reasoning_stream || c.tool_stream)) {
+        ParsedStreamChunks(c, index, prompts_[p].kv_transfer_params, emit);
+        continue;
+      }
       std::string delta = std::move(c.pending_text);
       c.pending_text.clear();
+      c.streamed_text_bytes += delta.size();
       json choice{{"index", index}};
       if (chat) {
         choice["delta"] =
@@ -901,6 +1142,7 @@ std::string ResponseBuilder::TakeStreamFrames() {
         choice["logprobs"] = nullptr;
       }
       choice["finish_reason"] = c.finished ? json(c.finish_reason) : json(nullptr);
+      choice["stop_reason"] = c.finished ? c.stop_reason : json(nullptr);
       json chunk = ChunkBase();
       chunk["choices"].push_back(std::move(choice));
       if (c.finished) {

@@ -18,12 +18,20 @@
 
 #include "kvbridge/engine/request.h"
 #include "kvbridge/model/chat_template.h"
+#include "kvbridge/model/generation_config.h"
 #include "kvbridge/model/tokenizer.h"
 #include "kvbridge/server/api_server.h"
+#include "server/chat_parsers.h"
 
 namespace kvbridge::server {
 
 enum class Endpoint { kCompletions, kChatCompletions };
+
+/// Bounds on a request's stops (vLLM has none; these keep the per-token stop check and the
+/// streaming hold-back small). Beyond them: 400.
+inline constexpr size_t kMaxStopStrings = 64;
+inline constexpr size_t kMaxStopStringBytes = 1024;
+inline constexpr size_t kMaxStopTokenIds = 1024;
 
 struct ApiError {
   int status = 400;
@@ -39,6 +47,15 @@ struct ProtocolLimits {
   int max_logprobs = 20;
   /// The checkpoint's chat templates (not owned; null or empty: kvbridge's plain format).
   const ChatTemplates* chat_templates = nullptr;
+  /// Values for sampling keys a request leaves out (not owned; null: the OpenAI defaults).
+  const SamplingDefaults* sampling_defaults = nullptr;
+  /// vLLM's --enable-auto-tool-choice with --tool-call-parser: tool_choice "auto" parses the
+  /// answer's tool calls; without both, a request with tools and tool_choice "auto" (the
+  /// default when tools are given) is a 400, as vLLM.
+  bool enable_auto_tool_choice = false;
+  ToolParserKind tool_parser = ToolParserKind::kNone;
+  /// vLLM's --reasoning-parser: chat answers split into reasoning_content and content.
+  ReasoningParserKind reasoning_parser = ReasoningParserKind::kNone;
 };
 
 struct ParsedRequest {
@@ -49,6 +66,10 @@ struct ParsedRequest {
   bool include_usage = false;         ///< stream_options.include_usage
   bool tokens_as_ids = false;         ///< return_tokens_as_token_ids: logprobs say "token_id:N"
   nlohmann::json kv_transfer_params;  ///< null when absent
+  /// Chat: how the answer's text is parsed (tool_choice "auto" with tools and a parser; the
+  /// server's reasoning parser).
+  ToolParserKind tool_parser = ToolParserKind::kNone;
+  ReasoningParserKind reasoning_parser = ReasoningParserKind::kNone;
 };
 
 /// Body of POST /v1/completions. Returns nullopt and fills `out`, or the error. Text prompts
@@ -130,10 +151,16 @@ class ResponseBuilder {
     std::vector<TokenLogprob> logprobs;
     bool finished = false;
     std::string finish_reason;
-    std::optional<IncrementalDecoder> text_stream;  // streaming only
-    std::string pending_text;                       // final text not streamed yet
-    size_t streamed_tokens = 0;                     // tokens whose logprobs were streamed
-    bool role_sent = false;                         // chat: the first delta carries the role
+    nlohmann::json stop_reason;                                // CompletionOutput::stop_reason
+    int text_tokens = -1;                                      // CompletionOutput::text_tokens
+    int64_t text_len = -1;                                     // CompletionOutput::text_len
+    std::optional<StreamingReasoningParser> reasoning_stream;  // streaming, a reasoning parser
+    std::optional<StreamingToolParser> tool_stream;            // streaming, tool parsing
+    std::optional<IncrementalDecoder> text_stream;             // streaming only
+    std::string pending_text;                                  // final text not streamed yet
+    size_t streamed_text_bytes = 0;                            // text streamed before pending_text
+    size_t streamed_tokens = 0;  // tokens whose logprobs were streamed
+    bool role_sent = false;      // chat: the first delta carries the role
     bool finish_sent = false;
     size_t text_offset = 0;  // completions logprobs: characters before streamed_tokens
   };
@@ -147,6 +174,13 @@ class ResponseBuilder {
     nlohmann::json kv_transfer_params;
   };
   void FinishChoice(Choice& c, const std::string& reason);
+  /// Chat with a parser: the message object and finish_reason of a whole answer.
+  nlohmann::json ChatMessage(const Choice& c, std::string* finish_reason) const;
+  /// Chat with a parser: the SSE chunks of `c`'s new text (reasoning/content/tool-call deltas).
+  void ParsedStreamChunks(Choice& c, int64_t index, const nlohmann::json& kv,
+                          const std::function<void(const nlohmann::json&)>& emit);
+  /// The whole text of a finished (or the text so far of an unfinished) choice.
+  std::string ChoiceText(const Choice& c) const;
   nlohmann::json Usage() const;
   nlohmann::json ChunkBase() const;
   /// Logprobs of tokens [from, to) of `c` in this endpoint's shape; `text_offset` (characters
@@ -161,6 +195,8 @@ class ResponseBuilder {
   bool include_usage_;
   bool tokens_as_ids_;
   bool stream_;
+  ToolParserKind tool_parser_;
+  ReasoningParserKind reasoning_parser_;
   Tokenizer tok_;
   std::string id_;
   std::string model_;

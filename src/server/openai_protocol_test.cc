@@ -117,6 +117,23 @@ TEST(ParseCompletion, RejectsBadInput) {
       {R"({"prompt":"a","top_k":-2})", 400, "top_k"},
       {R"({"prompt":"a","stop":5})", 400, "stop"},
       {R"({"prompt":"a","stop":["a",1]})", 400, "stop"},
+      {R"({"prompt":"a","stop":{"s":1}})", 400, "stop"},
+      {R"({"prompt":"a","stop":[null]})", 400, "stop"},
+      {R"({"prompt":"a","stop":")" + std::string(kMaxStopStringBytes + 1, 'x') + R"("})", 400,
+       "stop"},
+      {R"({"prompt":"a","stop":[)" +
+           [] {
+             std::string l;
+             for (size_t i = 0; i <= kMaxStopStrings; ++i)
+               l += (i ? ",\"s" : "\"s") + std::to_string(i) + "\"";
+             return l;
+           }() +
+           "]}",
+       400, "stop"},
+      {R"({"prompt":"a","stop_token_ids":[-1]})", 400, "stop_token_ids"},
+      {R"({"prompt":"a","stop_token_ids":[1.5]})", 400, "stop_token_ids"},
+      {R"({"prompt":"a","stop_token_ids":5})", 400, "stop_token_ids"},
+      {R"({"prompt":"a","include_stop_str_in_output":"yes"})", 400, "include_stop_str_in_output"},
       {R"({"prompt":"a","logprobs":6})", 400, "logprobs"},
       {R"({"prompt":"a","logprobs":true})", 400, "logprobs"},
       {R"({"prompt":"a","stream":"yes"})", 400, "stream"},
@@ -187,7 +204,7 @@ TEST(ParseChat, CheckpointTemplate) {
             "<s>[user:q]F=x");
   EXPECT_EQ(render(R"({"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c",
       "type":"function","function":{"name":"f","arguments":"{\"k\": 1}"}}]},
-      {"role":"tool","content":"r","tool_call_id":"c"}],"tools":[{"type":"function",
+      {"role":"tool","content":"r","tool_call_id":"c"}],"tool_choice":"none","tools":[{"type":"function",
       "function":{"name":"f"}}]})"),
             "<s>[assistant:{\"k\": 1}][tool:r]T=[{\"function\": {\"name\": \"f\"}, \"type\": "
             "\"function\"}]>");
@@ -198,7 +215,7 @@ TEST(ParseChat, CheckpointTemplate) {
   EXPECT_EQ(r.prompts[0].size(), std::string("<s>[user:q]>").size());
   // The request's key order reaches tojson when the ordered body is given.
   const std::string ordered_body =
-      R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}]})";
+      R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"none"})";
   const auto ordered = nlohmann::ordered_json::parse(ordered_body);
   ASSERT_FALSE(ParseChatRequest(json::parse(ordered_body), codec, limits, &r, &ordered));
   EXPECT_EQ(codec.Decode(r.prompts[0]),
@@ -290,6 +307,57 @@ TEST(ResponseBuilder, CompletionBodyWithLogprobsAndUsage) {
   EXPECT_EQ(body["usage"]["total_tokens"], 11);
   EXPECT_EQ(body["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
   EXPECT_FALSE(body.contains("kv_transfer_params"));
+}
+
+// The engine's stop results (CompletionOutput::stop_reason, text_len, text_tokens) shape the
+// text whole and streamed alike; every id counts in usage.
+TEST(ResponseBuilder, StopStringCutAndStopTokenTextAsVllm) {
+  const Tokenizer codec = ByteCodec::Make();
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream);
+    ParsedRequest r;
+    ASSERT_FALSE(
+        ParseC(stream ? R"({"prompt":"p","n":2,"stream":true})" : R"({"prompt":"p","n":2})", &r));
+    ResponseBuilder b(r, codec, "cmpl-1", "tiny", 100);
+    // Choice 0: "ab" streamed, then "cXYd" finishes on the stop string "XY" at byte 3.
+    // Choice 1: "ab" then the stop token '!' (its text dropped: text_tokens 2).
+    b.Apply(0, Out({{0, {'a', 'b'}, {}, false, ""}, {1, {'a', 'b'}, {}, false, ""}}, false));
+    std::string frames = b.TakeStreamFrames();
+    CompletionOutput c0{0, {'c', 'X', 'Y', 'd'}, {}, true, "stop"};
+    c0.stop_reason = "XY";
+    c0.text_len = 3;
+    CompletionOutput c1{1, {'!'}, {}, true, "stop"};
+    c1.stop_reason = '!';
+    c1.text_tokens = 2;
+    b.Apply(0, Out({c0, c1}, true));
+    frames += b.TakeStreamFrames();
+    if (!stream) {
+      json body = b.FinalBody();
+      EXPECT_EQ(body["choices"][0]["text"], "abc");
+      EXPECT_EQ(body["choices"][0]["stop_reason"], "XY");
+      EXPECT_EQ(body["choices"][1]["text"], "ab");
+      EXPECT_EQ(body["choices"][1]["stop_reason"], '!');
+      EXPECT_EQ(body["usage"]["completion_tokens"], 9);
+      continue;
+    }
+    std::string text[2];
+    json last[2];
+    size_t pos = 0;
+    while ((pos = frames.find("data: ", pos)) != std::string::npos) {
+      const size_t end = frames.find("\n\n", pos);
+      const std::string payload = frames.substr(pos + 6, end - pos - 6);
+      pos = end;
+      if (payload == "[DONE]") continue;
+      const json c = json::parse(payload)["choices"][0];
+      text[c["index"].get<int>()] += c["text"].get<std::string>();
+      last[c["index"].get<int>()] = c;
+    }
+    EXPECT_EQ(text[0], "abc");
+    EXPECT_EQ(text[1], "ab");
+    EXPECT_EQ(last[0]["stop_reason"], "XY");
+    EXPECT_EQ(last[0]["finish_reason"], "stop");
+    EXPECT_EQ(last[1]["stop_reason"], '!');
+  }
 }
 
 TEST(ResponseBuilder, ChatStreamFramesEndWithDone) {

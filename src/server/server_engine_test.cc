@@ -180,6 +180,143 @@ TEST_F(ServerEngineTest, GreedyStreamEqualsWholeAnswerAndChatWorks) {
   EXPECT_TRUE(done);
 }
 
+// Stops as vLLM does them, on the real engine and the tiny model (byte tokenizer: an id < 256
+// is its byte, the others have no text): the greedy answer without stops gives the expected
+// values exactly.
+TEST_F(ServerEngineTest, StopsCutTheTextAsVllmWholeAndStreamed) {
+  const json base{{"prompt", "Hello there"}, {"max_tokens", 24},
+                  {"temperature", 0},        {"ignore_eos", true},
+                  {"logprobs", 1},           {"return_tokens_as_token_ids", true}};
+  auto free_run = Post("/v1/completions", base);
+  ASSERT_TRUE(free_run);
+  ASSERT_EQ(free_run->status, 200) << free_run->body;
+  std::vector<int32_t> ids;
+  const json free_body = json::parse(free_run->body);
+  for (const json& t : free_body["choices"][0]["logprobs"]["tokens"]) {
+    ids.push_back(std::stoi(t.get<std::string>().substr(9)));  // "token_id:N"
+  }
+  ASSERT_EQ(ids.size(), 24u) << free_run->body;
+  std::string raw;             // the answer's bytes
+  std::vector<size_t> end_of;  // raw.size() after each token
+  for (int32_t t : ids) {
+    if (t < 256) raw.push_back(static_cast<char>(t));
+    end_of.push_back(raw.size());
+  }
+  auto printable = [](char ch) { return ch >= 0x20 && ch < 0x7f && ch != '"' && ch != '\\'; };
+  size_t i = 1;
+  while (i + 1 < raw.size() &&
+         !(printable(raw[i]) && printable(raw[i + 1]) && raw.find(raw.substr(i, 2)) == i)) {
+    ++i;
+  }
+  ASSERT_LT(i + 1, raw.size()) << "no printable pair in the greedy answer";
+  const std::string stop = raw.substr(i, 2);
+  // The token that completes the stop string ends the answer; all of its ids count.
+  size_t last = 0;
+  while (end_of[last] < i + 2) ++last;
+  const int64_t completion_tokens = static_cast<int64_t>(last + 1);
+  auto as_json = [](const std::string& bytes) {
+    return json(bytes).dump(-1, ' ', false, json::error_handler_t::replace);
+  };
+  struct Case {
+    json extra;
+    std::string text;
+    json stop_reason;
+    int64_t completion_tokens;
+  };
+  const Case cases[] = {
+      {{{"stop", stop}}, raw.substr(0, i), stop, completion_tokens},
+      {{{"stop", json::array({"\x01\x02never", stop})}, {"include_stop_str_in_output", true}},
+       raw.substr(0, i + 2),
+       stop,
+       completion_tokens},
+      // A stop token: its id is returned and counted, its text is not (unless included).
+      {{{"stop_token_ids", {ids[5]}}},
+       raw.substr(0, end_of[std::find(ids.begin(), ids.end(), ids[5]) - ids.begin()] -
+                         (ids[5] < 256 ? 1 : 0)),
+       ids[5],
+       std::find(ids.begin(), ids.end(), ids[5]) - ids.begin() + 1},
+      {{{"stop_token_ids", {ids[5]}}, {"include_stop_str_in_output", true}},
+       raw.substr(0, end_of[std::find(ids.begin(), ids.end(), ids[5]) - ids.begin()]),
+       ids[5],
+       std::find(ids.begin(), ids.end(), ids[5]) - ids.begin() + 1},
+      // min_tokens past the match: the string is searched only in later text.
+      {{{"stop", stop}, {"min_tokens", 23}}, raw, nullptr, 24},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(n++);
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+      SCOPED_TRACE(path);
+      const bool chat = std::string(path) == "/v1/chat/completions";
+      json body = base;
+      body.erase("logprobs");
+      body.erase("return_tokens_as_token_ids");
+      if (chat) {
+        // The chat prompt differs: only the shapes are compared with the completion's below.
+        body.erase("prompt");
+        body["messages"] = {{{"role", "user"}, {"content", "Hello there"}}};
+      }
+      for (auto& [k, v] : c.extra.items()) body[k] = v;
+      auto whole = Post(path, body);
+      ASSERT_TRUE(whole);
+      ASSERT_EQ(whole->status, 200) << whole->body;
+      const json w = json::parse(whole->body);
+      const json& choice = w["choices"][0];
+      const std::string text = chat ? choice["message"]["content"].get<std::string>()
+                                    : choice["text"].get<std::string>();
+      if (!chat) {
+        EXPECT_EQ(json(text).dump(), as_json(c.text));
+        EXPECT_EQ(choice["stop_reason"], c.stop_reason);
+        EXPECT_EQ(choice["finish_reason"], c.stop_reason.is_null() ? "length" : "stop");
+        EXPECT_EQ(w["usage"]["completion_tokens"], c.completion_tokens);
+      }
+      body["stream"] = true;
+      auto streamed = Post(path, body);
+      ASSERT_TRUE(streamed);
+      ASSERT_EQ(streamed->status, 200);
+      bool done = false;
+      int chunks = 0;
+      EXPECT_EQ(as_json(StreamText(streamed->body, chat, &done, &chunks)), json(text).dump());
+      EXPECT_TRUE(done);
+    }
+  }
+  // n = 2 sampled: each choice stops on its own text.
+  json sampled{
+      {"prompt", "Hello there"}, {"max_tokens", 16}, {"temperature", 1.0}, {"seed", 5}, {"n", 2},
+      {"ignore_eos", true}};
+  auto free2 = Post("/v1/completions", sampled);
+  ASSERT_TRUE(free2);
+  ASSERT_EQ(free2->status, 200);
+  const json f2 = json::parse(free2->body);
+  std::string t0 = f2["choices"][0]["text"], t1 = f2["choices"][1]["text"];
+  ASSERT_NE(t0, t1);
+  // A stop string from choice 0's text (printable, first occurrence) that choice 1 lacks.
+  std::string s2;
+  for (size_t k = 1; k + 1 < t0.size() && s2.empty(); ++k) {
+    std::string cand = t0.substr(k, 2);
+    if (printable(cand[0]) && printable(cand[1]) && t0.find(cand) == k &&
+        t1.find(cand) == std::string::npos) {
+      s2 = cand;
+    }
+  }
+  ASSERT_FALSE(s2.empty());
+  sampled["stop"] = s2;
+  for (bool stream : {false, true}) {
+    sampled["stream"] = stream;
+    auto r = Post("/v1/completions", sampled);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200);
+    if (!stream) {
+      const json j = json::parse(r->body);
+      EXPECT_EQ(j["choices"][0]["text"], t0.substr(0, t0.find(s2)));
+      EXPECT_EQ(j["choices"][0]["stop_reason"], s2);
+      EXPECT_EQ(j["choices"][1]["text"], t1);
+      EXPECT_EQ(j["choices"][1]["finish_reason"], "length");
+      EXPECT_TRUE(j["choices"][1]["stop_reason"].is_null());
+    }
+  }
+}
+
 TEST_F(ServerEngineTest, RepeatedPromptReportsCachedTokens) {
   json body{{"prompt", std::string(40, 'x')}, {"max_tokens", 2}, {"temperature", 0}};
   auto a = Post("/v1/completions", body);

@@ -2,10 +2,13 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -328,6 +331,101 @@ TEST_F(ServeCliTest, IgnoredVllmFlagsAreAcceptedAndLogged) {
   }
   serve.Signal(SIGTERM);
   EXPECT_EQ(serve.Wait(15'000), 0) << serve.ReadLog();
+}
+
+// generation_config.json as vLLM reads it: its eos_token_id ids stop in every mode (the
+// tokenizer's EOS reports stop_reason null, another id reports itself), its sampling values are
+// the defaults of requests that leave them out with --generation-config auto (logged as vLLM
+// logs it), not with vllm; a directory given instead must hold the file.
+TEST_F(ServeCliTest, GenerationConfigEosAndDefaultsAsVllm) {
+  const std::string dir = MakeTempDir("kvb_serve_gencfg");
+  const std::string model = dir + "/tiny";
+  Subprocess make({KvbridgeBin(), "make-model", "--preset", "tiny", "--seed", "5", "--out", model});
+  ASSERT_EQ(make.Wait(60'000), 0);
+  auto write_gen = [&](const json& j) { std::ofstream(model + "/generation_config.json") << j; };
+  auto serve = [&](const std::vector<std::string>& extra, const std::string& log, int* port) {
+    *port = FreePort();
+    std::vector<std::string> args = {KvbridgeBin(), "serve", model, "--port",
+                                     std::to_string(*port)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<Subprocess>(args, dir + "/" + log);
+  };
+  auto post = [](int port, const json& body) {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(60, 0);
+    auto r = c.Post("/v1/completions", body.dump(), "application/json");
+    return r && r->status == 200 ? json::parse(r->body) : json{{"_error", r ? r->body : "none"}};
+  };
+  auto ids_of = [](const json& answer) {
+    std::vector<int> ids;
+    for (const json& t : answer["choices"][0]["logprobs"]["tokens"]) {
+      ids.push_back(std::stoi(t.get<std::string>().substr(9)));
+    }
+    return ids;
+  };
+  const json greedy{{"prompt", "abc"},    {"max_tokens", 6}, {"temperature", 0},
+                    {"ignore_eos", true}, {"logprobs", 1},   {"return_tokens_as_token_ids", true}};
+  json defaulted = greedy;
+  defaulted.erase("temperature");
+  defaulted["seed"] = 1;
+
+  // vllm: the file's temperature 0 is no default; sampled and greedy answers differ.
+  write_gen({{"temperature", 0.0}, {"eos_token_id", 257}});
+  int port = 0;
+  auto a = serve({"--generation-config", "vllm"}, "vllm.log", &port);
+  ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << a->ReadLog();
+  const json g = post(port, greedy);
+  ASSERT_FALSE(g.contains("_error")) << g.dump();
+  const std::vector<int> want = ids_of(g);
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_NE(ids_of(post(port, defaulted)), want);
+  EXPECT_EQ(a->ReadLog().find("Default sampling parameters"), std::string::npos);
+  a->Signal(SIGTERM);
+  EXPECT_EQ(a->Wait(15'000), 0);
+
+  // auto: temperature 0 is the default (top_k 50 equals transformers' default: none); the
+  // file's eos ids stop: the third greedy token ends the answer, its id the stop_reason.
+  const int stop_id = want[2];
+  write_gen({{"temperature", 0.0}, {"top_k", 50}, {"eos_token_id", {257, stop_id}}});
+  auto b = serve({}, "auto.log", &port);
+  ASSERT_TRUE(WaitForHttpOk("127.0.0.1", port, "/health", 60'000)) << b->ReadLog();
+  EXPECT_EQ(ids_of(post(port, defaulted)), want);  // ignore_eos: no stop
+  json stopping = defaulted;
+  stopping.erase("ignore_eos");
+  const json s = post(port, stopping);
+  ASSERT_FALSE(s.contains("_error")) << s.dump();
+  const size_t first = std::find(want.begin(), want.end(), stop_id) - want.begin();
+  EXPECT_EQ(ids_of(s), std::vector<int>(want.begin(), want.begin() + first + 1));
+  EXPECT_EQ(s["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(s["choices"][0]["stop_reason"], stop_id);
+  const std::string log = b->ReadLog();
+  EXPECT_NE(log.find("Default sampling parameters have been overridden by the model's Hugging "
+                     "Face generation config recommended from the model creator"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("{\"temperature\":0.0}"), std::string::npos) << log;
+  b->Signal(SIGTERM);
+  EXPECT_EQ(b->Wait(15'000), 0);
+
+  // A directory without the file; a bad file; tool flags without a parser: refused at start.
+  for (const auto& extra :
+       std::vector<std::vector<std::string>>{{"--generation-config", dir + "/nowhere"},
+                                             {"--enable-auto-tool-choice"},
+                                             {"--tool-call-parser", "pythonic"},
+                                             {"--reasoning-parser", "granite"}}) {
+    auto bad = serve(extra, "bad.log", &port);
+    EXPECT_EQ(bad->Wait(30'000), 1) << extra[0];
+    const std::string out = bad->ReadLog();
+    EXPECT_TRUE(out.find("nowhere") != std::string::npos ||
+                out.find("--tool-call-parser") != std::string::npos ||
+                out.find("qwen3") != std::string::npos)
+        << out;
+  }
+  write_gen({{"eos_token_id", "x"}});
+  auto bad = serve({}, "badfile.log", &port);
+  EXPECT_EQ(bad->Wait(30'000), 1);
+  EXPECT_NE(bad->ReadLog().find("generation_config.json: 'eos_token_id'"), std::string::npos)
+      << bad->ReadLog();
 }
 
 // make-model --tokenizer: a missing directory, or one without tokenizer.json, fails naming it.

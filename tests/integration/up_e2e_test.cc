@@ -407,6 +407,36 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
   streamed["stream"] = true;
   EXPECT_EQ(StreamText(port, streamed, 0), text["choices"][0]["text"].get<std::string>());
   EXPECT_EQ(StreamText(solo_port, streamed, 0), text["choices"][0]["text"].get<std::string>());
+  // Stops (vLLM's semantics) run where the tokens are made, the decode: a stop string from
+  // the middle of the answer cuts it there, P/D equal to colocated in text, ids and logprobs,
+  // whole and streamed; the completing token's ids still count.
+  {
+    const std::string full = text["choices"][0]["text"];
+    auto ascii = [](char ch) { return ch >= 'a' && ch <= 'z'; };
+    size_t at = 1;
+    while (at + 1 < full.size() &&
+           !(ascii(full[at]) && ascii(full[at + 1]) && full.find(full.substr(at, 2)) == at)) {
+      ++at;
+    }
+    ASSERT_LT(at + 1, full.size()) << "no two lowercase letters in " << full;
+    json stopped = body;
+    stopped["stop"] = {full.substr(at, 2)};
+    json s_want = Post(solo_port, "/v1/completions", stopped);
+    json s_got = Post(port, "/v1/completions", stopped);
+    ASSERT_EQ(s_got["_status"], 200) << s_got.dump();
+    EXPECT_EQ(s_want["choices"][0]["text"], full.substr(0, at));
+    EXPECT_EQ(s_want["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(s_want["choices"][0]["stop_reason"], full.substr(at, 2));
+    EXPECT_EQ(s_got["choices"][0], s_want["choices"][0]);
+    EXPECT_EQ(s_got["usage"]["completion_tokens"], s_want["usage"]["completion_tokens"]);
+    EXPECT_LT(s_want["usage"]["completion_tokens"].get<int>(), 24);
+    json s_stream = stopped;
+    s_stream.erase("logprobs");
+    s_stream.erase("return_tokens_as_token_ids");
+    s_stream["stream"] = true;
+    EXPECT_EQ(StreamText(port, s_stream, 0), full.substr(0, at));
+    EXPECT_EQ(StreamText(solo_port, s_stream, 0), full.substr(0, at));
+  }
   // /detokenize keeps special tokens, the completion skips them: equal when there are none.
   bool special = false;
   for (const auto& id : ids) special = special || id.get<int>() >= 151643;

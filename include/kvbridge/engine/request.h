@@ -33,9 +33,17 @@ struct SamplingParams {
   float top_p = 1.0f;             ///< (0, 1]
   int top_k = 0;                  ///< 0 = off
   std::optional<uint64_t> seed;   ///< per-request seed: same output whatever the batch
-  std::vector<std::string> stop;  ///< stop strings (not included in the output)
+  /// Stop strings, matched on the output text (the tokenizer's incremental decode, special
+  /// tokens skipped) across token boundaries, as vLLM's detokenizer: after each token past
+  /// min_tokens that adds text, the first string of the list found in the text that could end
+  /// in the new part ends the sequence (finish "stop", stop_reason the string); the token stays
+  /// in the output, the text is cut where the string starts (CompletionOutput::text_len).
+  /// While streaming, tokens whose text could still begin a stop string are held back.
+  std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  /// Keep a matched stop string (and a stop token's or EOS's text) in the text.
+  bool include_stop_str_in_output = false;
   int logprobs = -1;  ///< -1: none; k >= 0: sampled token's logprob + top-k
 };
 
@@ -66,6 +74,17 @@ struct CompletionOutput {
   std::vector<TokenLogprob> new_logprobs;  ///< parallel to new_token_ids when logprobs >= 0
   bool finished = false;
   std::string finish_reason;  ///< "length" | "stop" | "abort" (when finished)
+  /// When finished with "stop", vLLM's stop_reason: the stop string matched, or the id of the
+  /// stop token that ended it (one of stop_token_ids, or an EOS id of the generation config
+  /// other than the tokenizer's EOS); null for the tokenizer's EOS and every other finish.
+  nlohmann::json stop_reason;
+  /// When finished, the returned text is Decode(skip_special_tokens) of the first
+  /// `text_tokens` output ids (-1: all of them; one less when a stop token or EOS ended the
+  /// sequence and include_stop_str_in_output is false: its text is not returned, the id is),
+  /// cut to its first `text_len` bytes when >= 0 (a stop string matched: where it starts, or
+  /// where it ends with include_stop_str_in_output). Every output id is returned either way.
+  int text_tokens = -1;
+  int64_t text_len = -1;
 };
 
 struct RequestOutput {
@@ -89,6 +108,10 @@ struct EngineConfig {
   int max_model_len = 0;             ///< 0 = model's max_position_embeddings
   int max_waiting_requests = 1024;   ///< AddRequest beyond this: ResourceExhausted (HTTP 503)
   uint64_t seed = 0;                 ///< default seed for requests without one
+  /// The ids that end a sequence like EOS (unless ignore_eos) besides the tokenizer's EOS:
+  /// generation_config.json's eos_token_id (LoadGenerationConfig); nullopt: config.json's.
+  /// Each must lie in [0, vocab_size).
+  std::optional<std::vector<int32_t>> eos_token_ids;
   bool debug_poison_kv_nan = false;  ///< fill the pool with NaN at start (tests)
   /// Tensor-parallel ranks inside this engine (threads of one process, docs/engine.md). Must
   /// divide 8 (the fixed K-shards of row-parallel matmuls) and num_attention_heads, and

@@ -87,8 +87,12 @@ struct SchedulerConfig {
   int max_model_len = 2048;            ///< prompt + output tokens per sequence
   int vocab_size = 0;                  ///< > 0
   std::vector<int32_t> eos_token_ids;  ///< stop on these unless ignore_eos
-  std::string model_fingerprint;       ///< seeds the prefix-cache hash chain
-  uint64_t default_seed = 0;           ///< requests without a seed use a hash of (this, id)
+  /// The tokenizer's EOS (-1: none): finishing on it reports stop_reason null; finishing on
+  /// another of eos_token_ids (generation_config.json's or config.json's list) reports the id,
+  /// as vLLM, which makes those stop_token_ids.
+  int32_t tokenizer_eos_token_id = -1;
+  std::string model_fingerprint;  ///< seeds the prefix-cache hash chain
+  uint64_t default_seed = 0;      ///< requests without a seed use a hash of (this, id)
   /// The model's tokenizer, for stop strings: a sequence's output text is what an
   /// IncrementalDecoder (skip_special_tokens) made final so far — the text the server returns,
   /// not one-id decodes (which lose a BPE tokenizer's multi-byte characters and a

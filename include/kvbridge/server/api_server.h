@@ -52,6 +52,7 @@
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/model/chat_template.h"
+#include "kvbridge/model/generation_config.h"
 #include "kvbridge/model/tokenizer.h"
 
 namespace kvbridge {
@@ -76,6 +77,17 @@ struct ServerConfig {
   /// The checkpoint's chat templates (LoadChatTemplates); null or empty: chat prompts use
   /// kvbridge's plain format (docs/api.md).
   std::shared_ptr<const ChatTemplates> chat_templates;
+  /// Values of temperature, top_p, top_k and max_tokens for requests that leave them out
+  /// (the generation config's, LoadGenerationConfig; empty: the OpenAI defaults).
+  SamplingDefaults sampling_defaults;
+  /// vLLM's --enable-auto-tool-choice / --tool-call-parser ("hermes" | "llama3_json"):
+  /// tool_choice "auto" parses the chat answer's tool calls into message.tool_calls (docs/api.md
+  /// "Tools"). The flag needs a parser (InvalidArgument from Create, as vLLM).
+  bool enable_auto_tool_choice = false;
+  std::string tool_call_parser;
+  /// vLLM's --reasoning-parser ("qwen3" | "deepseek_r1"): chat answers split into
+  /// message.reasoning_content and content.
+  std::string reasoning_parser;
   /// Non-empty: kv_transfer_params (and routes that call CheckClusterToken) need header
   /// "X-KVBridge-Cluster-Token: <token>".
   std::string cluster_token;
