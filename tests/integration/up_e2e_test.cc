@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -283,8 +284,12 @@ TEST(UpPrefillForwardN, Concurrency16WithN8DrainsClean) {
 }
 
 // A tokenizer directory of ../shared (absent outside the project's machines: "").
+// Resolved from the source tree (KVBRIDGE_SOURCE_DIR, set by ctest), not from the working
+// directory.
 std::string SharedTokenizer(const std::string& name) {
-  const std::string dir = "../shared/data/tokenizers/" + name;
+  const char* src = std::getenv("KVBRIDGE_SOURCE_DIR");
+  const std::string root = src != nullptr ? std::string(src) + "/.." : "..";
+  const std::string dir = root + "/shared/data/tokenizers/" + name;
   return ::access((dir + "/tokenizer.json").c_str(), R_OK) == 0 ? dir : "";
 }
 
