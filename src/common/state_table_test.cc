@@ -51,5 +51,17 @@ TEST(StateTable, RowsAreLegalEverythingElseIsAFailedPreconditionNamingBothStates
   EXPECT_EQ(stay.message(), "illegal door state transition locked -> locked");
 }
 
+TEST(StateTable, SetCheckedStateMovesOnlyAlongARow) {
+  Door d = Door::kOpen;
+  EXPECT_TRUE(SetCheckedState(kDoorTransitions, "door", d, Door::kClosed, DoorName).ok());
+  EXPECT_EQ(d, Door::kClosed);
+  EXPECT_TRUE(SetCheckedState(kDoorTransitions, "door", d, Door::kLocked, DoorName).ok());
+  EXPECT_EQ(d, Door::kLocked);
+  const Status st = SetCheckedState(kDoorTransitions, "door", d, Door::kOpen, DoorName);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(st.message(), "illegal door state transition locked -> open");
+  EXPECT_EQ(d, Door::kLocked);  // an illegal move changes nothing
+}
+
 }  // namespace
 }  // namespace kvbridge

@@ -88,16 +88,11 @@ std::string_view DecodeCore::RequestStateName(RequestState s) {
 }
 
 Status DecodeCore::SetState(Pair& p, PairState to) {
-  RETURN_IF_ERROR(CheckStateTransition(kPairTransitions, "READ pair", p.state, to, &PairStateName));
-  p.state = to;
-  return OkStatus();
+  return SetCheckedState(kPairTransitions, "READ pair", p.state, to, &PairStateName);
 }
 
 Status DecodeCore::SetState(Request& r, RequestState to) {
-  RETURN_IF_ERROR(
-      CheckStateTransition(kRequestTransitions, "READ request", r.state, to, &RequestStateName));
-  r.state = to;
-  return OkStatus();
+  return SetCheckedState(kRequestTransitions, "READ request", r.state, to, &RequestStateName);
 }
 
 void DecodeCore::Move(Request& r, Pair& p, PairState to) {

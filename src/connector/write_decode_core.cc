@@ -64,10 +64,7 @@ std::string_view WriteDecodeCore::PairStateName(PairState s) {
 }
 
 Status WriteDecodeCore::SetState(Pair& p, PairState to) {
-  RETURN_IF_ERROR(
-      CheckStateTransition(kPairTransitions, "WRITE pair", p.state, to, &PairStateName));
-  p.state = to;
-  return OkStatus();
+  return SetCheckedState(kPairTransitions, "WRITE pair", p.state, to, &PairStateName);
 }
 
 void WriteDecodeCore::Move(Request& r, Pair& p, PairState to) {

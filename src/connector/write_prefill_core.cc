@@ -118,10 +118,7 @@ std::string_view WritePrefillCore::TargetStateName(TargetState s) {
 }
 
 Status WritePrefillCore::SetState(Target& g, TargetState to) {
-  RETURN_IF_ERROR(
-      CheckStateTransition(kTargetTransitions, "WRITE target", g.state, to, &TargetStateName));
-  g.state = to;
-  return OkStatus();
+  return SetCheckedState(kTargetTransitions, "WRITE target", g.state, to, &TargetStateName);
 }
 
 void WritePrefillCore::Move(Target& g, TargetState to) {

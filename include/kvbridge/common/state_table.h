@@ -12,6 +12,7 @@
 //   };
 //   // clang-format on
 //   Status st = CheckStateTransition(kPairTransitions, "READ pair", from, to, PairStateName);
+//   Status st = SetCheckedState(kPairTransitions, "READ pair", pair.state, to, PairStateName);
 //
 // The table is what is allowed; everything else is a FailedPrecondition naming the machine and
 // both states (a bug in the core, returned to the caller, never only logged). The table does
@@ -52,6 +53,16 @@ Status CheckStateTransition(const StateTransition<State> (&table)[N], std::strin
   if (IsStateTransition(table, from, to)) return OkStatus();
   return FailedPreconditionError("illegal " + std::string(machine) + " state transition " +
                                  std::string(name(from)) + " -> " + std::string(name(to)));
+}
+
+/// Sets `state` to `to` when `state -> to` is a row of `table`; otherwise leaves `state` as it
+/// is and returns CheckStateTransition's FailedPrecondition.
+template <typename State, size_t N, typename NameFn>
+Status SetCheckedState(const StateTransition<State> (&table)[N], std::string_view machine,
+                       State& state, State to, NameFn name) {
+  Status st = CheckStateTransition(table, machine, state, to, name);
+  if (st.ok()) state = to;
+  return st;
 }
 
 }  // namespace kvbridge
