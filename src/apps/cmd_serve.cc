@@ -164,6 +164,7 @@ int RunServe(const ServeOptions& o) {
           ? std::filesystem::path(o.model_dir).lexically_normal().filename().string()
           : o.served_model_name;
   if (sc.served_model_name.empty()) sc.served_model_name = "kvbridge";
+  ec.served_model_name = sc.served_model_name;
   sc.max_model_len = o.max_model_len > 0 ? o.max_model_len : model_max_len;
   sc.api_key = o.api_key;
   sc.num_http_threads = o.http_threads;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 namespace kvbridge {
@@ -21,10 +22,15 @@ std::string FormatDouble(double v) {
     os << static_cast<long long>(v);
     return os.str();
   }
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
+  // The shortest of 15..17 significant digits that reads back as v: 0.3 renders "0.3" (as
+  // Prometheus clients write bounds, so le="0.3" matches), not 0.29999999999999999.
+  for (int digits = 15; digits <= 17; ++digits) {
+    std::ostringstream os;
+    os.precision(digits);
+    os << v;
+    if (digits == 17 || std::strtod(os.str().c_str(), nullptr) == v) return os.str();
+  }
+  return "";
 }
 
 std::string WithLabels(const std::string& name, const std::string& labels,
@@ -139,6 +145,28 @@ std::string MetricsRegistry::Render() const {
     }
   }
   return os.str();
+}
+
+std::string PrometheusLabels(
+    std::initializer_list<std::pair<std::string_view, std::string_view>> labels) {
+  std::string out;
+  for (const auto& [key, value] : labels) {
+    if (!out.empty()) out += ',';
+    out += key;
+    out += "=\"";
+    for (char c : value) {
+      if (c == '\\' || c == '"') {
+        out += '\\';
+        out += c;
+      } else if (c == '\n') {
+        out += "\\n";
+      } else {
+        out += c;
+      }
+    }
+    out += '"';
+  }
+  return out;
 }
 
 double ScrapeMetric(const std::string& text, const std::string& name, const std::string& labels) {

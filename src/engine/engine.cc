@@ -170,6 +170,12 @@ class EngineImpl final : public Engine {
     m_blocks_active_->Set(static_cast<double>(s.kv_blocks_active));
     m_blocks_held_->Set(static_cast<double>(s.kv_blocks_held_for_transfer));
     m_blocks_cached_->Set(static_cast<double>(s.kv_blocks_cached_free));
+    if (VllmMetrics* v = core_->scheduler().vllm_metrics()) {
+      v->SetSchedulerState(s.running, s.waiting + s.waiting_for_remote_kv,
+                           s.kv_blocks_total > 0 ? static_cast<double>(s.kv_blocks_active) /
+                                                       static_cast<double>(s.kv_blocks_total)
+                                                 : 0.0);
+    }
     {
       MutexLock lock(&stats_mu_);
       stats_ = s;

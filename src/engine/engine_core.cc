@@ -172,6 +172,7 @@ Status EngineCore::Finish(MetricsRegistry* metrics, std::function<void()> wake, 
   }
   sc.model_fingerprint = model->fingerprint();
   sc.default_seed = config.seed;
+  sc.served_model_name = config.served_model_name;
   sc.tokenizer = model->tokenizer();
   core->scheduler_ =
       std::make_unique<Scheduler>(std::move(sc), core->pool_.get(), nullptr, metrics);

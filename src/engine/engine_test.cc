@@ -113,6 +113,13 @@ TEST(Engine, ServesRequestsFromSeveralThreads) {
   EXPECT_EQ(ScrapeMetric(text, "kvbridge_time_to_first_token_seconds_count"), 4.0);
   EXPECT_EQ(ScrapeMetric(text, "kvbridge_inter_token_latency_seconds_count"), 20.0);
   EXPECT_EQ(ScrapeMetric(text, "kvbridge_requests_finished_total", "reason=\"length\""), 4.0);
+  // The vllm:* twins (vllm_metrics_test checks them in detail), the gauges published per step.
+  const std::string vl = "model_name=\"kvbridge\",engine=\"0\"";
+  EXPECT_EQ(ScrapeMetric(text, "vllm:num_requests_running", vl), 0.0);
+  EXPECT_EQ(ScrapeMetric(text, "vllm:num_requests_waiting", vl), 0.0);
+  EXPECT_EQ(ScrapeMetric(text, "vllm:kv_cache_usage_perc", vl), 0.0);
+  EXPECT_EQ(ScrapeMetric(text, "vllm:generation_tokens_total", vl), 24.0);
+  EXPECT_EQ(ScrapeMetric(text, "vllm:request_success_total", "finished_reason=\"length\""), 4.0);
   engine->Shutdown();
 }
 

@@ -53,6 +53,7 @@ struct Scheduler::Group {
   int num_cached_tokens = 0;
   int num_unfinished = 0;
   bool first_token = false;
+  RequestTimes times;  // scheduled / first token / remote KV wait / finished, as they happen
   bool final_emitted = false;
   bool dirty = false;
   Status error;
@@ -178,6 +179,8 @@ Scheduler::Scheduler(SchedulerConfig config, BlockPool* pool, KvConnector* conne
           &metrics->AddCounter("kvbridge_requests_finished_total", "Finished sequences by reason.",
                                std::string("reason=\"") + r + "\"");
     }
+    vllm_ =
+        std::make_unique<VllmMetrics>(metrics, config_.served_model_name, config_.max_model_len);
   }
 }
 
@@ -314,6 +317,7 @@ Status Scheduler::AddRequest(EngineRequest request, TimePoint now) {
   }
   for (const std::string& s : sp.stop) g->max_stop_len = std::max(g->max_stop_len, s.size());
   if (request.arrival_time == 0) request.arrival_time = now;
+  g->times.arrival = request.arrival_time;
   g->req = std::move(request);
   auto seq = std::make_unique<Seq>();
   seq->group = g.get();
@@ -384,6 +388,7 @@ void Scheduler::Preempt(Seq* s, TimePoint now) {
   waiting_.push_front(s);
   ++num_preemptions_;
   if (m_preemptions_) m_preemptions_->Inc();
+  if (vllm_) vllm_->OnPreemption();
 }
 
 void Scheduler::CacheComputedBlocks(Seq* s) {
@@ -448,6 +453,7 @@ Scheduler::Admit Scheduler::TryAdmit(Seq* s, int* budget, ScheduledBatch* batch,
     if (!pool_->CanAllocate(need, hits)) return Admit::kStop;  // connector path checked above
     if (m_prefix_queries_) m_prefix_queries_->Inc(static_cast<double>(s->tokens.size()));
     if (m_prefix_hits_) m_prefix_hits_->Inc(local);
+    if (vllm_) vllm_->OnPrefixCacheLookup(static_cast<int>(s->tokens.size()), local);
     s->blocks = hits;
     // Take the hits now and only the blocks the KV of `total` tokens lives in; the chunk's
     // blocks come from AllocateSlots below.
@@ -464,6 +470,7 @@ Scheduler::Admit Scheduler::TryAdmit(Seq* s, int* budget, ScheduledBatch* batch,
       if (g->match.load_async) {
         waiting_.pop_front();
         if (!Transition(s, RequestState::kWaitingForRemoteKvs, now)) return Admit::kSkipped;
+        if (g->times.remote_kv_wait_start < 0) g->times.remote_kv_wait_start = now;
         remote_wait_[s->id] = s;
         return Admit::kSkipped;
       }
@@ -478,6 +485,7 @@ Scheduler::Admit Scheduler::TryAdmit(Seq* s, int* budget, ScheduledBatch* batch,
   if (!pool_->CanAllocate(BlocksNeeded(*s, num_new))) return Admit::kStop;
   waiting_.pop_front();
   if (!Transition(s, RequestState::kRunning, now)) return Admit::kSkipped;
+  if (s->group->times.scheduled < 0) s->group->times.scheduled = now;
   running_.push_back(s);
   running_slots_ += slots;
   AllocateSlots(s, num_new, batch);
@@ -595,12 +603,22 @@ void Scheduler::AppendToken(Seq* s, int32_t token, std::span<const float> row, T
   s->tokens.push_back(token);
   if (sp.logprobs >= 0) s->logprobs.push_back(ComputeLogprobs(row, token, sp.logprobs));
   if (m_generation_tokens_) m_generation_tokens_->Inc();
+  if (vllm_) vllm_->OnGenerationTokens(1);
   if (!g->first_token) {
     g->first_token = true;
+    g->times.first_token = now;
     if (m_ttft_) m_ttft_->Observe(static_cast<double>(now - g->req.arrival_time) / kSecond);
     if (m_prompt_tokens_) m_prompt_tokens_->Inc(g->num_prompt);
-  } else if (s->last_token_time >= 0 && m_itl_) {
-    m_itl_->Observe(static_cast<double>(now - s->last_token_time) / kSecond);
+    if (vllm_) vllm_->OnPromptTokens(g->num_prompt);
+  } else if (s->last_token_time >= 0) {
+    const double itl = static_cast<double>(now - s->last_token_time) / kSecond;
+    if (m_itl_) m_itl_->Observe(itl);
+    if (vllm_) vllm_->OnInterToken(itl);
+  }
+  // vLLM counts each of n siblings as a request: each has its own first token (all in the step
+  // that forked them).
+  if (vllm_ && s->num_output() == 1) {
+    vllm_->OnFirstToken(static_cast<double>(now - g->req.arrival_time) / kSecond);
   }
   s->last_token_time = now;
 
@@ -691,9 +709,25 @@ void Scheduler::FinishSeq(Seq* s, RequestState state, TimePoint now) {
   }
   ReleaseBlocks(&s->blocks);
   --g->num_unfinished;
+  ObserveFinished(s, now);
+  MarkDirty(g);
+}
+
+void Scheduler::ObserveFinished(Seq* s, TimePoint now) {
+  Group* g = s->group;
+  g->times.finished = now;
   auto m = m_finished_.find(s->finish_reason);
   if (m != m_finished_.end()) m->second->Inc();
-  MarkDirty(g);
+  if (!vllm_) return;
+  VllmMetrics::Finished f;
+  f.arrival = g->req.arrival_time;
+  f.scheduled = g->times.scheduled;
+  f.first_token = g->times.first_token;
+  f.finished = now;
+  f.prompt_tokens = g->num_prompt;
+  f.generation_tokens = std::max(0, s->num_output());
+  f.finish_reason = s->finish_reason;
+  vllm_->OnFinished(f);
 }
 
 void Scheduler::FailGroup(Group* g, const Status& error, TimePoint now, bool tell_connector) {
@@ -713,8 +747,7 @@ void Scheduler::FailGroup(Group* g, const Status& error, TimePoint now, bool tel
     s->finish_reason = "error";
     if (s->num_output_final < 0) s->num_output_final = std::max(0, s->num_output());
     --g->num_unfinished;
-    auto m = m_finished_.find("error");
-    if (m != m_finished_.end()) m->second->Inc();
+    ObserveFinished(s.get(), now);
   }
   MarkDirty(g);
 }
@@ -739,8 +772,7 @@ bool Scheduler::Abort(const std::string& request_id, TimePoint now) {
     s->finish_reason = "abort";
     if (s->num_output_final < 0) s->num_output_final = std::max(0, s->num_output());
     --g->num_unfinished;
-    auto m = m_finished_.find("abort");
-    if (m != m_finished_.end()) m->second->Inc();
+    ObserveFinished(s, now);
   }
   MarkDirty(g);
   FlushOutputs();
@@ -765,6 +797,7 @@ bool Scheduler::ReleaseDrainingOrHeld(const std::string& id) {
 void Scheduler::OnRemoteDone(Seq* s, TimePoint now) {
   Group* g = s->group;
   remote_wait_.erase(s->id);
+  g->times.remote_kv_wait_end = now;
   // Everything but the last prompt token is now in the blocks; the last one is recomputed so
   // this engine produces the logits of the first token itself.
   s->num_computed = std::min(g->local_hit_tokens + g->match.num_external_tokens, g->num_prompt - 1);
@@ -776,6 +809,7 @@ void Scheduler::OnRemoteDone(Seq* s, TimePoint now) {
 void Scheduler::OnRemoteFailed(Seq* s, const KvConnector::LoadFailure& f, TimePoint now) {
   Group* g = s->group;
   if (m_remote_load_failures_) m_remote_load_failures_->Inc();
+  g->times.remote_kv_wait_end = now;
   KVB_LOG_WARN("scheduler: remote KV load of {} failed ({}): {}", s->id,
                f.recompute ? "recomputing" : "failing the request", f.status.ToString());
   if (!f.recompute) {
@@ -943,6 +977,10 @@ void Scheduler::FlushOutputs() {
       out.finished = true;
       out.error = g->error;
       out.kv_transfer_params = g->kv_params_out;
+      out.times = std::move(g->times);
+      if (connector_ != nullptr && !g->req.kv_transfer_params.is_null()) {
+        out.times.kv_load = connector_->TakeLoadRecord(g->req.request_id);
+      }
       g->final_emitted = true;
       done.push_back(g->req.request_id);
     }

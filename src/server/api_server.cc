@@ -299,6 +299,9 @@ struct ApiServer::Impl {
 
 void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& req,
                                      httplib::Response& res) {
+  // The request's arrival, before parsing and tokenization (vLLM's arrival_time): TTFT and
+  // e2e latency count from here.
+  const TimePoint received = SteadyNow();
   if (stopping.load()) return SetError(res, 503, "the server is shutting down");
   json body;
   if (auto err = ParseBody(req.body, &body)) {
@@ -358,7 +361,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
     er.prompt_token_ids = std::move(parsed.prompts[p]);
     er.sampling = parsed.sampling;
     er.kv_transfer_params = parsed.kv_transfer_params;
-    er.arrival_time = SteadyNow();
+    er.arrival_time = received;
     Status s = engine->AddRequest(std::move(er), [job, p](const RequestOutput& out) {
       {
         MutexLock l(&job->mu);

@@ -18,10 +18,13 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 namespace kvbridge {
@@ -76,8 +79,7 @@ class MetricsRegistry {
   /// name+labels twice returns the existing metric.
   Counter& AddCounter(const std::string& name, const std::string& help,
                       const std::string& labels = "");
-  Gauge& AddGauge(const std::string& name, const std::string& help,
-                  const std::string& labels = "");
+  Gauge& AddGauge(const std::string& name, const std::string& help, const std::string& labels = "");
   Histogram& AddHistogram(const std::string& name, const std::string& help,
                           std::vector<double> bounds, const std::string& labels = "");
   /// A gauge whose value is read by `fn` at Render() time (fn must be thread-safe).
@@ -99,6 +101,11 @@ class MetricsRegistry {
   mutable std::mutex mu_;
   std::map<std::string, Family> families_;
 };
+
+/// A rendered label set `k1="v1",k2="v2"` in the given order, each value escaped as the text
+/// format requires (backslash, double quote and newline). For MetricsRegistry's `labels`.
+std::string PrometheusLabels(
+    std::initializer_list<std::pair<std::string_view, std::string_view>> labels);
 
 /// Parses one sample `name` (optionally `name{labels}`) from Prometheus text; returns the sum of
 /// all matching samples, or -1 when absent. For tests and `kvbridge bench --check-drain`.

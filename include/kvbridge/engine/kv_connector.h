@@ -116,6 +116,11 @@ class KvConnector {
   /// chunk of the batch), before the next layer is computed.
   virtual void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) {}
 
+  /// The record of request `request_id`'s finished remote KV load, taken once (the engine asks
+  /// when the request's final output is emitted): phase times (SteadyNow µs, keys ending in
+  /// "_us"), "bytes", "blocks", "backend". Null when there is none. Default: null.
+  virtual nlohmann::json TakeLoadRecord(const std::string& request_id) { return nullptr; }
+
   /// The next time Poll() must run even with no traffic (lease expiry, reply timeout), if any.
   virtual std::optional<TimePoint> NextDeadline() const = 0;
   /// True when no transfer, hold, parked message or pending notification remains.

@@ -87,6 +87,21 @@ struct CompletionOutput {
   int64_t text_len = -1;
 };
 
+/// Phase times of one request on this engine, on its final output: the scheduler's `now` values
+/// (SteadyNow µs, this process's clock); -1 = did not happen. For per-request timelines (the
+/// server returns them to the proxy, docs/metrics.md "Per-request P/D timeline").
+struct RequestTimes {
+  TimePoint arrival = -1;
+  TimePoint scheduled = -1;             ///< first scheduled for compute
+  TimePoint remote_kv_wait_start = -1;  ///< entered WAITING_FOR_REMOTE_KVS (P/D decode)
+  TimePoint remote_kv_wait_end = -1;    ///< left it (remote KV landed, or the load failed)
+  TimePoint first_token = -1;
+  TimePoint finished = -1;  ///< the last sequence finished
+  /// The connector's record of the request's remote KV load (KvConnector::TakeLoadRecord);
+  /// null when none.
+  nlohmann::json kv_load;
+};
+
 struct RequestOutput {
   std::string request_id;
   std::vector<CompletionOutput> outputs;  ///< only siblings with news
@@ -95,9 +110,12 @@ struct RequestOutput {
   bool finished = false;              ///< every sibling finished: last callback for this id
   nlohmann::json kv_transfer_params;  ///< set on the final output of a do_remote_decode request
   Status error;                       ///< non-OK ends the request (finished = true)
+  RequestTimes times;                 ///< set on the final output (finished = true)
 };
 
 struct EngineConfig {
+  /// The `model_name` label of the vllm:* metric families (the served model name).
+  std::string served_model_name = "kvbridge";
   int block_size = 16;
   int64_t num_blocks = 0;  ///< explicit count; 0 = from kv_cache_memory_bytes
   int64_t kv_cache_memory_bytes = 256ll << 20;
@@ -105,9 +123,9 @@ struct EngineConfig {
   bool enable_prefix_caching = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  int max_model_len = 0;             ///< 0 = model's max_position_embeddings
-  int max_waiting_requests = 1024;   ///< AddRequest beyond this: ResourceExhausted (HTTP 503)
-  uint64_t seed = 0;                 ///< default seed for requests without one
+  int max_model_len = 0;            ///< 0 = model's max_position_embeddings
+  int max_waiting_requests = 1024;  ///< AddRequest beyond this: ResourceExhausted (HTTP 503)
+  uint64_t seed = 0;                ///< default seed for requests without one
   /// The ids that end a sequence like EOS (unless ignore_eos) besides the tokenizer's EOS:
   /// generation_config.json's eos_token_id (LoadGenerationConfig); nullopt: config.json's.
   /// Each must lie in [0, vocab_size).

@@ -59,6 +59,7 @@
 #include "kvbridge/engine/block_pool.h"
 #include "kvbridge/engine/kv_connector.h"
 #include "kvbridge/engine/request.h"
+#include "kvbridge/engine/vllm_metrics.h"
 #include "kvbridge/model/forward.h"
 #include "kvbridge/model/tokenizer.h"
 
@@ -99,6 +100,8 @@ struct SchedulerConfig {
   /// SentencePiece decoder's spaces). When unset, requests with stop strings are rejected
   /// (InvalidArgument).
   std::optional<Tokenizer> tokenizer;
+  /// The `model_name` label of the vllm:* metric families.
+  std::string served_model_name = "kvbridge";
 };
 
 /// One chunk of one sequence in a step (pointers stay valid until UpdateFromOutput).
@@ -179,6 +182,8 @@ class Scheduler {
   size_t num_draining() const { return draining_.size(); }
   /// Finished sequences whose blocks are held for a transfer.
   size_t num_held() const { return held_.size(); }
+  /// The vllm:* families (null without a metrics registry).
+  VllmMetrics* vllm_metrics() { return vllm_.get(); }
   /// Preemptions so far.
   int64_t num_preemptions() const { return num_preemptions_; }
 
@@ -214,6 +219,8 @@ class Scheduler {
   void Fork(Seq* parent, TimePoint now);
   void AppendToken(Seq* s, int32_t token, std::span<const float> logits_row, TimePoint now);
   void FinishSeq(Seq* s, RequestState state, TimePoint now);
+  // Counts a sequence that just finished (metrics; the group's finish time).
+  void ObserveFinished(Seq* s, TimePoint now);
   // Ends every live sequence of `g` with `error`. `tell_connector`: call RequestAborted for each
   // (failures the connector did not originate, e.g. a forward error).
   void FailGroup(Group* g, const Status& error, TimePoint now, bool tell_connector = false);
@@ -255,6 +262,7 @@ class Scheduler {
   Histogram* m_ttft_ = nullptr;
   Histogram* m_itl_ = nullptr;
   std::unordered_map<std::string, Counter*> m_finished_;  // by reason
+  std::unique_ptr<VllmMetrics> vllm_;
 };
 
 }  // namespace kvbridge
