@@ -56,8 +56,9 @@ int RunProxy(ProxyCliOptions& cli) {
       return 1;
     }
   }
-  std::printf("kvbridge proxy listening on http://%s:%d (mode %s, routing %s)\n",
-              cli.proxy.host.c_str(), (*server)->port(), cli.mode.c_str(), cli.routing.c_str());
+  std::printf("kvbridge proxy listening on %s://%s:%d (mode %s, routing %s)\n",
+              cli.proxy.ssl_certfile.empty() ? "http" : "https", cli.proxy.host.c_str(),
+              (*server)->port(), cli.mode.c_str(), cli.routing.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&set, &sig);
@@ -74,8 +75,17 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option("--port", o->proxy.port, "Port (0 = any free port)")->capture_default_str();
       sub.add_option("--port-file", o->port_file,
                      "Write the bound port (a number and a newline) to this file once listening");
-      sub.add_option("--prefill", o->proxy.prefill_urls, "Static prefill instances (http://H:P)");
-      sub.add_option("--decode", o->proxy.decode_urls, "Static decode instances (http://H:P)");
+      sub.add_option("--prefill", o->proxy.prefill_urls,
+                     "Static prefill instances (http://H:P or https://H:P)");
+      sub.add_option("--decode", o->proxy.decode_urls,
+                     "Static decode instances (http://H:P or https://H:P)");
+      sub.add_option("--ssl-certfile", o->proxy.ssl_certfile,
+                     "PEM certificate (chain): serve HTTPS only (with --ssl-keyfile), as serve's; "
+                     "also the client certificate shown to engines that ask for one");
+      sub.add_option("--ssl-keyfile", o->proxy.ssl_keyfile, "PEM private key of --ssl-certfile");
+      sub.add_option("--ssl-ca-certs", o->proxy.ssl_ca_certs,
+                     "PEM CA bundle that verifies https:// engines (default: the system's CAs); "
+                     "an engine whose certificate does not verify gets no leg");
       sub.add_option("--mode", o->mode, "KV mode of every instance: read|write")
           ->capture_default_str();
       sub.add_option("--routing", o->routing, "least-loaded|round-robin")->capture_default_str();

@@ -13,8 +13,14 @@
 // (a streamed one: after its end), when both sides keep it alive and no byte is left over; a leg
 // that fails on a reused connection before any response byte arrived (the engine closed it while
 // idle) is retried once on a new one.
+//
+// TLS (ProxyOptions::ssl_*): every connection is a Stream (stream.h), plain or TLS. The proxy's
+// own port speaks HTTPS only when it has a certificate; a leg speaks HTTPS when its engine's URL
+// is https:// (verified against ssl_ca_certs, tls.h). The plain path is unchanged but for one
+// branch per operation; on TLS, writes go through the SSL engine asynchronously (no write-at-once).
 #include "kvbridge/proxy/proxy_server.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -33,6 +39,8 @@
 
 #include "kvbridge/common/logging.h"
 #include "kvbridge/common/metrics.h"
+#include "proxy/stream.h"
+#include "proxy/tls.h"
 #include "proxy/upstream_pool.h"
 
 namespace kvbridge::proxy {
@@ -44,6 +52,7 @@ namespace http = beast::http;
 using net::awaitable;
 using net::ip::tcp;
 using nlohmann::json;
+namespace ssl = net::ssl;
 
 constexpr auto kAwait = net::use_awaitable;
 
@@ -51,10 +60,17 @@ std::string_view ToStd(beast::string_view s) { return {s.data(), s.size()}; }
 
 // Writes all of `buffers` on a non-blocking socket: first at once (a small write into a send
 // buffer with room completes there and then), the rest, if any, asynchronously. An async write
-// that completes at once still costs a trip through the event loop's queue; this does not.
+// that completes at once still costs a trip through the event loop's queue; this does not. A TLS
+// stream writes asynchronously only (a synchronous SSL write on a non-blocking socket could stop
+// with a record half sent).
 template <typename ConstBufferSequence>
-awaitable<beast::error_code> WriteNow(tcp::socket& sock, const ConstBufferSequence& buffers) {
+awaitable<beast::error_code> WriteNow(Stream& stream, const ConstBufferSequence& buffers) {
   beast::error_code ec;
+  if (stream.is_tls()) {
+    co_await net::async_write(stream, buffers, net::redirect_error(kAwait, ec));
+    co_return ec;
+  }
+  tcp::socket& sock = stream.lowest_layer();
   const size_t total = net::buffer_size(buffers);
   size_t n = sock.write_some(buffers, ec);
   if (ec == net::error::would_block || ec == net::error::try_again) {
@@ -71,18 +87,61 @@ awaitable<beast::error_code> WriteNow(tcp::socket& sock, const ConstBufferSequen
 struct HostPort {
   std::string host;
   std::string port;
+  bool tls = false;  // https://
 };
 
 Result<HostPort> SplitUrl(const std::string& url) {
   std::string rest = url;
-  if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
+  bool tls = false;
+  if (rest.rfind("http://", 0) == 0) {
+    rest = rest.substr(7);
+  } else if (rest.rfind("https://", 0) == 0) {
+    rest = rest.substr(8);
+    tls = true;
+  }
   auto slash = rest.find('/');
   if (slash != std::string::npos) rest = rest.substr(0, slash);
   auto colon = rest.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == rest.size()) {
-    return InvalidArgumentError("url must look like http://HOST:PORT, got '" + url + "'");
+    return InvalidArgumentError("url must look like http[s]://HOST:PORT, got '" + url + "'");
   }
-  return HostPort{rest.substr(0, colon), rest.substr(colon + 1)};
+  return HostPort{rest.substr(0, colon), rest.substr(colon + 1), tls};
+}
+
+// Closes `socket` when the timer fires first (a TLS handshake, a whole short call, that takes
+// too long); Cancel() (or the destructor) disarms it.
+class CloseAfter {
+ public:
+  CloseAfter(tcp::socket& socket, DurationUs timeout) : timer_(socket.get_executor()) {
+    timer_.expires_after(std::chrono::microseconds(timeout));
+    timer_.async_wait([&socket](beast::error_code ec) {
+      if (ec) return;
+      beast::error_code ignore;
+      socket.close(ignore);
+    });
+  }
+  ~CloseAfter() { timer_.cancel(); }
+  CloseAfter(const CloseAfter&) = delete;
+  CloseAfter& operator=(const CloseAfter&) = delete;
+
+ private:
+  net::steady_timer timer_;
+};
+
+// The TLS client handshake of a new leg or call to `hp` (within `timeout`); an error in words.
+awaitable<Result<bool>> ClientHandshake(Stream& stream, const HostPort& hp, DurationUs timeout) {
+  ssl::stream<tcp::socket>& tls = *stream.tls();
+  if (Status s = PrepareClientTls(tls, hp.host); !s.ok()) co_return s;
+  beast::error_code ec;
+  {
+    CloseAfter guard(stream.lowest_layer(), timeout);
+    co_await tls.async_handshake(ssl::stream_base::client, net::redirect_error(kAwait, ec));
+  }
+  if (ec) {
+    co_return UnavailableError("TLS handshake with https://" + hp.host + ":" + hp.port + ": " +
+                               TlsErrorText(ec, tls));
+  }
+  co_return true;
 }
 
 // Resolves host:port; an IP literal (the common case) skips the resolver, which would hop to its
@@ -108,7 +167,7 @@ awaitable<beast::error_code> Connect(beast::tcp_stream& stream, const HostPort& 
 // loop). Errors as Beast's async_read / async_read_header: http::error::end_of_stream at EOF
 // before any byte, else the socket's or the parser's error (partial_message at EOF mid-message).
 template <bool isRequest, class Body>
-awaitable<beast::error_code> ReadMessage(tcp::socket& sock, beast::flat_buffer& buf,
+awaitable<beast::error_code> ReadMessage(Stream& sock, beast::flat_buffer& buf,
                                          http::parser<isRequest, Body>& parser, bool header_only) {
   beast::error_code ec;
   auto done = [&] { return header_only ? parser.is_header_done() : parser.is_done(); };
@@ -128,6 +187,9 @@ awaitable<beast::error_code> ReadMessage(tcp::socket& sock, beast::flat_buffer& 
     const size_t n =
         co_await sock.async_read_some(buf.prepare(room), net::redirect_error(kAwait, ec));
     buf.commit(n);
+    // A TLS peer that closes without close_notify: the same as EOF here (the HTTP framing says
+    // whether the message was whole).
+    if (ec == ssl::error::stream_truncated) ec = net::error::eof;
     if (ec == net::error::eof) {
       if (!parser.got_some() && buf.size() == 0) co_return http::error::end_of_stream;
       ec = {};  // what was buffered is parsed already: asio reports EOF on a read of 0 bytes
@@ -149,16 +211,30 @@ struct HttpReply {
   std::string body;
 };
 
-// One request on a fresh connection, whole response; Unavailable when the peer cannot be reached.
+// One request on a fresh connection, whole response; Unavailable when the peer cannot be reached
+// (or, https, does not prove itself with a certificate `tls` verifies: the message says why).
 awaitable<Result<HttpReply>> HttpCall(http::verb verb, std::string url, std::string target,
-                                      std::string body, std::string token, DurationUs timeout) {
+                                      std::string body, std::string token, DurationUs timeout,
+                                      ssl::context* tls) {
   auto ex = co_await net::this_coro::executor;
   auto hp = SplitUrl(url);
   if (!hp.ok()) co_return hp.status();
-  beast::tcp_stream stream(ex);
-  stream.expires_after(std::chrono::microseconds(timeout));
-  beast::error_code ec = co_await Connect(stream, *hp);
+  beast::tcp_stream tcp_stream(ex);
+  tcp_stream.expires_after(std::chrono::microseconds(timeout));
+  beast::error_code ec = co_await Connect(tcp_stream, *hp);
   if (ec) co_return UnavailableError("connect " + url + ": " + ec.message());
+  tcp_stream.expires_never();
+  std::optional<Stream> opened;
+  if (hp->tls) {
+    if (tls == nullptr) co_return UnavailableError(url + ": no TLS client context");
+    opened.emplace(tcp_stream.release_socket(), *tls);
+    auto shaken = co_await ClientHandshake(*opened, *hp, timeout);
+    if (!shaken.ok()) co_return shaken.status();
+  } else {
+    opened.emplace(tcp_stream.release_socket());
+  }
+  Stream& stream = *opened;
+  CloseAfter guard(stream.lowest_layer(), timeout);
   http::request<http::string_body> req{verb, target, 11};
   req.set(http::field::host, hp->host + ":" + hp->port);
   if (!token.empty()) req.set(kClusterTokenHeader, token);
@@ -181,7 +257,7 @@ awaitable<Result<HttpReply>> HttpCall(http::verb verb, std::string url, std::str
   reply.content_type = std::string(res[http::field::content_type]);
   reply.body = std::move(res.body());
   beast::error_code ignore;
-  stream.socket().shutdown(tcp::socket::shutdown_both, ignore);
+  stream.lowest_layer().shutdown(tcp::socket::shutdown_both, ignore);
   co_return reply;
 }
 
@@ -199,7 +275,7 @@ struct ProxyServer::Impl {
         expired(metrics.AddCounter("kvbridge_proxy_instances_expired_total",
                                    "Registered instances dropped for missed heartbeats.")),
         acceptor(ioc),
-        pool(UpstreamPool::Options{o.upstream_max_idle, o.upstream_idle_timeout}) {
+        pool(BasicUpstreamPool<Stream>::Options{o.upstream_max_idle, o.upstream_idle_timeout}) {
     for (Outcome oc : {Outcome::kOk, Outcome::kBadRequest, Outcome::kNoInstance,
                        Outcome::kPrefillError, Outcome::kDecodeError, Outcome::kUnreachable,
                        Outcome::kClientDisconnected, Outcome::kTimeout}) {
@@ -298,8 +374,8 @@ struct ProxyServer::Impl {
 
   awaitable<void> Accept();
   awaitable<void> Session(tcp::socket sock);
-  awaitable<bool> Handle(tcp::socket& sock, http::request<http::string_body>& req);
-  awaitable<bool> RunFlow(tcp::socket& sock, http::request<http::string_body>& req);
+  awaitable<bool> Handle(Stream& sock, http::request<http::string_body>& req);
+  awaitable<bool> RunFlow(Stream& sock, http::request<http::string_body>& req);
   awaitable<void> Housekeeping();
   awaitable<void> Release(ReleaseHold rel);
 
@@ -323,8 +399,11 @@ struct ProxyServer::Impl {
   // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
-  // After ioc: its idle sockets belong to ioc and must close before it goes.
-  UpstreamPool pool;
+  // TLS contexts (tls.h): the proxy's own port (null: plain HTTP) and its https:// legs.
+  std::shared_ptr<ssl::context> server_tls;
+  std::shared_ptr<ssl::context> client_tls;
+  // After ioc and the contexts: its idle connections belong to ioc and must close before it goes.
+  BasicUpstreamPool<Stream> pool;
   std::vector<std::thread> threads;
   bool started = false;
   int bound_port = 0;
@@ -337,8 +416,8 @@ using Request = http::request<http::string_body>;
 // A whole response, its head written by hand and sent with the body in one gather write: what
 // Beast's message + serializer would send (status line, Server, Content-Type, Content-Length,
 // Connection as keep_alive() sets it), without allocating each field and running a serializer.
-awaitable<bool> WriteWhole(tcp::socket& sock, const Request& req, int status,
-                           std::string content_type, std::string body) {
+awaitable<bool> WriteWhole(Stream& sock, const Request& req, int status, std::string content_type,
+                           std::string body) {
   const auto code = static_cast<http::status>(status);
   // 1xx, 204 and 304 carry no body and no Content-Length (RFC 9110 8.6).
   const bool bodyless = (status >= 100 && status < 200) || status == 204 || status == 304;
@@ -370,7 +449,7 @@ awaitable<bool> WriteWhole(tcp::socket& sock, const Request& req, int status,
 // event-loop thread, or the connection's strand), so nothing here needs a lock.
 struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
   FlowCtx(ProxyServer::Impl* impl_in, const net::any_io_executor& ex_in, FlowOptions o,
-          InstancePicker picker, tcp::socket* client_in, const Request* req_in, TimePoint t0_in)
+          InstancePicker picker, Stream* client_in, const Request* req_in, TimePoint t0_in)
       : impl(impl_in),
         ex(ex_in),
         flow(o, MintTransferId(), std::move(picker)),
@@ -418,12 +497,13 @@ struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
   bool finished = false;
   bool client_watched = false;
   // The client side.
-  tcp::socket* client;
+  Stream* client;
   const Request* req;
   TimePoint t0;
   bool client_ok = true;
   bool counted = false;
-  char client_peek = 0;  // WatchClient's receive lands here (never read)
+  char client_peek = 0;                        // WatchClient's receive lands here (never read)
+  std::optional<net::steady_timer> tls_watch;  // WatchClient's hang-up poll, TLS clients only
   std::optional<http::response<http::empty_body>> stream_head;
   std::optional<http::response_serializer<http::empty_body>> serializer;
 };
@@ -457,7 +537,7 @@ void FlowCtx::CountOutcome() {
 
 awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg,
                        bool inline_leg);
-void WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock);
+void WatchClient(std::shared_ptr<FlowCtx> ctx, Stream* sock);
 
 void FlowCtx::WatchClientOnce() {
   if (client_watched || finished || flow.client_done()) return;
@@ -490,7 +570,7 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
       continue;
     }
     if (!ctx->client_ok) continue;  // the client is gone; its bytes have nowhere to go
-    tcp::socket& sock = *ctx->client;
+    Stream& sock = *ctx->client;
     if (auto* w = std::get_if<Respond>(&a)) {
       ctx->CountOutcome();
       ctx->client_ok =
@@ -579,16 +659,18 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     fail(LegFailure::kUnreachable, hp.status().message());
     co_return;
   }
-  const std::string pool_key = hp->host + ":" + hp->port;
+  const std::string host_port = hp->host + ":" + hp->port;
+  // A TLS connection is never handed to a plain leg or the other way round.
+  const std::string pool_key = hp->tls ? "https://" + host_port : host_port;
   const bool pooling = impl->pool.enabled();
-  const std::string head = LegHead(leg, pool_key, impl->options.cluster_token,
+  const std::string head = LegHead(leg, host_port, impl->options.cluster_token,
                                    ctx->flow.transfer_id(), /*keep_alive=*/pooling);
   const std::array<net::const_buffer, 2> request{net::buffer(head), net::buffer(leg.body)};
   beast::error_code ec;
   // Attempt 0 takes a pooled connection when there is one; attempt 1 exists only to redo a
   // request that a reused connection lost before any response byte.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    std::optional<tcp::socket> sock;
+    std::optional<Stream> sock;
     if (attempt == 0 && pooling) sock = impl->pool.Take(pool_key, SteadyNow());
     const bool reused = sock.has_value();
     if (!reused) {
@@ -607,12 +689,28 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
       stream.socket().set_option(tcp::no_delay(true), ec);
       stream.socket().non_blocking(true, ec);  // for WriteNow; once per connection
       stream.expires_never();
-      sock.emplace(stream.release_socket());
+      if (hp->tls) {
+        // Verified before any byte of the request goes: an engine whose certificate does not
+        // verify never sees the leg (its body, the cluster token).
+        sock.emplace(stream.release_socket(), *impl->client_tls);
+        ctx->SetLegSocket(leg.leg_id, &sock->lowest_layer());
+        auto shaken = co_await ClientHandshake(*sock, *hp, impl->options.connect_timeout);
+        ctx->SetLegSocket(leg.leg_id, nullptr);
+        if (ctx->Cancelled(leg.leg_id)) co_return;
+        if (!shaken.ok()) {
+          KVB_LOG_WARN("leg to {}: {}", leg.instance.url, shaken.status().message());
+          fail(attempt == 0 ? LegFailure::kUnreachable : LegFailure::kBroken,
+               std::string(shaken.status().message()));
+          co_return;
+        }
+      } else {
+        sock.emplace(stream.release_socket());
+      }
       impl->m_leg_connections_new->Inc();
     } else {
       impl->m_leg_connections_reused->Inc();
     }
-    ctx->SetLegSocket(leg.leg_id, &*sock);
+    ctx->SetLegSocket(leg.leg_id, &sock->lowest_layer());
     // No per-operation timer (it would arm and cancel one on every read and write): the flow's
     // own deadline (FlowOptions::timeout = request_timeout) cancels a leg that takes too long.
     ec = co_await WriteNow(*sock, request);
@@ -677,11 +775,11 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     const TimePoint t2 = SteadyNow();
     ctx->SetLegSocket(leg.leg_id, nullptr);
     // Back to the pool before the flow hears of the end, so the flow's next leg can reuse it.
-    if (pooling && parser.keep_alive() && buf.size() == 0 && sock->is_open()) {
+    if (pooling && parser.keep_alive() && buf.size() == 0 && sock->lowest_layer().is_open()) {
       impl->pool.Put(pool_key, std::move(*sock), t2);
     } else {
       beast::error_code ignore;
-      sock->shutdown(tcp::socket::shutdown_both, ignore);
+      sock->lowest_layer().shutdown(tcp::socket::shutdown_both, ignore);
     }
     impl->m_leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
     ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
@@ -696,14 +794,36 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
 // receive rather than async_wait(wait_read): Asio's epoll reactor re-registers the descriptor
 // (epoll_ctl MOD) for every async_wait, while a receive queued after the request's read drained
 // the socket costs no system call. Bytes that arrive (a pipelined request) end the watch and stay
-// for the session to read.
-void WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock) {
+// for the session to read. A TLS client's bytes cannot be told apart from outside the SSL engine
+// (its close_notify alert is a record like any other), so for TLS they start a poll for the
+// socket's hang-up (POLLRDHUP, every 20 ms, as the engines' server watches) until the flow ends.
+void PollClientHangUp(std::shared_ptr<FlowCtx> ctx) {
   FlowCtx* c = ctx.get();
-  sock->async_receive(net::buffer(&c->client_peek, 1), tcp::socket::message_peek,
-                      [ctx = std::move(ctx)](beast::error_code ec, size_t n) {
-                        if (ec == net::error::operation_aborted || ctx->finished) return;
-                        if (ec || n == 0) ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
-                      });
+  c->tls_watch->expires_after(std::chrono::milliseconds(20));
+  c->tls_watch->async_wait([ctx = std::move(ctx)](beast::error_code ec) mutable {
+    if (ec || ctx->finished) return;
+    pollfd p{ctx->client->lowest_layer().native_handle(), POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
+      ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+      return;
+    }
+    PollClientHangUp(std::move(ctx));
+  });
+}
+
+void WatchClient(std::shared_ptr<FlowCtx> ctx, Stream* sock) {
+  FlowCtx* c = ctx.get();
+  sock->lowest_layer().async_receive(
+      net::buffer(&c->client_peek, 1), tcp::socket::message_peek,
+      [ctx = std::move(ctx)](beast::error_code ec, size_t n) mutable {
+        if (ec == net::error::operation_aborted || ctx->finished) return;
+        if (ec || n == 0) {
+          ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
+        } else if (ctx->client->is_tls()) {
+          ctx->tls_watch.emplace(ctx->ex);
+          PollClientHangUp(std::move(ctx));
+        }
+      });
 }
 
 }  // namespace
@@ -711,7 +831,7 @@ void WatchClient(std::shared_ptr<FlowCtx> ctx, tcp::socket* sock) {
 awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel) {
   json body = {{"transfer_id", rel.transfer_id}};
   auto r = co_await HttpCall(http::verb::post, rel.prefill.url, "/v1/kv/release", body.dump(),
-                             options.cluster_token, options.connect_timeout);
+                             options.cluster_token, options.connect_timeout, client_tls.get());
   if (r.ok() && r->status / 100 == 2) {
     m_releases_ok->Inc();
   } else {
@@ -722,7 +842,7 @@ awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel) {
   }
 }
 
-awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
+awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   auto ex = co_await net::this_coro::executor;
   const TimePoint t0 = SteadyNow();
   FlowOptions fo;
@@ -762,14 +882,15 @@ awaitable<bool> ProxyServer::Impl::RunFlow(tcp::socket& sock, Request& req) {
   ctx->deadline_timer.cancel();
   if (ctx->client_watched) {
     beast::error_code ignore;
-    sock.cancel(ignore);  // ends WatchClient
+    sock.lowest_layer().cancel(ignore);  // ends WatchClient
+    if (ctx->tls_watch) ctx->tls_watch->cancel();
   }
   in_flight.Add(-1);
   ctx->CountOutcome();
   co_return ctx->client_ok && ctx->flow.outcome() != Outcome::kClientDisconnected;
 }
 
-awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
+awaitable<bool> ProxyServer::Impl::Handle(Stream& sock, Request& req) {
   std::string target(req.target());
   auto q = target.find('?');
   std::string path = q == std::string::npos ? target : target.substr(0, q);
@@ -810,8 +931,9 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
     std::string url = ep->url;
     std::string body;
     if (post) body = req.body();
-    auto r = co_await HttpCall(req.method(), std::move(url), path, std::move(body),
-                               options.cluster_token, options.connect_timeout * 5);
+    auto r =
+        co_await HttpCall(req.method(), std::move(url), path, std::move(body),
+                          options.cluster_token, options.connect_timeout * 5, client_tls.get());
     if (!r.ok()) {
       co_return co_await WriteWhole(sock, req, 502, "application/json",
                                     ErrorJson(502, "bad_gateway", r.status().ToString()));
@@ -885,10 +1007,28 @@ awaitable<bool> ProxyServer::Impl::Handle(tcp::socket& sock, Request& req) {
                                 ErrorJson(404, "not_found", "no such endpoint: " + path));
 }
 
-awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
+awaitable<void> ProxyServer::Impl::Session(tcp::socket socket) {
   beast::error_code ec;
-  sock.set_option(tcp::no_delay(true), ec);
-  sock.non_blocking(true, ec);  // for WriteNow
+  socket.set_option(tcp::no_delay(true), ec);
+  socket.non_blocking(true, ec);  // for WriteNow
+  std::optional<Stream> opened;
+  if (server_tls) {
+    opened.emplace(std::move(socket), *server_tls);
+    {
+      // A client that never completes its handshake does not hold the session forever.
+      CloseAfter guard(opened->lowest_layer(), options.connect_timeout * 5);
+      co_await opened->tls()->async_handshake(ssl::stream_base::server,
+                                              net::redirect_error(kAwait, ec));
+    }
+    if (ec) {
+      KVB_LOG_DEBUG("TLS handshake from a client failed: {}", ec.message());
+      opened->lowest_layer().close(ec);
+      co_return;
+    }
+  } else {
+    opened.emplace(std::move(socket));
+  }
+  Stream& sock = *opened;
   beast::flat_buffer buf;
   buf.reserve(16384);  // else Beast reads a large request 512 bytes at a time at first
   try {
@@ -897,7 +1037,8 @@ awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
       parser.body_limit(64u << 20);
       ec = co_await ReadMessage(sock, buf, parser, /*header_only=*/false);
       if (ec == http::error::end_of_stream || ec == net::error::eof ||
-          ec == net::error::connection_reset || ec == net::error::operation_aborted) {
+          ec == net::error::connection_reset || ec == net::error::operation_aborted ||
+          ec == ssl::error::stream_truncated) {
         break;
       }
       if (ec) {
@@ -916,8 +1057,8 @@ awaitable<void> ProxyServer::Impl::Session(tcp::socket sock) {
   } catch (const std::exception& e) {
     KVB_LOG_ERROR("proxy session failed: {}", e.what());
   }
-  sock.shutdown(tcp::socket::shutdown_send, ec);
-  sock.close(ec);
+  sock.lowest_layer().shutdown(tcp::socket::shutdown_send, ec);
+  sock.lowest_layer().close(ec);
 }
 
 awaitable<void> ProxyServer::Impl::Accept() {
@@ -966,12 +1107,15 @@ awaitable<void> ProxyServer::Impl::Housekeeping() {
     next_probe = now + options.health_probe_interval;
     for (const auto& st : statics) {
       auto r = co_await HttpCall(http::verb::get, st.info.url, "/health", "", "",
-                                 options.connect_timeout);
+                                 options.connect_timeout, client_tls.get());
       bool healthy = r.ok() && r->status == 200;
       std::lock_guard<std::mutex> lock(mu);
       auto cur = registry.Get(st.info.id);
       if (cur && cur->healthy != healthy) {
-        KVB_LOG_WARN("instance {} is now {}", st.info.url, healthy ? "healthy" : "unhealthy");
+        KVB_LOG_WARN("instance {} is now {}{}", st.info.url, healthy ? "healthy" : "unhealthy",
+                     healthy  ? ""
+                     : r.ok() ? ": GET /health answered " + std::to_string(r->status)
+                              : ": " + std::string(r.status().message()));
       }
       registry.SetHealthy(st.info.id, healthy);
     }
@@ -988,6 +1132,17 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Create(const ProxyOptions& opt
   }
   if (options.port < 0 || options.port > 65535) return InvalidArgumentError("bad port");
   auto impl = std::make_unique<Impl>(options);
+  if (!options.ssl_certfile.empty() || !options.ssl_keyfile.empty()) {
+    auto ctx = MakeServerTlsContext(options.ssl_certfile, options.ssl_keyfile);
+    if (!ctx.ok()) return ctx.status();
+    impl->server_tls = *ctx;
+  }
+  // Always made (cheap): an https:// engine may register at any time. The proxy's own
+  // certificate, when it has one, is its client certificate for engines that ask (mutual TLS).
+  auto client_ctx =
+      MakeClientTlsContext(options.ssl_ca_certs, options.ssl_certfile, options.ssl_keyfile);
+  if (!client_ctx.ok()) return client_ctx.status().WithPrefix("--ssl-ca-certs");
+  impl->client_tls = *client_ctx;
   for (const auto& url : options.prefill_urls) {
     RETURN_IF_ERROR(impl->registry.AddStatic(Role::kPrefill, url).WithPrefix("--prefill"));
   }

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvbridge/common/http_client.h"
 #include "kvbridge/common/logging.h"
 #include "kvbridge/proxy/proxy_server.h"
 
@@ -12,18 +13,6 @@ namespace {
 
 using nlohmann::json;
 
-Result<std::pair<std::string, int>> SplitProxy(std::string addr) {
-  if (addr.rfind("http://", 0) == 0) addr = addr.substr(7);
-  while (!addr.empty() && addr.back() == '/') addr.pop_back();
-  auto colon = addr.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == addr.size()) {
-    return InvalidArgumentError("--proxy must be HOST:PORT, got '" + addr + "'");
-  }
-  int port = std::atoi(addr.c_str() + colon + 1);
-  if (port <= 0 || port > 65535) return InvalidArgumentError("bad proxy port in '" + addr + "'");
-  return std::make_pair(addr.substr(0, colon), port);
-}
-
 std::string InstanceId(const RegistrationOptions& o) {
   std::string id = o.info.id.empty() ? o.info.url : o.info.id;
   while (!id.empty() && id.back() == '/') id.pop_back();
@@ -31,19 +20,21 @@ std::string InstanceId(const RegistrationOptions& o) {
 }
 
 Status Post(const RegistrationOptions& o, const std::string& path, const std::string& body) {
-  ASSIGN_OR_RETURN(auto hp, SplitProxy(o.proxy));
-  httplib::Client cli(hp.first, hp.second);
-  cli.set_tcp_nodelay(true);
+  Result<HttpTarget> target = ParseHttpTarget(o.proxy);
+  if (!target.ok()) return target.status().WithPrefix("--proxy");
+  std::unique_ptr<httplib::Client> cli = MakeHttpClient(*target, o.tls);
+  cli->set_tcp_nodelay(true);
   auto secs = o.request_timeout / kSecond;
   auto usecs = o.request_timeout % kSecond;
-  cli.set_connection_timeout(secs, usecs);
-  cli.set_read_timeout(secs, usecs);
-  cli.set_write_timeout(secs, usecs);
+  cli->set_connection_timeout(secs, usecs);
+  cli->set_read_timeout(secs, usecs);
+  cli->set_write_timeout(secs, usecs);
   httplib::Headers headers;
   if (!o.cluster_token.empty()) headers.emplace(kClusterTokenHeader, o.cluster_token);
-  auto res = cli.Post(path.c_str(), headers, body, "application/json");
+  auto res = cli->Post(path.c_str(), headers, body, "application/json");
   if (!res) {
-    return UnavailableError("proxy " + o.proxy + path + ": " + httplib::to_string(res.error()));
+    return UnavailableError("proxy " + o.proxy + path + ": " +
+                            HttpErrorText(*cli, res.error(), o.tls));
   }
   std::string what =
       "proxy " + path + " answered " + std::to_string(res->status) + ": " + res->body;

@@ -15,8 +15,9 @@ int RoleIndex(Role role) { return role == Role::kPrefill ? 0 : 1; }
 constexpr int64_t kMaxTpSize = 64;  // as kv_transfer_params' tp_size
 
 bool ValidUrl(const std::string& url) {
-  if (url.rfind("http://", 0) != 0) return false;
-  std::string rest = url.substr(7);
+  const size_t scheme = url.rfind("http://", 0) == 0 ? 7 : url.rfind("https://", 0) == 0 ? 8 : 0;
+  if (scheme == 0) return false;
+  std::string rest = url.substr(scheme);
   auto colon = rest.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 >= rest.size()) return false;
   for (size_t i = colon + 1; i < rest.size(); ++i) {
@@ -69,8 +70,8 @@ Endpoint ToEndpoint(const InstanceInfo& info) {
 Status InstanceRegistry::AddStatic(Role role, const std::string& raw_url) {
   std::string url = TrimSlash(raw_url);
   if (!ValidUrl(url)) {
-    return InvalidArgumentError("instance url must look like http://HOST:PORT, got '" + raw_url +
-                                "'");
+    return InvalidArgumentError(
+        "instance url must look like http://HOST:PORT or https://HOST:PORT, got '" + raw_url + "'");
   }
   // One engine may serve both roles (kv_both): the second role gets its own key.
   std::string id = url;
@@ -94,8 +95,9 @@ Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& l
   InstanceInfo info = raw;
   info.url = TrimSlash(info.url);
   if (!ValidUrl(info.url)) {
-    return InvalidArgumentError("registration url must look like http://HOST:PORT, got '" +
-                                raw.url + "'");
+    return InvalidArgumentError(
+        "registration url must look like http://HOST:PORT or https://HOST:PORT, got '" + raw.url +
+        "'");
   }
   if (info.id.empty()) info.id = info.url;
   if (info.mode != options_.mode) {

@@ -4,9 +4,12 @@
 #include <boost/system/error_code.hpp>
 #include <utility>
 
+#include "proxy/stream.h"
+
 namespace kvbridge::proxy {
 
-struct UpstreamPool::State {
+template <typename Conn>
+struct BasicUpstreamPool<Conn>::State {
   struct Idle {
     uint64_t id = 0;  // names this idle spell for its watch
     Socket socket;
@@ -40,9 +43,14 @@ struct UpstreamPool::State {
 
 namespace {
 
-void Close(UpstreamPool::Socket& socket) {
+// The TCP socket under a pooled connection (the watch, cancels and closes act on it).
+boost::asio::ip::tcp::socket& TcpOf(boost::asio::ip::tcp::socket& s) { return s; }
+boost::asio::ip::tcp::socket& TcpOf(Stream& s) { return s.lowest_layer(); }
+
+template <typename Conn>
+void Close(Conn& socket) {
   boost::system::error_code ignore;
-  socket.close(ignore);
+  TcpOf(socket).close(ignore);
 }
 
 }  // namespace
@@ -52,33 +60,37 @@ void Close(UpstreamPool::Socket& socket) {
 // for: drop it. A 1-byte MSG_PEEK receive rather than async_wait: Asio 1.74's epoll reactor
 // re-registers the descriptor (epoll_ctl MOD) for every async_wait; the receive costs one
 // speculative recv. The handler owns only a weak reference: the pool may be gone when it runs.
-void UpstreamPool::Watch(const std::shared_ptr<State>& state, const std::string& key,
-                         Socket& socket, uint64_t id, char* sink) {
-  socket.async_receive(boost::asio::buffer(sink, 1), boost::asio::socket_base::message_peek,
-                       [weak = std::weak_ptr<UpstreamPool::State>(state), key, id](
-                           const boost::system::error_code& ec, size_t) {
-                         if (ec == boost::asio::error::operation_aborted) return;  // taken, closed
-                         auto st = weak.lock();
-                         if (!st) return;
-                         if (auto s = st->Remove(key, id)) Close(*s);
-                       });
+template <typename Conn>
+void BasicUpstreamPool<Conn>::Watch(const std::shared_ptr<State>& state, const std::string& key,
+                                    Socket& socket, uint64_t id, char* sink) {
+  TcpOf(socket).async_receive(
+      boost::asio::buffer(sink, 1), boost::asio::socket_base::message_peek,
+      [weak = std::weak_ptr<State>(state), key, id](const boost::system::error_code& ec, size_t) {
+        if (ec == boost::asio::error::operation_aborted) return;  // taken, closed
+        auto st = weak.lock();
+        if (!st) return;
+        if (auto s = st->Remove(key, id)) Close(*s);
+      });
 }
 
-UpstreamPool::UpstreamPool(Options options)
+template <typename Conn>
+BasicUpstreamPool<Conn>::BasicUpstreamPool(Options options)
     : options_(options), state_(std::make_shared<State>()) {}
 
-UpstreamPool::~UpstreamPool() {
-  std::map<std::string, std::vector<State::Idle>> all;
+template <typename Conn>
+BasicUpstreamPool<Conn>::~BasicUpstreamPool() {
+  std::map<std::string, std::vector<typename State::Idle>> all;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     all.swap(state_->idle);
   }
   for (auto& [key, list] : all) {
-    for (State::Idle& i : list) Close(i.socket);
+    for (typename State::Idle& i : list) Close(i.socket);
   }
 }
 
-std::optional<UpstreamPool::Socket> UpstreamPool::Take(const std::string& key, TimePoint now) {
+template <typename Conn>
+std::optional<Conn> BasicUpstreamPool<Conn>::Take(const std::string& key, TimePoint now) {
   std::vector<Socket> to_close;
   std::optional<Socket> out;
   {
@@ -87,15 +99,15 @@ std::optional<UpstreamPool::Socket> UpstreamPool::Take(const std::string& key, T
     if (it == state_->idle.end()) return std::nullopt;
     auto& list = it->second;
     while (!list.empty()) {
-      State::Idle& i = list.back();
-      if (now - i.since > options_.idle_timeout || !i.socket.is_open()) {
+      typename State::Idle& i = list.back();
+      if (now - i.since > options_.idle_timeout || !TcpOf(i.socket).is_open()) {
         to_close.push_back(std::move(i.socket));
       } else {
         // Cancelling the watch's receive costs no system call; the next read then waits for the
         // response without a speculative recv.
         if (i.watched) {
           boost::system::error_code ignore;
-          i.socket.cancel(ignore);
+          TcpOf(i.socket).cancel(ignore);
         }
         out.emplace(std::move(i.socket));
       }
@@ -108,8 +120,9 @@ std::optional<UpstreamPool::Socket> UpstreamPool::Take(const std::string& key, T
   return out;
 }
 
-void UpstreamPool::Put(const std::string& key, Socket socket, TimePoint now) {
-  if (!socket.is_open()) return;
+template <typename Conn>
+void BasicUpstreamPool<Conn>::Put(const std::string& key, Socket socket, TimePoint now) {
+  if (!TcpOf(socket).is_open()) return;
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -117,7 +130,7 @@ void UpstreamPool::Put(const std::string& key, Socket socket, TimePoint now) {
       auto& list = state_->idle[key];
       if (static_cast<int>(list.size()) < options_.max_idle_per_host) {
         id = state_->next_id++;
-        list.push_back(State::Idle{id, std::move(socket), now});
+        list.push_back(typename State::Idle{id, std::move(socket), now});
         return;
       }
     }
@@ -125,7 +138,8 @@ void UpstreamPool::Put(const std::string& key, Socket socket, TimePoint now) {
   Close(socket);
 }
 
-int UpstreamPool::Sweep(TimePoint now) {
+template <typename Conn>
+int BasicUpstreamPool<Conn>::Sweep(TimePoint now) {
   std::vector<Socket> to_close;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -152,7 +166,8 @@ int UpstreamPool::Sweep(TimePoint now) {
   return static_cast<int>(to_close.size());
 }
 
-size_t UpstreamPool::IdleCount(const std::string& key) const {
+template <typename Conn>
+size_t BasicUpstreamPool<Conn>::IdleCount(const std::string& key) const {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!key.empty()) {
     auto it = state_->idle.find(key);
@@ -162,5 +177,8 @@ size_t UpstreamPool::IdleCount(const std::string& key) const {
   for (const auto& [k, list] : state_->idle) n += list.size();
   return n;
 }
+
+template class BasicUpstreamPool<boost::asio::ip::tcp::socket>;
+template class BasicUpstreamPool<Stream>;
 
 }  // namespace kvbridge::proxy

@@ -33,6 +33,11 @@
 //
 // Thread-safety: every member is thread-safe (one mutex). Sockets are handed over whole: the pool
 // never touches a socket it has handed out (Take cancels the watch before it returns).
+//
+// BasicUpstreamPool<Conn> holds any connection type whose lowest_layer() is the TCP socket (the
+// watch, cancels and closes act on it): UpstreamPool holds plain sockets, the proxy's pool its
+// Streams (stream.h: plain or TLS; a TLS connection's key should name the scheme, so that a
+// plain and a TLS engine on one host:port never share one). Instantiated for those two.
 #pragma once
 
 #include <boost/asio/ip/tcp.hpp>
@@ -48,19 +53,20 @@
 
 namespace kvbridge::proxy {
 
-class UpstreamPool {
+template <typename Conn>
+class BasicUpstreamPool {
  public:
-  using Socket = boost::asio::ip::tcp::socket;
+  using Socket = Conn;
 
   struct Options {
     int max_idle_per_host = 16;
     DurationUs idle_timeout = 1 * kSecond;  // keep below the engines' keep-alive timeout (2 s)
   };
 
-  explicit UpstreamPool(Options options);
-  ~UpstreamPool();  // closes every idle connection
-  UpstreamPool(const UpstreamPool&) = delete;
-  UpstreamPool& operator=(const UpstreamPool&) = delete;
+  explicit BasicUpstreamPool(Options options);
+  ~BasicUpstreamPool();  // closes every idle connection
+  BasicUpstreamPool(const BasicUpstreamPool&) = delete;
+  BasicUpstreamPool& operator=(const BasicUpstreamPool&) = delete;
 
   /// An idle, open connection to `key` ("host:port"), most recently returned first; the caller
   /// owns it. nullopt when there is none.
@@ -82,5 +88,10 @@ class UpstreamPool {
   const Options options_;
   std::shared_ptr<State> state_;
 };
+
+class Stream;
+extern template class BasicUpstreamPool<boost::asio::ip::tcp::socket>;
+extern template class BasicUpstreamPool<Stream>;
+using UpstreamPool = BasicUpstreamPool<boost::asio::ip::tcp::socket>;
 
 }  // namespace kvbridge::proxy

@@ -23,6 +23,7 @@
 //                                                  "expiry_ms"}; 409 mixed mode; 400 bad JSON
 //   POST /v1/instances/heartbeat                 {"instance_id", "load"}; 404 when forgotten
 //   POST /v1/instances/deregister                {"instance_id"}
+// Instance URLs are http://HOST:PORT or https://HOST:PORT (TLS, verified: ProxyOptions::ssl_*).
 // With a cluster token, the /v1/instances/* calls must carry it (header
 // X-KVBridge-Cluster-Token, else 401), and every leg and release sends it.
 //
@@ -76,6 +77,17 @@ struct ProxyOptions {
   /// An idle upstream connection older than this is closed (keep it below the engines'
   /// keep-alive timeout, 2 s for `kvbridge serve`).
   DurationUs upstream_idle_timeout = 1 * kSecond;
+  /// TLS, as `kvbridge serve` names it: both set = the proxy's port speaks HTTPS only (PEM
+  /// certificate chain and key; Create fails with InvalidArgument naming a file that cannot be
+  /// read or a key that does not match). The same certificate is presented to engines that ask
+  /// for a client certificate (engines with --ssl-ca-certs).
+  std::string ssl_certfile;
+  std::string ssl_keyfile;
+  /// PEM CA bundle that verifies https:// engines (their chain, and the URL's host name or IP
+  /// address in the certificate's subjectAltName); empty = the system's CA store. A leg, release
+  /// or probe to an engine whose certificate does not verify fails before any HTTP byte is sent
+  /// ("TLS handshake with https://H:P: certificate verify failed: <OpenSSL's reason>").
+  std::string ssl_ca_certs;
 };
 
 class ProxyServer {

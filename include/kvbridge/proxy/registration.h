@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "kvbridge/common/clock.h"
+#include "kvbridge/common/http_client.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/proxy/registry.h"
@@ -35,7 +36,8 @@
 namespace kvbridge::proxy {
 
 struct RegistrationOptions {
-  std::string proxy;  // "HOST:PORT" or "http://HOST:PORT"
+  std::string proxy;  // "HOST:PORT", "http://HOST:PORT" or "https://HOST:PORT" (TLS, per `tls`)
+  HttpClientTls tls;  // verifies an https proxy; the client certificate shown when it asks
   InstanceInfo info;  // info.id empty = the proxy uses info.url
   std::string cluster_token;
   DurationUs heartbeat_interval = 1 * kSecond;
