@@ -49,6 +49,7 @@ struct ServeOptions {
   uint64_t seed = 0;
   std::string api_key;
   std::string ssl_certfile, ssl_keyfile, ssl_ca_certs;  // vLLM's TLS options
+  std::string ssl_peer_ca_certs;  // verifies the https peers and proxy this engine calls
   int max_waiting_requests = 1024;
   int http_threads = 128;
   int model_threads = 0;
@@ -121,12 +122,20 @@ int RunServe(const ServeOptions& o) {
         "reach it",
         o.host);
   }
-  if (!o.ssl_certfile.empty() && !o.kv_transfer_config.empty()) {
-    // The proxy's legs to engines and the decode's /v1/kv/metadata fetch speak plain HTTP.
-    return Fail(InvalidArgumentError(
-        "--ssl-certfile with --kv-transfer-config is not supported yet: the proxy and the P/D "
-        "connector call engines over plain HTTP (docs/protocol.md \"Threat model\"); TLS "
-        "serves colocated engines"));
+  // The engine's own calls (a peer's /v1/kv/metadata, --proxy's registration) verify HTTPS
+  // nodes with --ssl-peer-ca-certs, else --ssl-ca-certs (the cluster's CA), else the system's CAs;
+  // they show this engine's certificate to nodes that ask for one (mutual TLS).
+  HttpClientTls peer_tls;
+  peer_tls.ca_file = !o.ssl_peer_ca_certs.empty() ? o.ssl_peer_ca_certs : o.ssl_ca_certs;
+  peer_tls.cert_file = o.ssl_certfile;
+  peer_tls.key_file = o.ssl_keyfile;
+  if (!o.ssl_peer_ca_certs.empty()) {
+    std::FILE* f = std::fopen(o.ssl_peer_ca_certs.c_str(), "rb");
+    if (f == nullptr) {
+      return Fail(
+          InvalidArgumentError("--ssl-peer-ca-certs: cannot read '" + o.ssl_peer_ca_certs + "'"));
+    }
+    std::fclose(f);
   }
   auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads, .dtype = *weight_dtype});
   if (!model.ok()) return Fail(model.status());
@@ -220,6 +229,9 @@ int RunServe(const ServeOptions& o) {
     ko.cluster_token = o.cluster_token;
     ko.advertise_host = o.advertise_host.empty() ? o.host : o.advertise_host;
     ko.bind_host = o.host;
+    // The engines of one P/D cluster all serve https or all http: peers are called as we serve.
+    ko.peer_https = !o.ssl_certfile.empty();
+    ko.peer_tls = peer_tls;
     auto created = KvBridgeRuntime::Create(ko);
     if (!created.ok()) return Fail(created.status());
     kv = *created;
@@ -258,9 +270,11 @@ int RunServe(const ServeOptions& o) {
     proxy::RegistrationOptions ro;
     ro.proxy = o.proxy;
     ro.cluster_token = o.cluster_token;
+    ro.tls = peer_tls;
     ro.info.role = kv_cfg.role == KvRole::kProducer ? proxy::Role::kPrefill : proxy::Role::kDecode;
     ro.info.mode = kv_cfg.mode;
-    ro.info.url = "http://" + (o.advertise_host.empty() ? o.host : o.advertise_host) + ":" +
+    ro.info.url = std::string(o.ssl_certfile.empty() ? "http://" : "https://") +
+                  (o.advertise_host.empty() ? o.host : o.advertise_host) + ":" +
                   std::to_string((*srv)->port());
     ro.info.engine_id = kv->engine_id();
     // WRITE mode: the proxy names this endpoint (where GET /v1/kv/metadata answers) to decodes.
@@ -376,7 +390,12 @@ const bool kRegistered = RegisterCommand(
       sub.add_option("--ssl-keyfile", o->ssl_keyfile, "PEM private key of --ssl-certfile");
       sub.add_option("--ssl-ca-certs", o->ssl_ca_certs,
                      "PEM CA bundle: require client certificates it signed (mutual TLS; "
-                     "vLLM's --ssl-ca-certs with --ssl-cert-reqs 2)");
+                     "vLLM's --ssl-ca-certs with --ssl-cert-reqs 2); also verifies the https "
+                     "peers this engine calls unless --ssl-peer-ca-certs");
+      sub.add_option("--ssl-peer-ca-certs", o->ssl_peer_ca_certs,
+                     "PEM CA bundle that verifies the https nodes this engine calls (P/D peers' "
+                     "/v1/kv/metadata, --proxy https://H:P); default --ssl-ca-certs, else the "
+                     "system's CAs");
       sub.add_option("--max-waiting-requests", o->max_waiting_requests,
                      "Queued requests beyond which new ones get HTTP 503")
           ->capture_default_str();

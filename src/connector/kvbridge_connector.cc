@@ -832,19 +832,23 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     std::vector<xfer::TransferAgent*> rank_agents;  // ranks 1.. read and notify on their own
     for (auto& a : rank_agents_) rank_agents.push_back(a.get());
     const std::string token = opt().cluster_token;
-    worker_->Add([weak, agent, rank_agents, key, host, port, rank, token] {
+    const HttpTarget target{.https = opt().peer_https, .host = host, .port = port};
+    const HttpClientTls tls = opt().peer_tls;
+    worker_->Add([weak, agent, rank_agents, key, target, tls, rank, token] {
       auto impl = weak.lock();
       if (!impl) return;
+      const std::string& host = target.host;
+      const int port = target.port;
       Result<std::string> out = [&]() -> Result<std::string> {
-        httplib::Client cli(host, port);
-        cli.set_connection_timeout(2, 0);
-        cli.set_read_timeout(5, 0);
+        std::unique_ptr<httplib::Client> cli = MakeHttpClient(target, tls);
+        cli->set_connection_timeout(2, 0);
+        cli->set_read_timeout(5, 0);
         httplib::Headers h;
         if (!token.empty()) h.emplace(std::string(kClusterTokenHeader), token);
-        auto res = cli.Get("/v1/kv/metadata/" + std::to_string(rank), h);
+        auto res = cli->Get("/v1/kv/metadata/" + std::to_string(rank), h);
         if (!res) {
-          return UnavailableError("GET http://" + host + ":" + std::to_string(port) +
-                                  "/v1/kv/metadata: " + httplib::to_string(res.error()));
+          return UnavailableError("GET " + target.Url() +
+                                  "/v1/kv/metadata: " + HttpErrorText(*cli, res.error(), tls));
         }
         if (res->status != 200) {
           return UnavailableError("GET /v1/kv/metadata from " + host + ":" + std::to_string(port) +

@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "kvbridge/common/http_client.h"
 #include "kvbridge/common/http_route.h"
 #include "kvbridge/common/status.h"
 #include "kvbridge/connector/kv_transfer_config.h"
@@ -54,6 +55,11 @@ struct KvBridgeOptions {
   std::string advertise_host = "127.0.0.1";  ///< remote_host returned by a prefill
   int advertise_port = 0;                    ///< remote_port; set later with SetAdvertisedEndpoint
   std::string bind_host = "127.0.0.1";       ///< transfer agent's tcp listen address
+  /// The peers' control endpoints speak HTTPS (true when this engine serves HTTPS: the engines of
+  /// one P/D cluster are all https or all http). Metadata fetches then verify the peer per
+  /// `peer_tls` and fail (the load falls back per kv_load_failure_policy) when it does not.
+  bool peer_https = false;
+  HttpClientTls peer_tls;
   /// Informational: the engine's hooks (EngineHooks::tp_size / ranks) decide the TP size and
   /// the connector serves every rank (one transfer agent per rank). tp_size must be 1 or the
   /// engine's (else the connector refuses to start); tp_rank is not used.
