@@ -8,9 +8,7 @@ namespace kvbridge {
 
 ConnectorCores::ConnectorCores(const KvTransferConfig& config, const Shape& shape)
     : prefill({.engine_id = shape.engine_id,
-               .rank = shape.rank,
                .tp_size = shape.tp_size,
-               .all_ranks = true,
                .num_kv_heads = shape.num_kv_heads,
                .lease = config.lease,
                .max_parked_messages = config.max_parked_messages}),
@@ -24,7 +22,6 @@ ConnectorCores::ConnectorCores(const KvTransferConfig& config, const Shape& shap
               .load_failure_policy = config.load_failure_policy}),
       wprefill({.engine_id = shape.engine_id,
                 .tp_size = shape.tp_size,
-                .all_ranks = true,
                 .num_kv_heads = shape.num_kv_heads,
                 .block_size = shape.block_size,
                 .num_layers = shape.num_layers,

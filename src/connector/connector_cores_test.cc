@@ -32,9 +32,7 @@ TEST(ConnectorCores, EveryCoreGetsTheConfigAndShape) {
   ConnectorCores cores(Config(), TwoRanks());
   const PrefillCore::Options& p = cores.prefill.options();
   EXPECT_EQ(p.engine_id, "e0");
-  EXPECT_EQ(p.rank, 1);
-  EXPECT_EQ(p.tp_size, 2);
-  EXPECT_TRUE(p.all_ranks);
+  EXPECT_EQ(p.tp_size, 2);  // one core for every rank
   EXPECT_EQ(p.num_kv_heads, 4);
   EXPECT_EQ(p.lease, 8 * kSecond);
   EXPECT_EQ(p.max_parked_messages, 7);
@@ -52,7 +50,6 @@ TEST(ConnectorCores, EveryCoreGetsTheConfigAndShape) {
   ASSERT_EQ(cores.wprefill.tp_size(), 2);
   const WritePrefillCore::Options& w = cores.wprefill.options();
   EXPECT_EQ(w.engine_id, "e0");
-  EXPECT_TRUE(w.all_ranks);  // one core for every rank, as the READ prefill core
   EXPECT_EQ(w.tp_size, 2);
   EXPECT_EQ(w.num_kv_heads, 4);
   EXPECT_EQ(w.block_size, 32);

@@ -138,18 +138,17 @@ Result<KvConnector::Match> ConnectorLogic::WriteRequestAdded(const ConnectorRequ
   return m;
 }
 
-void ConnectorLogic::UpdateStateAfterAlloc(const ConnectorRequestInfo& req,
-                                           std::span<const int32_t> block_ids,
-                                           int num_local_computed, int num_external,
-                                           TimePoint now) {
-  if (awaiting_alloc_.erase(req.request_id)) {
-    cores_.wdecode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
-                                     now);
-  } else {
-    cores_.decode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed, num_external,
-                                    now);
-  }
+Status ConnectorLogic::UpdateStateAfterAlloc(const ConnectorRequestInfo& req,
+                                             std::span<const int32_t> block_ids,
+                                             int num_local_computed, int num_external,
+                                             TimePoint now) {
+  Status st = awaiting_alloc_.erase(req.request_id)
+                  ? cores_.wdecode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed,
+                                                     num_external, now)
+                  : cores_.decode.OnBlocksAllocated(req.request_id, block_ids, num_local_computed,
+                                                    num_external, now);
   Drain(now);
+  return st;
 }
 
 KvConnector::FinishDecision ConnectorLogic::RequestFinished(const ConnectorRequestInfo& req,

@@ -74,7 +74,7 @@ TEST(ConnectorLogic, DecodeLegReadsThenProceedsAfterTheHoldReply) {
   EXPECT_EQ(sink.notes[0].kind, RequestNote::Kind::kLoadStarted);
 
   const std::vector<int32_t> table = {1, 2, 3};
-  logic.UpdateStateAfterAlloc(req, table, 0, 39, 10);
+  EXPECT_TRUE(logic.UpdateStateAfterAlloc(req, table, 0, 39, 10).ok());
   ASSERT_EQ(sink.posted.size(), 1u);
   const PostTransferAction& read = sink.posted[0];
   EXPECT_EQ(sink.posted[0].op, KvTransferMode::kRead);
@@ -108,7 +108,7 @@ TEST(ConnectorLogic, ATransferTheSinkCannotStartEndsAtOnce) {
   const ConnectorRequestInfo req = Req("r1", &params);
   ASSERT_TRUE(logic.GetNumNewMatchedTokens(req, 0, 0).ok());
   const std::vector<int32_t> table = {1, 2, 3};
-  logic.UpdateStateAfterAlloc(req, table, 0, 39, 10);
+  EXPECT_TRUE(logic.UpdateStateAfterAlloc(req, table, 0, 39, 10).ok());
   ASSERT_EQ(sink.posted.size(), 1u);
   KvConnector::StepReport r = logic.Poll(11);
   ASSERT_EQ(r.failed_recving.size(), 1u);

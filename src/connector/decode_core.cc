@@ -197,17 +197,19 @@ Result<DecodeCore::Match> DecodeCore::OnRequestAdded(const std::string& request_
   return Match{external, true};
 }
 
-void DecodeCore::OnBlocksAllocated(const std::string& request_id,
-                                   std::span<const int32_t> block_ids,
-                                   int num_local_computed_tokens, int num_external_tokens,
-                                   TimePoint now) {
+Status DecodeCore::OnBlocksAllocated(const std::string& request_id,
+                                     std::span<const int32_t> block_ids,
+                                     int num_local_computed_tokens, int num_external_tokens,
+                                     TimePoint now) {
   auto it = requests_.find(request_id);
-  if (it == requests_.end() || it->second.state != RequestState::kAwaitingAlloc) {
+  if (it == requests_.end()) {
     ++counters_.notifications_ignored;
-    return;
+    return NotFoundError("no READ request " + request_id + " awaits its blocks");
   }
   Request& r = it->second;
-  Move(r, RequestState::kLoading);
+  // The table is the guard: a second (or late) allocation is an illegal transition and changes
+  // nothing (no READ is posted twice, no block is freed).
+  RETURN_IF_ERROR(SetState(r, RequestState::kLoading));
   const BlockSpan span =
       ExternalBlockSpan(options_.block_size, num_local_computed_tokens, num_external_tokens);
   if (!AllocationCoversLoad(span, num_local_computed_tokens, num_external_tokens,
@@ -215,7 +217,7 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
       static_cast<int64_t>(r.params.remote_block_ids.size()) < span.end) {
     Fail(request_id, r, UncoveredLoadError(block_ids.size()));
     Advance(request_id);
-    return;
+    return OkStatus();
   }
   std::vector<int32_t> local(block_ids.begin() + span.first, block_ids.begin() + span.end);
   std::vector<int32_t> remote(r.params.remote_block_ids.begin() + span.first,
@@ -239,6 +241,7 @@ void DecodeCore::OnBlocksAllocated(const std::string& request_id,
                                           .local_block_ids = local,
                                           .remote_block_ids = remote});
   }
+  return OkStatus();
 }
 
 void DecodeCore::Fail(const std::string& request_id, Request& r, Status status) {

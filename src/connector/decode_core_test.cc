@@ -92,7 +92,7 @@ TEST(DecodeCore, FullLocalHitSkipsTheReadAndTellsThePrefill) {
 TEST(DecodeCore, ReadsOnlyMissingBlocksNotifiesWithSharedTransferIdAndWaitsForHoldReply) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("cmpl-local-7", Params(40), 40, 16, 0).ok());
-  core.OnBlocksAllocated("cmpl-local-7", kTable, 16, 23, 1);
+  EXPECT_TRUE(core.OnBlocksAllocated("cmpl-local-7", kTable, 16, 23, 1).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 1u);
   EXPECT_EQ(reads[0].local_block_ids, (std::vector<int32_t>{21, 22}));
@@ -130,7 +130,7 @@ TEST(DecodeCore, ReadsOnlyMissingBlocksNotifiesWithSharedTransferIdAndWaitsForHo
 TEST(DecodeCore, HoldGoneAppliesRecomputePolicy) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads[0].local_block_ids, kTable);
   core.OnReadCompleted(reads[0].id, OkStatus(), 1);
@@ -149,7 +149,7 @@ TEST(DecodeCore, HoldGoneAppliesRecomputePolicy) {
 TEST(DecodeCore, NoReplyInTimeAppliesFailPolicy) {
   DecodeCore core = MakeCore(LoadFailurePolicy::kFail);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   core.OnReadCompleted(reads[0].id, OkStatus(), 10);
   core.TakeActions();
@@ -167,7 +167,7 @@ TEST(DecodeCore, NoReplyInTimeAppliesFailPolicy) {
 TEST(DecodeCore, AbortMidReadKeepsBlocksUntilTheReadEnds) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   EXPECT_TRUE(core.OnRequestAborted("a", 1));
   auto acts = core.TakeActions();
@@ -202,7 +202,7 @@ TEST(DecodeCore, AbortBeforeAllocationFreesAtOnceAndTellsThePrefill) {
 TEST(DecodeCore, AbortWhileAwaitingReplyFreesNowAndAbsorbsTheReply) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   core.OnReadCompleted(reads[0].id, OkStatus(), 1);
   core.TakeActions();
@@ -219,7 +219,7 @@ TEST(DecodeCore, AbortWhileAwaitingReplyFreesNowAndAbsorbsTheReply) {
 TEST(DecodeCore, PrefillTpTwoNeedsBothReadsAndBothReplies) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40, 2), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
   EXPECT_EQ(reads[0].peer.rank, 0);
@@ -237,7 +237,7 @@ TEST(DecodeCore, PrefillTpTwoNeedsBothReadsAndBothReplies) {
 TEST(DecodeCore, OneFailedReadCancelsTheOtherAndReportsOnlyAfterItEnds) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40, 2), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   core.OnReadCompleted(reads[0].id, UnavailableError("peer lost"), 1);
   auto acts = core.TakeActions();
@@ -257,7 +257,7 @@ TEST(DecodeCore, OneFailedReadCancelsTheOtherAndReportsOnlyAfterItEnds) {
 TEST(DecodeCore, ReadTimeoutCancelsThenFails) {
   DecodeCore core = MakeCore();
   ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", kTable, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   core.OnTick(kRead);
   auto acts = core.TakeActions();
@@ -319,11 +319,35 @@ TEST(DecodeCore, AbortBeforeAdmissionTellsEveryPrefillRank) {
   EXPECT_TRUE(core.Idle());
 }
 
+// A second allocation while the READ is in flight is the illegal transition the request table
+// names: nothing changes (no second READ into other blocks), and the load completes once.
+TEST(DecodeCore, SecondAllocationIsAnIllegalTransitionAndChangesNothing) {
+  DecodeCore core = MakeCore();
+  ASSERT_TRUE(core.OnRequestAdded("a", Params(40), 40, 0, 0).ok());
+  EXPECT_TRUE(core.OnBlocksAllocated("a", kTable, 0, 39, 0).ok());
+  auto reads = Of<PostTransferAction>(core.TakeActions());
+  ASSERT_EQ(reads.size(), 1u);
+  Status st = core.OnBlocksAllocated("a", std::vector<int32_t>{7, 8, 9}, 0, 39, 1);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(st.message(), "illegal READ request state transition LOADING -> LOADING");
+  EXPECT_TRUE(core.TakeActions().empty());
+  EXPECT_EQ(core.NumReadsInFlight(), 1);
+  EXPECT_EQ(core.counters().reads_posted, 1);
+  EXPECT_EQ(core.counters().notifications_ignored, 0);
+  core.OnReadCompleted(reads[0].id, OkStatus(), 2);
+  ASSERT_EQ(Of<SendMessageAction>(core.TakeActions()).size(), 1u);  // ReadDone(ok)
+  core.OnHoldReply(Reply(true), 3);
+  auto done = Of<ReportLoadDoneAction>(core.TakeActions());
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].request_id, "a");
+  EXPECT_TRUE(core.Idle());
+}
+
 TEST(DecodeCore, CompletionForUnknownReadIsIgnoredAndCounted) {
   DecodeCore core = MakeCore();
   core.OnReadCompleted(77, OkStatus(), 0);
   core.OnHoldReply(Reply(true), 0);
-  core.OnBlocksAllocated("nobody", kTable, 0, 39, 0);
+  EXPECT_EQ(core.OnBlocksAllocated("nobody", kTable, 0, 39, 0).code(), StatusCode::kNotFound);
   EXPECT_TRUE(core.TakeActions().empty());
   EXPECT_EQ(core.counters().notifications_ignored, 3);
   EXPECT_TRUE(core.Idle());

@@ -439,7 +439,11 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
 
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
                              int num_local_computed, int num_external, TimePoint now) override {
-    logic_.UpdateStateAfterAlloc(req, block_ids, num_local_computed, num_external, now);
+    Status st = logic_.UpdateStateAfterAlloc(req, block_ids, num_local_computed, num_external, now);
+    // NotFound: not a remote load of ours; FailedPrecondition: a second allocation (refused).
+    if (st.code() == StatusCode::kFailedPrecondition) {
+      KVB_LOG_ERROR("kv connector: {}: {}", req.request_id, st.ToString());
+    }
     SyncState();
   }
 

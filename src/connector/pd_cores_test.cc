@@ -58,7 +58,9 @@ TEST(PdCores, SiblingsOnThePrefillAreAllFreedByOneDecodeRead) {
   auto m = p.decode.OnRequestAdded("cmpl-9-decode-local", params, 40, 0, 2);
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->num_external_tokens, 39);
-  p.decode.OnBlocksAllocated("cmpl-9-decode-local", std::vector<int32_t>{0, 1, 2}, 0, 39, 3);
+  EXPECT_TRUE(
+      p.decode.OnBlocksAllocated("cmpl-9-decode-local", std::vector<int32_t>{0, 1, 2}, 0, 39, 3)
+          .ok());
   p.Pump(3);
   ASSERT_EQ(p.reads.size(), 1u);
   p.decode.OnReadCompleted(p.reads[0], OkStatus(), 4);

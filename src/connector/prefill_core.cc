@@ -16,19 +16,14 @@ PrefillCore::PrefillCore(Options options) : options_(std::move(options)) {
 }
 
 bool PrefillCore::ServesRank(int prefill_rank) const {
-  return options_.all_ranks ? prefill_rank >= 0 && prefill_rank < options_.tp_size
-                            : prefill_rank == options_.rank;
+  return prefill_rank >= 0 && prefill_rank < options_.tp_size;
 }
 
 std::vector<std::pair<int, int>> PrefillCore::ExpectedPairs(int decode_tp) const {
   // Without a head count, one that splits evenly over both sizes gives the even-split pairs.
   const int heads =
       options_.num_kv_heads > 0 ? options_.num_kv_heads : options_.tp_size * std::max(1, decode_tp);
-  std::vector<std::pair<int, int>> out;
-  for (const auto& pr : TpPlanPairs(options_.tp_size, decode_tp, heads)) {
-    if (options_.all_ranks || pr.second == options_.rank) out.push_back(pr);
-  }
-  return out;
+  return TpPlanPairs(options_.tp_size, decode_tp, heads);
 }
 
 std::string_view PrefillCore::ReasonName(DoneReason r) {

@@ -10,11 +10,8 @@ namespace {
 constexpr DurationUs kLease = 1000 * kMillisecond;
 
 PrefillCore MakeCore(int64_t max_parked = 16) {
-  return PrefillCore({.engine_id = "p0",
-                      .rank = 0,
-                      .tp_size = 1,
-                      .lease = kLease,
-                      .max_parked_messages = max_parked});
+  return PrefillCore(
+      {.engine_id = "p0", .tp_size = 1, .lease = kLease, .max_parked_messages = max_parked});
 }
 
 ReadDoneMsg Done(const std::string& tid, int decode_rank = 0, int decode_tp = 1,

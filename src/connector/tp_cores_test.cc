@@ -1,6 +1,6 @@
 // The connector cores with tensor parallelism: the decode reads the TP plan's head slices
 // (tp_plan.h) and notifies exactly the prefill ranks it read from; an engine-level PrefillCore
-// (all_ranks) frees a transfer only after every (decode rank, prefill rank) pair notified. WRITE
+// (every rank's) frees a transfer only after every (decode rank, prefill rank) pair notified. WRITE
 // mode with replicated KV heads (Tp > Td): the prefill ranks the plan writes nothing from are
 // settled by the decode's skip, and the engine's blocks are freed once, when the last writing
 // pair drained — never by the lease.
@@ -22,11 +22,7 @@ constexpr DurationUs kLease = 1000 * kMillisecond;
 const std::vector<int32_t> kBlocks = {5, 6, 7};
 
 PrefillCore MakePrefill(int tp, int heads) {
-  return PrefillCore({.engine_id = "p0",
-                      .tp_size = tp,
-                      .all_ranks = true,
-                      .num_kv_heads = heads,
-                      .lease = kLease});
+  return PrefillCore({.engine_id = "p0", .tp_size = tp, .num_kv_heads = heads, .lease = kLease});
 }
 
 DecodeCore MakeDecode(int tp, int heads) {
@@ -156,14 +152,17 @@ TEST(PrefillCoreTp, RankOutsideTheEngineIsIgnored) {
   EXPECT_EQ(core.counters().notifications_ignored, 1);
 }
 
-TEST(PrefillCoreTp, PerRankCoreCountsOnlyItsOwnPairs) {
-  // A per-rank core (all_ranks = false) for prefill rank 1 of TP 2; decode TP 1.
-  PrefillCore core({.engine_id = "p0", .rank = 1, .tp_size = 2, .num_kv_heads = 4});
+TEST(PrefillCoreTp, EachRanksPairCountsOnceAndARankOutsideTheEngineIsIgnored) {
+  // The production core (every rank) of prefill TP 2; decode TP 1.
+  PrefillCore core({.engine_id = "p0", .tp_size = 2, .num_kv_heads = 4});
   ASSERT_TRUE(core.OnRequestAdded("req", 1, "t1", 0).ok());
   EXPECT_TRUE(core.OnRequestFinished("req", "t1", kBlocks, 0));
-  core.OnReadDone(Done(0, 0, 1), 1, 5);  // another rank's: ignored
+  core.OnReadDone(Done(0, 2, 1), 1, 4);  // no prefill rank 2 here: ignored
   EXPECT_TRUE(Freed(core.TakeActions()).empty());
-  core.OnReadDone(Done(0, 1, 1), 2, 6);
+  EXPECT_EQ(core.counters().notifications_ignored, 1);
+  core.OnReadDone(Done(0, 1, 1), 2, 5);  // rank 1's pair: rank 0's still expected
+  EXPECT_TRUE(Freed(core.TakeActions()).empty());
+  core.OnReadDone(Done(0, 0, 1), 3, 6);
   EXPECT_EQ(Freed(core.TakeActions()), (std::vector<std::string>{"req"}));
 }
 
@@ -184,7 +183,7 @@ TEST(DecodeCoreTp, ReadsThePlansHeadSlicesAndNotifiesEachSourceRank) {
   // Prefill TP 2 -> decode TP 1, 4 KV heads: two READs into the two halves of each block.
   DecodeCore core = MakeDecode(1, 4);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(2), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
   EXPECT_EQ(reads[0].peer.rank, 0);
@@ -227,7 +226,7 @@ TEST(DecodeCoreTp, ReadsThePlansHeadSlicesAndNotifiesEachSourceRank) {
 TEST(DecodeCoreTp, HomogeneousTpReadsWholeBlocksRankToRank) {
   DecodeCore core = MakeDecode(2, 4);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(2), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
   for (int r = 0; r < 2; ++r) {
@@ -240,7 +239,7 @@ TEST(DecodeCoreTp, HomogeneousTpReadsWholeBlocksRankToRank) {
 TEST(DecodeCoreTp, DecodeTp2FromPrefillTp1ReadsSubRangesOfOneRank) {
   DecodeCore core = MakeDecode(2, 4);
   ASSERT_TRUE(core.OnRequestAdded("a", Params(1), 40, 0, 0).ok());
-  core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
+  EXPECT_TRUE(core.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0).ok());
   auto reads = Of<PostTransferAction>(core.TakeActions());
   ASSERT_EQ(reads.size(), 2u);
   EXPECT_EQ(reads[1].local_rank, 1);
@@ -273,7 +272,7 @@ TEST(TpCores, EndToEndEveryPairNotifiesAndTheHoldIsFreedOnce) {
     ASSERT_TRUE(p.OnRequestAdded("req", 1, "t1", 0).ok());
     ASSERT_TRUE(p.OnRequestFinished("req", "t1", kBlocks, 0));
     ASSERT_TRUE(d.OnRequestAdded("a", Params(c.tp), 40, 0, 0).ok());
-    d.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0);
+    EXPECT_TRUE(d.OnBlocksAllocated("a", std::vector<int32_t>{20, 21, 22}, 0, 39, 0).ok());
     auto reads = Of<PostTransferAction>(d.TakeActions());
     int freed = 0, done = 0;
     for (size_t i = 0; i < reads.size(); ++i) {
@@ -318,7 +317,6 @@ KvTransferParams WriteParams(int prefill_tp) {
 WritePrefillCore MakeWritePrefill(int tp, int heads) {
   return WritePrefillCore({.engine_id = "p0",
                            .tp_size = tp,
-                           .all_ranks = true,
                            .num_kv_heads = heads,
                            .block_size = 16,
                            .num_layers = kWriteLayers,
@@ -369,7 +367,7 @@ TEST(WriteCoresTp, DecodeSkipsThePrefillRanksThePlanWritesNothingFrom) {
     EXPECT_EQ(skips[i].prefill_engine_id, "p0");
     EXPECT_FALSE(skips[i].want_done);
   }
-  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
+  EXPECT_TRUE(d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1).ok());
   auto wbs = Msgs<WriteBlocksMsg>(d.TakeActions());
   ASSERT_EQ(wbs.size(), 2u);
   EXPECT_EQ(wbs[0].prefill_rank, 0);
@@ -399,7 +397,7 @@ TEST(WriteCoresTp, ReplicaRanksReleaseAtTheSkipAndTheBlocksAreFreedOnceAfterTheL
   ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 0).ok());
   Deliver(p, d.TakeActions(), 1);  // the skips to ranks 1 and 3
   EXPECT_TRUE(p.TakeActions().empty());
-  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
+  EXPECT_TRUE(d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1).ok());
   Deliver(p, d.TakeActions(), 2);
   std::vector<PostTransferAction> writes;
   for (int l = 0; l < kWriteLayers; ++l) {
@@ -459,7 +457,7 @@ TEST(WriteCoresTp, ALateSkipIsWhatFreesTheReplicaRanksHold) {
   ASSERT_TRUE(d.OnRequestAdded("a", WriteParams(4), 40, 0, 2).ok());
   auto skips = d.TakeActions();
   ASSERT_EQ(skips.size(), 2u);
-  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 2);
+  EXPECT_TRUE(d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 2).ok());
   Deliver(p, d.TakeActions(), 3);  // the block ids: one all-layer WRITE per writing rank
   auto writes = Of<PostTransferAction>(p.TakeActions());
   ASSERT_EQ(writes.size(), 2u);
@@ -499,7 +497,7 @@ TEST(WriteCoresTp, WithoutTheSkipAReplicaRankHoldsUntilTheLease) {
   auto skips = d.TakeActions();
   ASSERT_EQ(skips.size(), 2u);
   Deliver(p, std::vector<ConnectorAction>{skips[0]}, 1);  // rank 1 only
-  d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1);
+  EXPECT_TRUE(d.OnBlocksAllocated("a", kDecodeTable, 0, 39, 1).ok());
   Deliver(p, d.TakeActions(), 1);
   EXPECT_TRUE(p.OnRequestFinished("p-1", kPrefillTable, 2));
   for (const auto& w : Of<PostTransferAction>(p.TakeActions())) {

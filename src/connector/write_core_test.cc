@@ -33,7 +33,7 @@ const std::vector<int32_t> kDecodeTable = {0, 1, 2};
 void AddDecode(WriteDecodeCore& decode, const std::string& request_id,
                const KvTransferParams& params, TimePoint now) {
   ASSERT_TRUE(decode.OnRequestAdded(request_id, params, 40, 0, now).ok());
-  decode.OnBlocksAllocated(request_id, kDecodeTable, 0, 39, now);
+  EXPECT_TRUE(decode.OnBlocksAllocated(request_id, kDecodeTable, 0, 39, now).ok());
 }
 
 // The decode's block-id messages, taken from its actions (each action must be one).
@@ -138,7 +138,7 @@ TEST(WriteCores, BlockIdsFirstThenPerLayerWritesThenDone) {
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->num_external_tokens, 39);
   EXPECT_TRUE(m->load_async);
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1);
+  EXPECT_TRUE(p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 1).ok());
   p.Pump(1);
   EXPECT_EQ(p.prefill.NumParked(), 1);  // the block ids came first
   EXPECT_EQ(p.prefill.counters().notifications_parked, 1);
@@ -192,7 +192,7 @@ TEST(WriteCores, RequestFirstComputedBeforeBlockIdsWritesAllLayersAtOnce) {
   auto m = p.decode.OnRequestAdded("d-1", WriteParams("x1"), 40, 16, 4);
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->num_external_tokens, 23);
-  p.decode.OnBlocksAllocated("d-1", std::vector<int32_t>{7, 8, 9}, 16, 23, 4);
+  EXPECT_TRUE(p.decode.OnBlocksAllocated("d-1", std::vector<int32_t>{7, 8, 9}, 16, 23, 4).ok());
   p.Pump(4);
   ASSERT_EQ(p.writes.size(), 1u);
   const PostTransferAction& w = p.writes.begin()->second.a;
@@ -305,6 +305,52 @@ TEST(WriteCores, DecodeAbortMidWriteKeepsBlocksUntilThePrefillConfirmsDrained) {
   EXPECT_EQ(p.decode.counters().aborts_mid_write, 1);
   EXPECT_EQ(p.prefill.counters().notifications_ignored, 0);
   EXPECT_EQ(p.decode.counters().notifications_ignored, 0);
+  p.ExpectIdle();
+}
+
+// The request table is the guard against engine bugs: a second allocation (while the first's
+// writes are under way, and again after an abort) is the illegal transition the table names, and
+// it changes nothing: no second WriteBlocks, no new offer or write bound, no block freed twice.
+TEST(WriteCores, SecondAllocationIsAnIllegalTransitionAndChangesNothing) {
+  Pipe p;
+  p.AddBoth(1);
+  p.prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  p.Pump(2);
+  ASSERT_EQ(p.writes.size(), 1u);
+  const auto offered = p.decode.WritableBlocksByTransfer();
+  const auto deadline = p.decode.NextDeadline();
+  const WriteDecodeCore::Counters before = p.decode.counters();
+
+  Status st = p.decode.OnBlocksAllocated("d-1", std::vector<int32_t>{5, 6, 7}, 0, 39, 3);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(st.message(), "illegal WRITE request state transition WAITING -> WAITING");
+  EXPECT_TRUE(p.decode.TakeActions().empty());
+  EXPECT_EQ(p.decode.WritableBlocksByTransfer(), offered);
+  EXPECT_EQ(p.decode.NextDeadline(), deadline);
+  EXPECT_EQ(p.decode.NumWaiting(), 1);
+  EXPECT_EQ(p.decode.counters().notifications_ignored, before.notifications_ignored);
+
+  // Aborted mid-write: the blocks are kept until the drain; a late allocation is refused too.
+  EXPECT_TRUE(p.decode.OnRequestAborted("d-1", 4));
+  p.Pump(4);
+  st = p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 5);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(st.message(), "illegal WRITE request state transition ABORTING -> WAITING");
+  EXPECT_TRUE(p.decode.TakeActions().empty());
+  EXPECT_TRUE(p.decode.WritableBlocksByTransfer().empty());
+  EXPECT_TRUE(p.decode_freed.empty());
+  p.CompleteWrites(6);  // drained → the blocks are freed, once
+  EXPECT_EQ(p.decode_freed, (std::vector<std::string>{"d-1"}));
+  EXPECT_TRUE(p.loads_done.empty());
+  EXPECT_TRUE(p.load_failed.empty());
+  // Once reported the entry is gone: a third allocation names no request.
+  EXPECT_EQ(p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 39, 7).code(),
+            StatusCode::kNotFound);
+  p.prefill.OnLayerComputed("p-1", 1, kPrefillTable, 8);
+  p.prefill.OnLayerComputed("p-1", 2, kPrefillTable, 8);
+  EXPECT_FALSE(p.prefill.OnRequestFinished("p-1", kPrefillTable, 8));
+  p.Pump(8);
+  EXPECT_EQ(p.decode_freed.size(), 1u);
   p.ExpectIdle();
 }
 
@@ -476,7 +522,7 @@ TEST(WriteCores, PromptMismatchAndBadRequestsAreRefused) {
   EXPECT_EQ(p.decode.OnRequestAdded("d-0", read, 40, 0, 1).status().code(),
             StatusCode::kInvalidArgument);
   ASSERT_TRUE(p.decode.OnRequestAdded("d-1", WriteParams("x1"), 41, 0, 1).ok());
-  p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 40, 1);
+  EXPECT_TRUE(p.decode.OnBlocksAllocated("d-1", kDecodeTable, 0, 40, 1).ok());
   p.Pump(1);
   ASSERT_EQ(p.load_failed.size(), 1u);
   EXPECT_NE(p.load_failed[0].status.message().find("prompt mismatch"), std::string::npos);
@@ -534,22 +580,12 @@ TEST(WriteCores, PrefillRankWritesOnlyTheDecodeRanksItServes) {
 TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
   // One KV head, prefill tp 2 (the head replicated on both ranks), decode tp 1: the plan reads
   // the head from prefill rank 0 only (tp_plan.h), where the even split would use both ranks.
-  WritePrefillCore p0({.engine_id = "p0",
-                       .rank = 0,
-                       .tp_size = 2,
-                       .num_kv_heads = 1,
-                       .block_size = 16,
-                       .num_layers = 1});
-  WritePrefillCore p1({.engine_id = "p0",
-                       .rank = 1,
-                       .tp_size = 2,
-                       .num_kv_heads = 1,
-                       .block_size = 16,
-                       .num_layers = 1});
+  WritePrefillCore prefill(
+      {.engine_id = "p0", .tp_size = 2, .num_kv_heads = 1, .block_size = 16, .num_layers = 1});
   WriteDecodeCore decode({.engine_id = "d0", .tp_size = 1, .num_kv_heads = 1, .block_size = 16});
   KvTransferParams params = WriteParams("x1");
   params.tp_size = 2;
-  ASSERT_TRUE(p0.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
+  ASSERT_TRUE(prefill.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
   AddDecode(decode, "d-1", params, 1);
   std::vector<WriteBlocksMsg> wbs;
   std::vector<WriteCancelMsg> skips;  // rank 1 writes nothing: told so at admission
@@ -566,37 +602,38 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
   EXPECT_EQ(skips[0].prefill_rank, 1);
   EXPECT_FALSE(skips[0].want_done);
   // Prefill rank 1 is no source of decode rank 0: a message naming it there is refused.
-  ASSERT_TRUE(p1.OnRequestAdded("p-1", 1, "x1", 40, 1).ok());
   WriteBlocksMsg stray = wbs[0];
   stray.prefill_rank = 1;
-  p1.OnWriteBlocks(stray, 2);
-  auto acts = p1.TakeActions();
+  prefill.OnWriteBlocks(stray, 2);
+  auto acts = prefill.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
   const auto& refused = std::get<WriteDoneMsg>(std::get<SendMessageAction>(acts[0]).msg);
   EXPECT_NE(refused.outcome, WriteOutcome::kOk);
+  EXPECT_EQ(refused.prefill_rank, 1);
   EXPECT_EQ(refused.decode_rank, 0);
-  EXPECT_FALSE(p1.OnRequestAborted("p-1", 2));  // nothing was written: free at once
-  p1.TakeActions();
-  EXPECT_TRUE(p1.Idle());
+  prefill.OnWriteCancel(skips[0], 2);  // the skip settles rank 1
+  EXPECT_TRUE(prefill.TakeActions().empty());
   // Rank 0 completes with decode rank 0 alone.
-  p0.OnWriteBlocks(wbs[0], 2);
-  p0.OnLayerComputed("p-1", 0, kPrefillTable, 2);
-  acts = p0.TakeActions();
+  prefill.OnWriteBlocks(wbs[0], 2);
+  prefill.OnLayerComputed("p-1", 0, kPrefillTable, 2);
+  acts = prefill.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
   const auto& w = std::get<PostTransferAction>(acts[0]);
   EXPECT_EQ(w.peer.rank, 0);
+  EXPECT_EQ(w.local_rank, 0);
   EXPECT_EQ(w.local_block_ids, std::vector<int32_t>(kPrefillTable.begin(), kPrefillTable.end()));
   EXPECT_EQ(w.remote_block_ids, std::vector<int32_t>(kDecodeTable.begin(), kDecodeTable.end()));
   ASSERT_TRUE(w.notification.has_value());
   const WriteDoneMsg done = *w.notification;
-  p0.OnWriteCompleted(w.id, OkStatus(), 3);
-  EXPECT_FALSE(p0.OnRequestFinished("p-1", kPrefillTable, 3));  // complete: free at once
-  EXPECT_EQ(p0.counters().transfers_completed, 1);
+  prefill.OnWriteCompleted(w.id, OkStatus(), 3);
+  EXPECT_FALSE(prefill.OnRequestFinished("p-1", kPrefillTable, 3));  // complete: free at once
+  EXPECT_EQ(prefill.rank_counters(0).transfers_completed, 1);
   decode.OnWriteDone(done, 3);
   acts = decode.TakeActions();
   ASSERT_EQ(acts.size(), 1u);
   EXPECT_EQ(std::get<ReportLoadDoneAction>(acts[0]).request_id, "d-1");
-  EXPECT_TRUE(p0.Idle());
+  EXPECT_TRUE(prefill.TakeActions().empty());
+  EXPECT_TRUE(prefill.Idle());
   EXPECT_TRUE(decode.Idle());
 
   // Without a head count the cores assume an even split: the decode writes to both ranks.
@@ -611,12 +648,8 @@ TEST(WriteCores, PairsFollowTheTpPlanWhenKvHeadsAreFewerThanTheTpSize) {
 TEST(WriteCores, PrefillRanksHoldTheSharedBlocksUntilTheLastRankIsDone) {
   // Prefill tp 2 -> decode tp 2, 2 KV heads: pairs (0 <- 0) and (1 <- 1). The engine's one block
   // table is freed once, after both ranks' writes landed; the decode goes on after both.
-  WritePrefillCore prefill({.engine_id = "p0",
-                            .tp_size = 2,
-                            .all_ranks = true,
-                            .num_kv_heads = 2,
-                            .block_size = 16,
-                            .num_layers = 1});
+  WritePrefillCore prefill(
+      {.engine_id = "p0", .tp_size = 2, .num_kv_heads = 2, .block_size = 16, .num_layers = 1});
   WriteDecodeCore decode({.engine_id = "d0", .tp_size = 2, .num_kv_heads = 2, .block_size = 16});
   KvTransferParams params = WriteParams("x1");
   params.tp_size = 2;

@@ -30,6 +30,7 @@ std::vector<std::pair<int, int>> WriteDecodeCore::PlanPairs(int prefill_tp) cons
 namespace {
 
 using PS = WriteDecodeCore::PairState;
+using RS = WriteDecodeCore::RequestState;
 
 // A (decode rank, prefill rank) pair's legal transitions; anything else is a bug
 // (FailedPrecondition: the request's load fails with it).
@@ -42,6 +43,19 @@ constexpr StateTransition<PS> kPairTransitions[] = {
   {PS::kWaiting,       PS::kFailed},      // WriteDone(failed), or the write bound passed
   {PS::kWaiting,       PS::kCancelling},  // failed or aborted: WriteCancel sent
   {PS::kCancelling,    PS::kFailed},      // drained (WriteDone of any outcome), or the bound
+};
+
+// A request's legal transitions (the drawing in write_decode_core.h).
+constexpr StateTransition<RS> kRequestTransitions[] = {
+  // from               to
+  {RS::kAwaitingAlloc, RS::kWaiting},     // allocated: WriteBlocks sent
+  {RS::kAwaitingAlloc, RS::kReported},    // aborted before the allocation: nothing offered
+  {RS::kWaiting,       RS::kFailing},     // a write failed or timed out, or the table was short
+  {RS::kWaiting,       RS::kAborting},    // aborted while a pair may still write
+  {RS::kWaiting,       RS::kReported},    // every pair ok (LoadDone); aborted with none in flight
+  {RS::kFailing,       RS::kAborting},    // aborted while the cancelled pairs drain
+  {RS::kFailing,       RS::kReported},    // drained (LoadFailed); aborted with none in flight
+  {RS::kAborting,      RS::kReported},    // drained, or lease + grace passed (BlocksFree)
 };
 // clang-format on
 
@@ -63,12 +77,36 @@ std::string_view WriteDecodeCore::PairStateName(PairState s) {
   return "UNKNOWN";
 }
 
+std::string_view WriteDecodeCore::RequestStateName(RequestState s) {
+  switch (s) {
+    case RequestState::kAwaitingAlloc:
+      return "AWAITING_ALLOC";
+    case RequestState::kWaiting:
+      return "WAITING";
+    case RequestState::kFailing:
+      return "FAILING";
+    case RequestState::kAborting:
+      return "ABORTING";
+    case RequestState::kReported:
+      return "REPORTED";
+  }
+  return "UNKNOWN";
+}
+
 Status WriteDecodeCore::SetState(Pair& p, PairState to) {
   return SetCheckedState(kPairTransitions, "WRITE pair", p.state, to, &PairStateName);
 }
 
+Status WriteDecodeCore::SetState(Request& r, RequestState to) {
+  return SetCheckedState(kRequestTransitions, "WRITE request", r.state, to, &RequestStateName);
+}
+
 void WriteDecodeCore::Move(Request& r, Pair& p, PairState to) {
   if (Status st = SetState(p, to); !st.ok() && r.failure.ok()) r.failure = std::move(st);
+}
+
+void WriteDecodeCore::Move(Request& r, RequestState to) {
+  if (Status st = SetState(r, to); !st.ok() && r.failure.ok()) r.failure = std::move(st);
 }
 
 PeerEndpoint WriteDecodeCore::Peer(const KvTransferParams& p, int prefill_rank) const {
@@ -125,17 +163,19 @@ Result<WriteDecodeCore::Match> WriteDecodeCore::OnRequestAdded(const std::string
   return Match{external, true};
 }
 
-void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
-                                        std::span<const int32_t> block_ids,
-                                        int num_local_computed_tokens, int num_external_tokens,
-                                        TimePoint now) {
+Status WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
+                                          std::span<const int32_t> block_ids,
+                                          int num_local_computed_tokens, int num_external_tokens,
+                                          TimePoint now) {
   auto it = requests_.find(request_id);
-  if (it == requests_.end() || it->second.allocated) {
+  if (it == requests_.end()) {
     ++counters_.notifications_ignored;
-    return;
+    return NotFoundError("no WRITE request " + request_id + " awaits its blocks");
   }
   Request& r = it->second;
-  r.allocated = true;
+  // The table is the guard: a second (or late) allocation is an illegal transition and changes
+  // nothing (no second WriteBlocks, no new write bound, no block offered or freed).
+  RETURN_IF_ERROR(SetState(r, RequestState::kWaiting));
   r.deadline = now + options_.write_timeout;
   const BlockSpan span =
       ExternalBlockSpan(options_.block_size, num_local_computed_tokens, num_external_tokens);
@@ -144,7 +184,7 @@ void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
     for (const Pair& pair : r.pairs) SendCancel(r, pair, /*want_done=*/false);
     Fail(r, UncoveredLoadError(block_ids.size()));
     Advance(request_id, now);
-    return;
+    return OkStatus();
   }
   r.blocks.assign(block_ids.begin() + span.first, block_ids.begin() + span.end);
   for (Pair& pair : r.pairs) {
@@ -161,10 +201,12 @@ void WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
                                                 .first_block = span.first,
                                                 .block_ids = r.blocks}});
   }
+  return OkStatus();
 }
 
 void WriteDecodeCore::Fail(Request& r, Status status) {
   if (r.failure.ok()) r.failure = std::move(status);
+  if (r.state == RequestState::kWaiting) Move(r, RequestState::kFailing);
   for (Pair& pair : r.pairs) {
     if (pair.state == PairState::kWaiting) {
       SendCancel(r, pair, /*want_done=*/true);
@@ -177,7 +219,6 @@ bool WriteDecodeCore::OnRequestAborted(const std::string& request_id, TimePoint 
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return false;
   Request& r = it->second;
-  r.aborted = true;
   bool keep = false;
   bool want_done = true;  // keep the blocks until each rank confirms its writes drained
 #ifdef KVBRIDGE_PLANTED_FAULTS
@@ -195,9 +236,11 @@ bool WriteDecodeCore::OnRequestAborted(const std::string& request_id, TimePoint 
   }
   if (keep && want_done) {
     ++counters_.aborts_mid_write;
+    if (r.state != RequestState::kAborting) Move(r, RequestState::kAborting);
     (void)now;
     return true;
   }
+  Move(r, RequestState::kReported);  // nothing can land: the engine frees the blocks now
   by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
   requests_.erase(it);
   return false;
@@ -268,10 +311,11 @@ void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return;
   Request& r = it->second;
-  bool all_ok = r.allocated;
+  bool all_ok = r.state == RequestState::kWaiting;
   bool go_early = false;  // (planted fault only: proceed at the first pair's WriteDone(ok))
 #ifdef KVBRIDGE_PLANTED_FAULTS
-  go_early = sim::Planted().decode_proceeds_at_first_write_done && !r.aborted && r.failure.ok() &&
+  go_early = sim::Planted().decode_proceeds_at_first_write_done &&
+             r.state != RequestState::kAborting && r.failure.ok() &&
              std::any_of(r.pairs.begin(), r.pairs.end(),
                          [](const Pair& p) { return p.state == PairState::kOk; });
 #endif
@@ -280,7 +324,7 @@ void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
     if (p.state == PairState::kWaiting || p.state == PairState::kCancelling) return;
     if (p.state != PairState::kOk) all_ok = false;
   }
-  if (r.aborted) {
+  if (r.state == RequestState::kAborting) {
     actions_.push_back(ReportBlocksFreeAction{request_id});
   } else if (!r.failure.ok()) {
     ++counters_.load_failures;
@@ -301,6 +345,7 @@ void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
   } else {
     return;  // not allocated yet
   }
+  Move(r, RequestState::kReported);
   by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
   requests_.erase(it);
 }
@@ -308,11 +353,11 @@ void WriteDecodeCore::Advance(const std::string& request_id, TimePoint now) {
 void WriteDecodeCore::OnTick(TimePoint now) {
   std::vector<std::string> due;
   for (const auto& [id, r] : requests_) {
-    if (r.allocated && r.deadline <= now) due.push_back(id);
+    if (r.allocated() && r.deadline <= now) due.push_back(id);
   }
   for (const std::string& id : due) {
     Request& r = requests_.at(id);
-    if (!r.aborted) {
+    if (r.state != RequestState::kAborting) {
       ++counters_.write_timeouts;
       Fail(r, DeadlineExceededError("no WriteDone from the prefill within " +
                                     std::to_string(options_.write_timeout / kMillisecond) + " ms"));
@@ -342,21 +387,21 @@ std::vector<WriteDecodeCore::LoadTiming> WriteDecodeCore::TakeLoadTimings() {
 std::optional<TimePoint> WriteDecodeCore::NextDeadline() const {
   std::optional<TimePoint> best;
   for (const auto& [id, r] : requests_) {
-    if (r.allocated && (!best || r.deadline < *best)) best = r.deadline;
+    if (r.allocated() && (!best || r.deadline < *best)) best = r.deadline;
   }
   return best;
 }
 
 int64_t WriteDecodeCore::NumWaiting() const {
   int64_t n = 0;
-  for (const auto& [id, r] : requests_) n += r.aborted ? 0 : 1;
+  for (const auto& [id, r] : requests_) n += r.state == RequestState::kAborting ? 0 : 1;
   return n;
 }
 
 std::map<std::string, std::vector<int32_t>> WriteDecodeCore::WritableBlocksByTransfer() const {
   std::map<std::string, std::vector<int32_t>> out;
   for (const auto& [id, r] : requests_) {
-    if (!r.allocated || r.aborted || !r.failure.ok()) continue;
+    if (r.state != RequestState::kWaiting || !r.failure.ok()) continue;
     auto& v = out[r.params.transfer_id];
     v.insert(v.end(), r.blocks.begin(), r.blocks.end());
   }

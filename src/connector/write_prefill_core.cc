@@ -23,20 +23,15 @@ WritePrefillCore::WritePrefillCore(Options options) : options_(std::move(options
   if (options_.lease <= 0) options_.lease = 60 * kSecond;
   if (options_.max_parked_messages < 1) options_.max_parked_messages = 1;
   if (options_.max_tombstones < 1) options_.max_tombstones = 1;
-  if (options_.all_ranks) {
-    for (int r = 0; r < options_.tp_size; ++r) {
-      ranks_.push_back(
-          Rank{.rank = r, .next_write_id = (static_cast<uint64_t>(r) << kRankShift) + 1});
-    }
-  } else {
-    ranks_.push_back(Rank{.rank = options_.rank,
-                          .next_write_id = std::max<uint64_t>(1, options_.first_write_id)});
+  for (int r = 0; r < options_.tp_size; ++r) {
+    ranks_.push_back(
+        Rank{.rank = r, .next_write_id = (static_cast<uint64_t>(r) << kRankShift) + 1});
   }
 }
 
 WritePrefillCore::Rank& WritePrefillCore::RankFor(int prefill_rank) {
   // A rank this core does not run goes to the first, which refuses it (not its rank).
-  if (options_.all_ranks && prefill_rank >= 0 && prefill_rank < static_cast<int>(ranks_.size()))
+  if (prefill_rank >= 0 && prefill_rank < static_cast<int>(ranks_.size()))
     return ranks_[static_cast<size_t>(prefill_rank)];
   return ranks_[0];
 }
@@ -66,7 +61,7 @@ void WritePrefillCore::SetHeadSlice(int prefill_rank, int decode_rank, int decod
 
 bool WritePrefillCore::Hold(const std::string& request_id, const std::set<int>& ranks) {
   if (ranks.empty()) return false;
-  if (options_.all_ranks) holders_[request_id].insert(ranks.begin(), ranks.end());
+  holders_[request_id].insert(ranks.begin(), ranks.end());
   return true;
 }
 
@@ -699,7 +694,7 @@ Status WritePrefillCore::Release(Rank& k, const ReleaseMsg& msg, TimePoint now) 
 }
 
 void WritePrefillCore::OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now) {
-  const uint64_t r = options_.all_ranks ? write_id >> kRankShift : 0;
+  const uint64_t r = write_id >> kRankShift;
   if (r >= ranks_.size()) {
     ++ignored_;
     return;

@@ -17,6 +17,17 @@ bool SimConnector::RequestAborted(const ConnectorRequestInfo& req, TimePoint now
   return keep;
 }
 
+void SimConnector::UpdateStateAfterAlloc(const ConnectorRequestInfo& req,
+                                         std::span<const int32_t> block_ids, int num_local_computed,
+                                         int num_external, TimePoint now) {
+  Status st = logic_.UpdateStateAfterAlloc(req, block_ids, num_local_computed, num_external, now);
+  // A second allocation of one request is an engine bug the cores refuse (nothing changes).
+  if (st.code() == StatusCode::kFailedPrecondition) {
+    sim_->Violate(ViolationKind::kExactlyOnce,
+                  "request " + req.request_id + " allocated twice: " + st.ToString());
+  }
+}
+
 void SimConnector::HandleInbox(TimePoint now) {
   std::vector<InEvent> in;
   in.swap(inbox_);

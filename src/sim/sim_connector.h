@@ -76,9 +76,7 @@ class SimConnector final : public KvConnector, private ConnectorSink {
     return logic_.GetNumNewMatchedTokens(req, num_local_computed, now);
   }
   void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
-                             int num_local_computed, int num_external, TimePoint now) override {
-    logic_.UpdateStateAfterAlloc(req, block_ids, num_local_computed, num_external, now);
-  }
+                             int num_local_computed, int num_external, TimePoint now) override;
   FinishDecision RequestFinished(const ConnectorRequestInfo& req,
                                  std::span<const int32_t> block_ids, std::string_view finish_reason,
                                  TimePoint now) override {

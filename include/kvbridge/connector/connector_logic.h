@@ -109,8 +109,10 @@ class ConnectorLogic {
   /// serve; the cores' errors (FailedPrecondition, AlreadyExists, ...) otherwise.
   Result<KvConnector::Match> GetNumNewMatchedTokens(const ConnectorRequestInfo& req,
                                                     int num_local_computed, TimePoint now);
-  void UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
-                             int num_local_computed, int num_external, TimePoint now);
+  /// The decode cores' OnBlocksAllocated status: NotFound for a request no decode core admitted
+  /// (e.g. a local one), FailedPrecondition for a second allocation (nothing changes).
+  Status UpdateStateAfterAlloc(const ConnectorRequestInfo& req, std::span<const int32_t> block_ids,
+                               int num_local_computed, int num_external, TimePoint now);
   KvConnector::FinishDecision RequestFinished(const ConnectorRequestInfo& req,
                                               std::span<const int32_t> block_ids,
                                               std::string_view finish_reason, TimePoint now);

@@ -86,9 +86,12 @@ class DecodeCore {
   Result<Match> OnRequestAdded(const std::string& request_id, const KvTransferParams& params,
                                int num_prompt_tokens, int num_local_computed_tokens, TimePoint now);
   /// The engine allocated `block_ids` (the request's whole block table) for a request that got
-  /// num_external_tokens > 0. Posts the READs. A table too short fails the load.
-  void OnBlocksAllocated(const std::string& request_id, std::span<const int32_t> block_ids,
-                         int num_local_computed_tokens, int num_external_tokens, TimePoint now);
+  /// num_external_tokens > 0. Posts the READs. A table too short fails the load. NotFound
+  /// (counted as ignored) for a request not admitted here; FailedPrecondition (the request
+  /// table's "illegal READ request state transition ...") for one not awaiting its allocation
+  /// (a second allocation): nothing changes.
+  Status OnBlocksAllocated(const std::string& request_id, std::span<const int32_t> block_ids,
+                           int num_local_computed_tokens, int num_external_tokens, TimePoint now);
   /// Returns true when the engine must keep the request's blocks until ReportBlocksFree
   /// (a READ may still land); false when it may free them now (or the request is unknown).
   bool OnRequestAborted(const std::string& request_id, TimePoint now);

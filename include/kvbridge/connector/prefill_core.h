@@ -47,13 +47,10 @@ class PrefillCore {
  public:
   struct Options {
     std::string engine_id;  ///< this engine incarnation (kv_transfer_params.remote_engine_id)
-    int rank = 0;           ///< this TP rank (ignored when all_ranks)
+    /// The engine's TP size. One core covers every rank (the ranks share one block table): it
+    /// takes messages for any prefill rank in [0, tp_size) and completes a transfer when every
+    /// (decode rank, prefill rank) pair of the TP plan (tp_plan.h) has notified.
     int tp_size = 1;
-    /// true: one core for every rank of the engine (ranks share one block table, as in the
-    /// runtime and the simulator): it takes messages for any prefill rank in [0, tp_size) and
-    /// completes a transfer when every (decode rank, prefill rank) pair of the TP plan
-    /// (tp_plan.h) has notified. false: the single rank `rank` and its pairs only.
-    bool all_ranks = false;
     /// The model's global KV heads (the TP plan depends on them when fewer than a TP size).
     /// 0: assume enough heads that they split evenly over both TP sizes.
     int num_kv_heads = 0;

@@ -53,10 +53,19 @@ namespace kvbridge {
 
 /// The decode half of WRITE mode (one per decode engine; it sends for all its ranks).
 ///
-/// Request states: kAwaitingAlloc → kWaiting (WriteBlocks sent to every pair) → reported
-/// (ReportLoadDone when every pair said ok | ReportLoadFailed once every pair drained after a
-/// failure | ReportBlocksFree after an abort once every pair drained) → gone. Each request is
-/// reported exactly once; WriteDone for no waiting pair is dropped and counted.
+/// Request states (RequestState; the table is kRequestTransitions in write_decode_core.cc):
+///
+///   kAwaitingAlloc ─alloc─► kWaiting ─every pair ok──────────────────► kReported (LoadDone)
+///     │                       │  └─a write failed / timed out─► kFailing
+///     │                       │                                   │ └─drained─► kReported
+///     │                       │                                   │ abort        (LoadFailed)
+///     │                       └─abort, a pair may still write─► kAborting
+///     │                                         drained, or lease + grace─► kReported (BlocksFree)
+///     └─abort (nothing offered yet)─► kReported (the engine frees the blocks now)
+///
+/// An abort before the allocation offers nothing, so the entry goes at once; one after it keeps
+/// the blocks (kAborting) until every pair drained. A request is reported exactly once and its
+/// entry goes with the report; WriteDone for no waiting pair is dropped and counted.
 class WriteDecodeCore {
  public:
   struct Options {
@@ -111,8 +120,11 @@ class WriteDecodeCore {
   Result<Match> OnRequestAdded(const std::string& request_id, const KvTransferParams& params,
                                int num_prompt_tokens, int num_local_computed_tokens, TimePoint now);
   /// The engine allocated `block_ids` (the whole table). Sends WriteBlocks to every prefill rank.
-  void OnBlocksAllocated(const std::string& request_id, std::span<const int32_t> block_ids,
-                         int num_local_computed_tokens, int num_external_tokens, TimePoint now);
+  /// NotFound (counted as ignored) for a request not admitted here; FailedPrecondition (the
+  /// request table's "illegal WRITE request state transition ...") for one not awaiting its
+  /// allocation (a second allocation): nothing changes.
+  Status OnBlocksAllocated(const std::string& request_id, std::span<const int32_t> block_ids,
+                           int num_local_computed_tokens, int num_external_tokens, TimePoint now);
   /// True when the engine must keep the blocks until ReportBlocksFree (a write may land).
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
   /// Aborted while still queued (before OnRequestAdded): tells each prefill rank (paired or not)
@@ -135,7 +147,16 @@ class WriteDecodeCore {
  public:
   /// One (decode rank, prefill rank) pair's state (the table is in write_decode_core.cc).
   enum class PairState : uint8_t { kIdle, kWaiting, kCancelling, kOk, kFailed };
+  /// One admitted request's state (the table and the drawing above; write_decode_core.cc).
+  enum class RequestState : uint8_t {
+    kAwaitingAlloc,  // admitted with remote tokens; the engine has not allocated its blocks
+    kWaiting,        // allocated, WriteBlocks sent: waiting for every pair's WriteDone
+    kFailing,        // the load failed (`failure`): waiting for the cancelled pairs to drain
+    kAborting,       // aborted after the allocation: blocks kept until every pair drained
+    kReported,       // reported to the engine (the entry goes with it)
+  };
   static std::string_view PairStateName(PairState s);
+  static std::string_view RequestStateName(RequestState s);
 
  private:
   struct Pair {
@@ -148,18 +169,24 @@ class WriteDecodeCore {
     int num_prompt_tokens = 0;
     std::vector<Pair> pairs;
     std::vector<int32_t> blocks;  // destination blocks
-    bool allocated = false;
-    bool aborted = false;
-    Status failure;
+    RequestState state = RequestState::kAwaitingAlloc;
+    Status failure;  // first failure (kFailing; an illegal transition lands here too)
     TimePoint deadline = 0;
     LoadTiming timing;
     int64_t overlap_base = INT64_MIN / 2;  // max over ok ranks of since_last_layer_us - arrival
+    // Blocks allocated and offered: the write bound (deadline) runs.
+    bool allocated() const {
+      return state == RequestState::kWaiting || state == RequestState::kFailing ||
+             state == RequestState::kAborting;
+    }
   };
 
-  // The checked transition: an illegal one changes nothing and returns FailedPrecondition;
+  // The checked transitions: an illegal one changes nothing and returns FailedPrecondition;
   // Move fails the request's load with it instead.
   [[nodiscard]] static Status SetState(Pair& p, PairState to);
+  [[nodiscard]] static Status SetState(Request& r, RequestState to);
   static void Move(Request& r, Pair& p, PairState to);
+  static void Move(Request& r, RequestState to);
   PeerEndpoint Peer(const KvTransferParams& p, int prefill_rank) const;
   // The TP plan's (decode rank, prefill rank) pairs against a prefill of `prefill_tp` ranks.
   std::vector<std::pair<int, int>> PlanPairs(int prefill_tp) const;

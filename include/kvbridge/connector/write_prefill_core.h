@@ -51,8 +51,8 @@
 
 namespace kvbridge {
 
-/// The prefill half of WRITE mode: one core per engine (Options::all_ranks, every TP rank) or
-/// one rank's. Each rank keeps its own state machine (its own lease, parked messages and write
+/// The prefill half of WRITE mode: one core per engine, for every TP rank (as PrefillCore). Each
+/// rank keeps its own state machine (its own lease, parked messages and write
 /// ids: each rank's agent writes on its own); the engine's events go to every rank, a decode's
 /// block-id or cancel message to the rank it names. Counters are summed over the ranks.
 ///
@@ -67,14 +67,11 @@ class WritePrefillCore {
  public:
   struct Options {
     std::string engine_id;  ///< this engine incarnation
-    int rank = 0;           ///< this TP rank (ignored when all_ranks)
-    int tp_size = 1;
-    /// true: one core for every rank of the engine, as PrefillCore's all_ranks (the ranks share
-    /// one block table; ConnectorCores, the runtime and the simulator use this): it takes
-    /// messages for any prefill rank in [0, tp_size), rank r's write ids count up from
+    /// The engine's TP size. One core covers every rank (the ranks share one block table): it
+    /// takes messages for any prefill rank in [0, tp_size), rank r's write ids count up from
     /// (r << kRankShift) + 1, and the request's blocks are freed once, when the last rank that
-    /// held them lets go. false: the single rank `rank` (write ids from first_write_id).
-    bool all_ranks = false;
+    /// held them lets go.
+    int tp_size = 1;
     /// The model's global KV heads, for the TP plan (tp_plan.h) that says which decode ranks
     /// this rank writes to (TpPlanPairs). 0: assume enough heads that they split evenly.
     int num_kv_heads = 0;
@@ -83,7 +80,6 @@ class WritePrefillCore {
     DurationUs lease = 60 * kSecond;
     int64_t max_parked_messages = 4096;
     int64_t max_tombstones = 65536;
-    uint64_t first_write_id = 1;  ///< write ids count up from here (>= 1; not all_ranks)
   };
   struct Counters {
     int64_t holds = 0;                ///< requests whose blocks were held at finish
@@ -104,7 +100,7 @@ class WritePrefillCore {
     int64_t compute_us_sum = 0;         ///< over completed transfers: first → last layer computed
   };
 
-  /// With all_ranks, a write id's prefill rank is `id >> kRankShift`.
+  /// A write id's prefill rank is `id >> kRankShift`.
   static constexpr int kRankShift = 40;
 
   explicit WritePrefillCore(Options options);
@@ -126,8 +122,8 @@ class WritePrefillCore {
                        std::span<const int32_t> block_table, TimePoint now);
   /// The engine finished `request_id` (any reason but abort). True: hold its blocks until
   /// ReportBlocksFree(request_id) (writes pending, or the block-id messages not all in yet,
-  /// under the lease; with all_ranks one ReportBlocksFree follows, after the last holding
-  /// rank); false: free them now.
+  /// under the lease; one ReportBlocksFree follows, after the last holding rank); false: free them
+  /// now.
   bool OnRequestFinished(const std::string& request_id, std::span<const int32_t> block_ids,
                          TimePoint now);
   /// The engine aborted `request_id`. Cancels its writes and tells every decode rank
@@ -168,7 +164,7 @@ class WritePrefillCore {
   /// WRITEs posted and not yet completed (sum over ranks).
   int64_t NumWritesInFlight() const;
   Counters counters() const;                   ///< sums over ranks
-  const Counters& rank_counters(int r) const;  ///< r indexes the ranks this core runs
+  const Counters& rank_counters(int r) const;  ///< rank r in [0, tp_size)
   int tp_size() const { return options_.tp_size; }
   const Options& options() const { return options_; }
 
@@ -274,12 +270,12 @@ class WritePrefillCore {
   void SetHeadSlice(int prefill_rank, int decode_rank, int decode_tp, PostTransferAction& a) const;
   // The rank a decode's message names (a rank this core does not run: the first, which refuses).
   Rank& RankFor(int prefill_rank);
-  // With all_ranks: the request's blocks stay held while any rank in `ranks` holds them.
+  // The request's blocks stay held while any rank in `ranks` holds them.
   bool Hold(const std::string& request_id, const std::set<int>& ranks);
   static std::string_view ReasonName(CloseReason r);
 
   Options options_;
-  std::vector<Rank> ranks_;                       // [rank] or, with all_ranks, [0, tp_size)
+  std::vector<Rank> ranks_;                       // [0, tp_size)
   std::map<std::string, std::set<int>> holders_;  // request id -> ranks holding its blocks
   int64_t ignored_ = 0;                           // completions for a rank not run here
 };
