@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "kvbridge/common/logging.h"
+#include "transfer/auth.h"
 #include "transfer/backend_registry.h"
 #include "transfer/wire.h"
 
@@ -101,7 +102,7 @@ std::string HostId() {
 class TransferAgent::Impl {
  public:
   // Declared first: outlive the backends, whose threads count into them.
-  std::atomic<int64_t> refused_peers_{0}, refused_servers_{0};
+  std::atomic<int64_t> refused_peers_{0}, refused_servers_{0}, refused_released_{0};
   explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)), incarnation_(NewIncarnation()) {}
 
   ~Impl() {
@@ -146,6 +147,17 @@ class TransferAgent::Impl {
     ctx.copy_threads = cfg_.copy_threads;
     ctx.peer_timeout_ms = cfg_.peer_timeout_ms;
     ctx.cluster_token = cfg_.cluster_token;
+    if (!cfg_.cluster_token.empty()) {
+      const std::string token = cfg_.cluster_token;
+      ctx.crypto.nonce = [] { return auth::RandomNonce(); };
+      ctx.crypto.proof = [token](std::string_view context, std::string_view nonce) {
+        return auth::Proof(token, context, nonce);
+      };
+      ctx.crypto.matches = [token](std::string_view context, std::string_view nonce,
+                                   std::string_view proof) {
+        return auth::ProofMatches(token, context, nonce, proof);
+      };
+    }
     ctx.on_message = [this](const std::string& peer, std::string bytes) {
       OnMessage(peer, std::move(bytes));
     };
@@ -155,6 +167,7 @@ class TransferAgent::Impl {
     };
     ctx.on_peer_lost = [this](const std::string& peer) { OnPeerLost(peer); };
     ctx.on_refused = [this](const std::string&, const Status&) { refused_peers_ += 1; };
+    ctx.on_refused_released = [this](const std::string&) { refused_released_ += 1; };
     ctx.hold_check = [this](TransferOp op, std::string_view tid, const std::vector<int>& blocks) {
       HoldCheck hc;
       {
@@ -646,7 +659,8 @@ Status TransferAgent::Reply(const Notification& n, std::string payload) {
 }
 void TransferAgent::SetHoldCheck(HoldCheck check) { impl_->SetHoldCheck(std::move(check)); }
 TransferAgent::HandshakeRefusals TransferAgent::HandshakeRefusalCounts() const {
-  return {impl_->refused_peers_.load(), impl_->refused_servers_.load()};
+  return {impl_->refused_peers_.load(), impl_->refused_servers_.load(),
+          impl_->refused_released_.load()};
 }
 
 }  // namespace kvbridge::transfer

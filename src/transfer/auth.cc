@@ -10,24 +10,6 @@
 #include "transfer/socket_util.h"
 
 namespace kvbridge::transfer::auth {
-namespace {
-
-std::string Context(std::string_view backend, std::string_view role, uint64_t server_incarnation,
-                    std::string_view client_name) {
-  char inc[17];
-  std::snprintf(inc, sizeof(inc), "%016llx", static_cast<unsigned long long>(server_incarnation));
-  std::string c = "kvbridge-";
-  c += backend;
-  c += "-v1";
-  c += role;
-  c += "|";
-  c += inc;
-  c += "|";
-  c += client_name;
-  return c;
-}
-
-}  // namespace
 
 Result<std::string> RandomNonce() {
   std::string n(kNonceBytes, '\0');
@@ -35,16 +17,6 @@ Result<std::string> RandomNonce() {
     return InternalError("handshake: RAND_bytes failed");
   }
   return n;
-}
-
-std::string HandshakeContext(std::string_view backend, uint64_t server_incarnation,
-                             std::string_view client_name) {
-  return Context(backend, "", server_incarnation, client_name);
-}
-
-std::string ServerContext(std::string_view backend, uint64_t server_incarnation,
-                          std::string_view client_name) {
-  return Context(backend, "-server", server_incarnation, client_name);
 }
 
 std::string Proof(std::string_view token, std::string_view context, std::string_view nonce) {
@@ -62,15 +34,6 @@ bool ProofMatches(std::string_view token, std::string_view context, std::string_
   if (proof.size() != kProofBytes) return false;
   const std::string want = Proof(token, context, nonce);
   return want.size() == kProofBytes && CRYPTO_memcmp(want.data(), proof.data(), kProofBytes) == 0;
-}
-
-Result<ChallengeAnswer> DecodeChallengeAnswer(std::string_view meta) {
-  if (meta.empty()) return ChallengeAnswer{};
-  if (meta.size() != kProofBytes + kNonceBytes) {
-    return InvalidArgumentError("handshake: malformed answer to the cluster-token challenge");
-  }
-  return ChallengeAnswer{std::string(meta.substr(0, kProofBytes)),
-                         std::string(meta.substr(kProofBytes))};
 }
 
 Status ServerChallenge(int fd, std::string_view token, const HandshakeIds& ids) {

@@ -17,11 +17,14 @@
 // proof cannot be replayed to another server or reflected back. A server without a token sends
 // no challenge (the behaviour before issue 22), and a client without one accepts that.
 //
-// ucx carries the same proofs in active messages (ucx_backend.cc); the pure functions below are
-// shared.
+// ucx carries the same proofs in active messages (ucx_backend.cc), cuda_ipc in its own frames
+// (cuda_ipc/ipc_handshake.h); the pure functions below are shared. The contexts and the answer
+// codec are inline: cuda_ipc's CUDA-only build links no OpenSSL and gets the HMAC through
+// BackendContext::crypto.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <string_view>
 
@@ -35,12 +38,31 @@ constexpr size_t kProofBytes = 32;
 
 /// `kNonceBytes` bytes from OpenSSL's CSPRNG; Internal when it fails.
 Result<std::string> RandomNonce();
+
+inline std::string Context(std::string_view backend, std::string_view role,
+                           uint64_t server_incarnation, std::string_view client_name) {
+  char inc[17];
+  std::snprintf(inc, sizeof(inc), "%016llx", static_cast<unsigned long long>(server_incarnation));
+  std::string c = "kvbridge-";
+  c += backend;
+  c += "-v1";
+  c += role;
+  c += "|";
+  c += inc;
+  c += "|";
+  c += client_name;
+  return c;
+}
 /// The context the client's proof covers (see the header comment).
-std::string HandshakeContext(std::string_view backend, uint64_t server_incarnation,
-                             std::string_view client_name);
+inline std::string HandshakeContext(std::string_view backend, uint64_t server_incarnation,
+                                    std::string_view client_name) {
+  return Context(backend, "", server_incarnation, client_name);
+}
 /// The context the server's proof covers (distinct from the client's: no reflection).
-std::string ServerContext(std::string_view backend, uint64_t server_incarnation,
-                          std::string_view client_name);
+inline std::string ServerContext(std::string_view backend, uint64_t server_incarnation,
+                                 std::string_view client_name) {
+  return Context(backend, "-server", server_incarnation, client_name);
+}
 /// HMAC-SHA256(token, context || nonce), raw 32 bytes.
 std::string Proof(std::string_view token, std::string_view context, std::string_view nonce);
 /// Constant-time check of a `proof` (false unless exactly kProofBytes and equal).
@@ -53,7 +75,14 @@ struct ChallengeAnswer {
   std::string proof;         ///< "" when the client has no token.
   std::string client_nonce;  ///< "" when the client has no token.
 };
-Result<ChallengeAnswer> DecodeChallengeAnswer(std::string_view meta);
+inline Result<ChallengeAnswer> DecodeChallengeAnswer(std::string_view meta) {
+  if (meta.empty()) return ChallengeAnswer{};
+  if (meta.size() != kProofBytes + kNonceBytes) {
+    return InvalidArgumentError("handshake: malformed answer to the cluster-token challenge");
+  }
+  return ChallengeAnswer{std::string(meta.substr(0, kProofBytes)),
+                         std::string(meta.substr(kProofBytes))};
+}
 
 /// The identity of one handshake: which backend, the server's incarnation, the client's name.
 struct HandshakeIds {

@@ -4,8 +4,8 @@
 //
 //   cuda_agent_peer --fd 3 --device N
 //
-//   kStart (text "name num_layers num_kv_heads head_dim block_size num_blocks fingerprint")
-//          -> kEndpoint: EncodeMetadata of the registered agent
+//   kStart (text "name num_layers num_kv_heads head_dim block_size num_blocks fingerprint
+//          [cluster_token]") -> kEndpoint: EncodeMetadata of the registered agent
 //   kFill (u64 seed) -> kOk            whole pool = FillPattern(seed)
 //   kVerify (VerifySpec over the pool seen as units of spec.block_bytes) -> kCount
 //   kMessages -> one line per notification received: "transfer_id payload mismatches"
@@ -64,7 +64,10 @@ int Serve(int fd, int device) {
         PagedKvLayout l;
         in >> name >> l.num_layers >> l.num_kv_heads >> l.head_dim >> l.block_size >>
             l.num_blocks >> fingerprint;
-        if (!in || agent) {
+        std::string token;
+        if (in) std::getline(in >> std::ws, token);  // optional: the agent's cluster token
+        if (in.fail() && !in.eof()) in.clear();
+        if (name.empty() || fingerprint.empty() || agent) {
           sent = reply_error(InvalidArgumentError("kStart: bad payload or started twice"));
           break;
         }
@@ -85,6 +88,7 @@ int Serve(int fd, int device) {
         cfg.force_backend = "cuda_ipc";
         cfg.model_fingerprint = fingerprint;
         cfg.peer_timeout_ms = 2000;
+        cfg.cluster_token = token;
         auto a = transfer::TransferAgent::Create(cfg);
         if (!a.ok()) {
           sent = reply_error(a.status());

@@ -88,6 +88,7 @@ class CudaAgentTest : public ::testing::Test {
     start << "target " << layout_.num_layers << " " << layout_.num_kv_heads << " "
           << layout_.head_dim << " " << layout_.block_size << " " << layout_.num_blocks
           << " model-A";
+    if (!peer_token_.empty()) start << " " << peer_token_;
     Message ep = Call(kStart, start.str());
     ASSERT_EQ(ep.type, MsgType::kEndpoint) << ep.payload;
     auto meta = DecodeMetadata(ep.payload);
@@ -109,6 +110,7 @@ class CudaAgentTest : public ::testing::Test {
     cfg.model_fingerprint = "model-A";
     cfg.peer_timeout_ms = 2000;
     cfg.reply_timeout_ms = 5000;
+    cfg.cluster_token = peer_token_;
     auto a = TransferAgent::Create(cfg);
     ASSERT_TRUE(a.ok()) << a.status().ToString();
     agent_ = std::move(*a);
@@ -217,6 +219,7 @@ class CudaAgentTest : public ::testing::Test {
   }
 
   int local_dev_ = 0, peer_dev_ = 0;
+  std::string peer_token_;  ///< The peer's and the initiator's cluster token ("" = none).
   PagedKvLayout layout_;
   cuda_ipc::PeerProcess peer_;
   AgentMetadata peer_meta_;
@@ -224,6 +227,54 @@ class CudaAgentTest : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<TransferAgent> agent_;
 };
+
+// Issue 22: the cuda_ipc handshake proves the cluster token both ways before the serving agent
+// sends its IPC handles. The peer runs with a token: an initiator without one or with another is
+// refused (Unauthenticated, counted on both sides) and nothing can move; the fixture's
+// initiator, holding the same token, connects and reads every byte.
+class CudaAgentTokenTest : public CudaAgentTest {
+ protected:
+  void SetUp() override {
+    peer_token_ = "gpu-s3cret";
+    CudaAgentTest::SetUp();
+  }
+};
+
+TEST_F(CudaAgentTokenTest, TokenlessAndWrongTokenInitiatorsAreRefused) {
+  for (const std::string token : {"", "another-token"}) {
+    auto pool = cuda_ipc::DevicePool::Create(local_dev_, Bytes());
+    ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+    AgentConfig cfg;
+    cfg.name = "stranger";
+    cfg.backends = {"cuda_ipc"};
+    cfg.force_backend = "cuda_ipc";
+    cfg.model_fingerprint = "model-A";
+    cfg.peer_timeout_ms = 2000;
+    cfg.cluster_token = token;
+    auto a = TransferAgent::Create(cfg);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    ASSERT_TRUE(
+        (*a)->RegisterMemory(KvRegistration::FromDeviceMemory(layout_, (*pool)->data(), local_dev_))
+            .ok());
+    auto added = (*a)->AddPeer(peer_meta_);
+    ASSERT_FALSE(added.ok()) << "token '" << token << "' was accepted";
+    EXPECT_EQ(added.status().code(), StatusCode::kUnauthenticated) << added.status().ToString();
+    EXPECT_NE(
+        added.status().message().find(token.empty() ? "the peer has none" : "wrong cluster token"),
+        std::string::npos)
+        << added.status().ToString();
+    EXPECT_EQ((*a)->HandshakeRefusalCounts().servers, 1);
+    EXPECT_FALSE((*a)->Prepare({TransferOp::kRead, "target", {{1, 2}}}).ok());
+  }
+  Connect();
+  const auto pairs = Scattered(16, 3);
+  Prime(TransferOp::kRead, 21, 22);
+  TransferHandle h = PostOk({TransferOp::kRead, "target", pairs});
+  ASSERT_TRUE(h.Wait(30000));
+  ASSERT_EQ(h.state(), TransferState::kDone) << h.status().ToString();
+  EXPECT_EQ(Mismatches(TransferOp::kRead, Expected(TransferOp::kRead, pairs), 21, 22), 0u);
+  EXPECT_EQ(agent_->HandshakeRefusalCounts().servers, 0);
+}
 
 TEST_F(CudaAgentTest, ReadScatteredBlocksAllLayersEveryByte) {
   Connect();

@@ -210,6 +210,9 @@ class TransferAgent {
   struct HandshakeRefusals {
     int64_t peers = 0;    ///< Peers our servers refused (no / wrong cluster token, another uid).
     int64_t servers = 0;  ///< Serving peers AddPeer refused (unproven token, wrong token, uid).
+    /// ucx: refused peers whose reverse endpoint has been closed since (about a second after
+    /// the refusal; shm and tcp close a refused connection at once and leave this 0).
+    int64_t released = 0;
   };
   HandshakeRefusals HandshakeRefusalCounts() const;
 

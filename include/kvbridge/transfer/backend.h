@@ -73,6 +73,18 @@ using HoldCheck = std::function<bool(TransferOp op, std::string_view transfer_id
 class BackendPeer;
 
 /// What the agent hands each backend.
+/// The cluster-token handshake's primitives (transfer/auth.h), bound to the agent's token: a
+/// fresh nonce, HMAC-SHA256(token, context || nonce), and its constant-time check. The agent
+/// fills them when it has a token (empty = none); a backend built apart from the transfer
+/// library (cuda_ipc: its CUDA-only build has no OpenSSL) proves the token through them.
+struct HandshakeCrypto {
+  std::function<Result<std::string>()> nonce;
+  std::function<std::string(std::string_view context, std::string_view nonce)> proof;
+  std::function<bool(std::string_view context, std::string_view nonce, std::string_view proof)>
+      matches;
+  explicit operator bool() const { return static_cast<bool>(proof); }
+};
+
 struct BackendContext {
   std::string agent_name;
   uint64_t incarnation = 0;
@@ -83,6 +95,8 @@ struct BackendContext {
   int peer_timeout_ms = 5000;
   /// Shared secret of the cluster (AgentConfig::cluster_token); "" = handshakes unauthenticated.
   std::string cluster_token;
+  /// cluster_token's proofs (set by the agent when cluster_token is).
+  HandshakeCrypto crypto;
   /// A message from peer `peer_name` (in the order sent on that path).
   std::function<void(const std::string& peer_name, std::string bytes)> on_message;
   /// A peer connected to us; `channel` can send messages back (Submit is not supported on it).
@@ -95,6 +109,9 @@ struct BackendContext {
   /// The serving side refused a peer at the handshake (no / wrong cluster token, another uid);
   /// `peer_name` as the peer claimed it. nullptr = not counted.
   std::function<void(const std::string& peer_name, const Status& why)> on_refused;
+  /// A refused peer's connection was released later than the refusal (ucx closes a refused
+  /// reverse endpoint after a grace period; shm and tcp close at once and do not call this).
+  std::function<void(const std::string& peer_name)> on_refused_released;
 };
 
 class BackendPeer {

@@ -19,6 +19,7 @@
 #include "transfer/backend_util.h"
 #include "transfer/backends/cuda_ipc/block_copy.h"
 #include "transfer/backends/cuda_ipc/cuda_status.h"
+#include "transfer/backends/cuda_ipc/ipc_handshake.h"
 #include "transfer/backends/cuda_ipc/peer_link.h"
 
 namespace kvbridge::transfer {
@@ -38,6 +39,20 @@ using cuda_ipc::MsgType;
 constexpr auto kHello = static_cast<MsgType>(101);     // u64 incarnation, u64 expected, name
 constexpr auto kHelloAck = static_cast<MsgType>(102);  // u32 status; table or error text
 constexpr auto kAgentMsg = static_cast<MsgType>(103);  // opaque agent message
+// 104..106: the cluster-token challenge (ipc_handshake.h).
+static_assert(static_cast<uint32_t>(kHelloAck) == cuda_ipc_auth::kHelloAck);
+
+// The handshake functions' view of a Channel.
+cuda_ipc_auth::FrameIo FramesOf(Channel& ch) {
+  return {.send =
+              [&ch](uint32_t type, std::string_view payload) {
+                return ch.Send(static_cast<MsgType>(type), payload);
+              },
+          .recv = [&ch](int timeout_ms) -> Result<cuda_ipc_auth::Frame> {
+            ASSIGN_OR_RETURN(cuda_ipc::Message m, ch.Recv(timeout_ms));
+            return cuda_ipc_auth::Frame{static_cast<uint32_t>(m.type), std::move(m.payload)};
+          }};
+}
 
 void PutU32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
 void PutU64(std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
@@ -353,21 +368,21 @@ class CudaIpcBackend : public Backend {
       return st;
     }
     Channel hs(fd);  // the handshake's view; the channel below gets its own descriptor
+    // Anyone can bind an abstract name: the server must be a process of our uid (issue 22).
+    RETURN_IF_ERROR(cuda_ipc_auth::CheckPeerUid(fd, "server"));
     std::string hello;
     PutU64(hello, ctx_.incarnation);
     PutU64(hello, peer.incarnation);
     hello += ctx_.agent_name;
     RETURN_IF_ERROR(hs.Send(kHello, hello));
-    ASSIGN_OR_RETURN(cuda_ipc::Message ack, hs.Recv(ctx_.peer_timeout_ms));
-    if (ack.type != kHelloAck) return UnavailableError("cuda_ipc handshake: bad reply");
-    size_t at = 0;
-    uint32_t status = 0, nh = 0, nl = 0;
-    if (!GetU32(ack.payload, at, status))
-      return UnavailableError("cuda_ipc handshake: short reply");
-    if (status != 0) {
-      return Status(static_cast<StatusCode>(status),
-                    "cuda_ipc handshake refused: " + ack.payload.substr(at));
-    }
+    // Challenge-response first (with a token, a table only after the server proved it); the
+    // IPC handles are opened only from an accepting HelloAck.
+    cuda_ipc_auth::FrameIo io = FramesOf(hs);
+    ASSIGN_OR_RETURN(cuda_ipc_auth::Frame ack,
+                     cuda_ipc_auth::AwaitHelloAck(io, ctx_.crypto, peer.incarnation,
+                                                  ctx_.agent_name, ctx_.peer_timeout_ms));
+    size_t at = 4;  // the status word (0: AwaitHelloAck returns accepting replies only)
+    uint32_t nh = 0, nl = 0;
     auto map = std::make_shared<RemoteMap>();
     if (!GetU32(ack.payload, at, nh) || nh > 1024)
       return UnavailableError("cuda_ipc handshake: bad table");
@@ -432,6 +447,23 @@ class CudaIpcBackend : public Backend {
         PutU32(refuse, static_cast<uint32_t>(StatusCode::kFailedPrecondition));
         refuse += "stale metadata: agent incarnation changed";
         (void)hs.Send(kHelloAck, refuse);
+        ::close(fd);
+        continue;
+      }
+      // Issue 22: a peer of another uid, or one that does not prove the cluster token, gets a
+      // refusal and nothing else (no IPC handle).
+      Status admitted = cuda_ipc_auth::CheckPeerUid(fd, "peer");
+      if (admitted.ok()) {
+        cuda_ipc_auth::FrameIo io = FramesOf(hs);
+        admitted = cuda_ipc_auth::ServeChallenge(io, ctx_.crypto, ctx_.incarnation, peer_name,
+                                                 ctx_.peer_timeout_ms);
+      }
+      if (!admitted.ok()) {
+        if (admitted.code() == StatusCode::kUnauthenticated ||
+            admitted.code() == StatusCode::kPermissionDenied) {
+          (void)hs.Send(kHelloAck, cuda_ipc_auth::RefusalPayload(admitted));
+          if (ctx_.on_refused) ctx_.on_refused(peer_name, admitted);
+        }
         ::close(fd);
         continue;
       }

@@ -4,6 +4,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -36,6 +37,11 @@ constexpr unsigned kCtlAnswer = 2;
 constexpr unsigned kCtlAccept = 3;
 constexpr unsigned kCtlRefuse = 4;
 constexpr std::string_view kNoRkey = "-";
+// A refused peer's reverse endpoint is closed this long after the refusal was sent: by then the
+// refusal and the endpoint's wireup are done (closing an endpoint whose wireup reply is still
+// pending is where UCX 1.13 asserts, at ucp_worker_destroy).
+constexpr auto kRefusedReleaseDelay = std::chrono::milliseconds(1000);
+using SteadyTime = std::chrono::steady_clock::time_point;
 
 Status UcsError(ucs_status_t s, const std::string& what) {
   return UnavailableError(what + ": " + ucs_status_string(s));
@@ -99,6 +105,7 @@ class UcxPeer : public BackendPeer, public std::enable_shared_from_this<UcxPeer>
   std::vector<uint64_t> expect_bytes_;
   std::atomic<bool> hs_done_{false};  ///< Client: kAuthed or kFailed reached (hs_cv_).
   uint64_t incarnation_ = 0;          ///< Client: the server's, from its metadata.
+  SteadyTime hs_since_{};             ///< Server: when the challenge went out / refusal sent.
 };
 
 class UcxBackend : public Backend {
@@ -519,6 +526,7 @@ class UcxBackend : public Backend {
     p->hs_ = UcxPeer::Hs::kChallenged;
     p->hs_ep_ = h.from;
     p->nonce_ = *nonce;
+    p->hs_since_ = std::chrono::steady_clock::now();
     (void)Control(p.get(), kCtlChallenge, p->nonce_);
   }
 
@@ -559,6 +567,7 @@ class UcxBackend : public Backend {
 
   void Refuse(UcxPeer* p, const Status& st) {
     p->hs_ = UcxPeer::Hs::kFailed;
+    p->hs_since_ = std::chrono::steady_clock::now();
     KVB_LOG_WARN("ucx transfer server: refused peer '{}': {}", p->name_, st.message());
     if (ctx_.on_refused) ctx_.on_refused(p->name_, st);
     std::string r(2, '\0');
@@ -669,6 +678,28 @@ class UcxBackend : public Backend {
 
   static uint64_t peer_incarnation(const UcxPeer* p) { return p->incarnation_; }
 
+  // Server: refuses a peer that let its challenge go unanswered for peer_timeout_ms, and closes
+  // and forgets refused peers' reverse endpoints kRefusedReleaseDelay after the refusal, so a
+  // stream of refused connects holds nothing (mu_ held).
+  void ReleaseRefusedLocked(SteadyTime now) {
+    for (auto it = inbound_.begin(); it != inbound_.end();) {
+      UcxPeer* p = it->get();
+      if (p->hs_ == UcxPeer::Hs::kChallenged &&
+          now - p->hs_since_ > std::chrono::milliseconds(ctx_.peer_timeout_ms)) {
+        Refuse(p, UnauthenticatedError("no answer to the cluster-token challenge within " +
+                                       std::to_string(ctx_.peer_timeout_ms) + " ms"));
+      }
+      if (p->hs_ != UcxPeer::Hs::kFailed || now - p->hs_since_ < kRefusedReleaseDelay) {
+        ++it;
+        continue;
+      }
+      const std::string name = p->name_;
+      CloseEp(p);
+      it = inbound_.erase(it);
+      if (ctx_.on_refused_released) ctx_.on_refused_released(name);
+    }
+  }
+
   // A handshake message: the id is the first data byte (one AM handler serves them all).
   Status Control(UcxPeer* p, unsigned id, std::string_view data) {
     std::string d(1, static_cast<char>(id));
@@ -701,6 +732,7 @@ class UcxBackend : public Backend {
             if (ctx_.on_message) ctx_.on_message(m.name, std::move(m.data));
           }  // else: from a connection that did not complete the handshake: dropped
         }
+        if (!inbound_.empty()) ReleaseRefusedLocked(std::chrono::steady_clock::now());
         std::deque<std::pair<std::shared_ptr<TransferJob>, std::shared_ptr<UcxPeer>>> jobs;
         {
           std::lock_guard<std::mutex> q(queue_mu_);
