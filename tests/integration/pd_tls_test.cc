@@ -229,5 +229,52 @@ TEST(PdTlsRefused, AProxyThatTrustsAnotherCaSendsNoLeg) {
   EXPECT_EQ(HttpsMetric(t.prefill_port, node.cert, "kvbridge_kv_transfer_table_entries"), 0);
 }
 
+// An engine's own calls verify too: a decode that trusts another CA does not fetch the prefill's
+// metadata (the load fails, counted, and is recomputed: the client still gets its answer), and
+// the prefill's hold is freed by its lease — nothing stays held.
+TEST(PdTlsRefused, ADecodeThatTrustsAnotherCaFetchesNoMetadata) {
+  const std::string dir = MakeTempDir("kvb_pd_tls_peer");
+  const std::string model = dir + "/tiny";
+  ASSERT_EQ(MakeModel(model, "tiny", 5, 60'000), 0);
+  const TestCert node = testing::MakeSelfSignedCert(dir, "node");
+  const TestCert other = testing::MakeSelfSignedCert(dir, "other");
+  const int xport = FreePort(), pport = FreePort(), dport = FreePort();
+  const json extra = {{"transport", "tcp"}, {"lease_ms", 1500}};
+  auto serve = [&](const std::string& role, int port, const std::string& peer_ca) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{
+            KvbridgeBin(), "serve", model, "--port", std::to_string(port), "--served-model-name",
+            "tiny", "--num-kv-blocks", "128", "--kv-transfer-config",
+            testing::TransferConfigJson(role, extra).dump(), "--cluster-token", kToken,
+            "--ssl-certfile", node.cert, "--ssl-keyfile", node.key, "--ssl-peer-ca-certs", peer_ca},
+        dir + "/" + role + ".log");
+  };
+  auto pre = serve("kv_producer", pport, node.cert);
+  auto dec = serve("kv_consumer", dport, other.cert);
+  Subprocess proxy(
+      {KvbridgeBin(), "proxy", "--port", std::to_string(xport), "--cluster-token", kToken,
+       "--ssl-certfile", node.cert, "--ssl-keyfile", node.key, "--ssl-ca-certs", node.cert,
+       "--prefill", "https://127.0.0.1:" + std::to_string(pport), "--decode",
+       "https://127.0.0.1:" + std::to_string(dport)},
+      dir + "/proxy.log");
+  Topology t;
+  t.proxy_port = xport;
+  ASSERT_TRUE(Registered(t, node.cert)) << proxy.ReadLog() << pre->ReadLog() << dec->ReadLog();
+  json client{{"model", "tiny"}, {"prompt", "peer refused"}, {"max_tokens", 4}};
+  auto r = Https(xport, node.cert)->Post("/v1/completions", client.dump(), "application/json");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;  // recomputed (kv_load_failure_policy recompute)
+  EXPECT_EQ(HttpsMetric(dport, node.cert, "kvbridge_kv_load_failures_total"), 1);
+  EXPECT_EQ(HttpsMetric(dport, node.cert, "kvbridge_kv_transfer_bytes_total"), 0);
+  EXPECT_NE(dec->ReadLog().find("certificate did not verify"), std::string::npos) << dec->ReadLog();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return HttpsMetric(pport, node.cert, "kvbridge_kv_blocks_held_for_transfer") == 0 &&
+               HttpsMetric(pport, node.cert, "kvbridge_kv_transfer_table_entries") == 0;
+      },
+      10'000))
+      << pre->ReadLog();
+}
+
 }  // namespace
 }  // namespace kvbridge
