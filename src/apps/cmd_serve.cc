@@ -415,7 +415,7 @@ const bool kRegistered = RegisterCommand(
                      "\"kv_role\":\"kv_both\"}' (docs/protocol.md); absent: no P/D");
       sub.add_option("--cluster-token", o->cluster_token,
                      "Secret that P/D callers must send as X-KVBridge-Cluster-Token; the KV "
-                     "transfer handshakes (shm, tcp) prove it too. Required with "
+                     "transfer handshakes (shm, tcp, ucx, cuda_ipc) prove it too. Required with "
                      "--kv-transfer-config on a non-loopback --host");
       sub.add_flag("--insecure-no-cluster-token", o->insecure_no_cluster_token,
                    "Start a P/D engine on a non-loopback --host without --cluster-token (open "
