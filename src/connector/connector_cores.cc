@@ -11,6 +11,7 @@ ConnectorCores::ConnectorCores(const KvTransferConfig& config, const Shape& shap
                .tp_size = shape.tp_size,
                .num_kv_heads = shape.num_kv_heads,
                .lease = config.lease,
+               .claim_lease = config.EffectiveClaimLease(),
                .max_parked_messages = config.max_parked_messages}),
       decode({.engine_id = shape.engine_id,
               .tp_size = shape.tp_size,
@@ -63,6 +64,20 @@ bool ConnectorCores::OnRequestAborted(const std::string& request_id, TimePoint n
   keep = wprefill.OnRequestAborted(request_id, now) || keep;
   keep = wdecode.OnRequestAborted(request_id, now) || keep;
   return keep;
+}
+
+int64_t ConnectorCores::OnPeerLost(const std::string& engine_id, PeerLoss loss, TimePoint now) {
+  int64_t n = prefill.OnPeerLost(engine_id, now);
+  n += decode.OnPeerLost(engine_id, now);
+  n += wprefill.OnPeerLost(engine_id, now);
+  n += wdecode.OnPeerLost(engine_id, loss, now);
+  return n;
+}
+
+std::pair<int64_t, int64_t> ConnectorCores::BoundTo(const std::string& engine_id) const {
+  auto [holds, held_blocks] = prefill.BoundTo(engine_id);
+  auto [writes, write_blocks] = wdecode.BoundTo(engine_id);
+  return {holds + writes, held_blocks + write_blocks};
 }
 
 std::optional<TimePoint> ConnectorCores::NextDeadline() const {

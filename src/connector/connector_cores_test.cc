@@ -35,6 +35,7 @@ TEST(ConnectorCores, EveryCoreGetsTheConfigAndShape) {
   EXPECT_EQ(p.tp_size, 2);  // one core for every rank
   EXPECT_EQ(p.num_kv_heads, 4);
   EXPECT_EQ(p.lease, 8 * kSecond);
+  EXPECT_EQ(p.claim_lease, 5 * kSecond);  // the default, below the lease
   EXPECT_EQ(p.max_parked_messages, 7);
 
   const DecodeCore::Options& d = cores.decode.options();
@@ -84,7 +85,9 @@ TEST(ConnectorCores, HeartbeatIntervalWhenSet) {
 }
 
 TEST(ConnectorCores, DeadlinesTicksAbortsAndActionsSpanTheCores) {
-  ConnectorCores cores(Config(), {.engine_id = "e0", .tp_size = 1, .block_size = 16});
+  KvTransferConfig c = Config();
+  c.claim_lease = 0;  // the claim lease is peer_loss_test's
+  ConnectorCores cores(c, {.engine_id = "e0", .tp_size = 1, .block_size = 16});
   EXPECT_TRUE(cores.Idle());
   EXPECT_EQ(cores.NextDeadline(), std::nullopt);
   EXPECT_TRUE(cores.TakeActions().empty());

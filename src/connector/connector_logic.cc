@@ -265,6 +265,12 @@ void ConnectorLogic::EndTransfer(KvTransferMode op, uint64_t id, const Status& s
   }
 }
 
+int64_t ConnectorLogic::OnPeerLost(const std::string& engine_id, PeerLoss loss, TimePoint now) {
+  const int64_t n = cores_.OnPeerLost(engine_id, loss, now);
+  Drain(now);
+  return n;
+}
+
 Status ConnectorLogic::OnMessage(const ControlMessage& msg, uint64_t reply_token, TimePoint now) {
   Status st = OkStatus();
   if (const auto* rd = std::get_if<ReadDoneMsg>(&msg)) {

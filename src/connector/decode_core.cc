@@ -294,6 +294,9 @@ bool DecodeCore::OnRequestAborted(const std::string& request_id, TimePoint now) 
 void DecodeCore::OnRequestQueued(const std::string& request_id, const KvTransferParams& params,
                                  TimePoint now) {
   if (!params.do_remote_prefill || params.mode != KvTransferMode::kRead) return;
+  // The first heartbeat goes at once: it claims the hold (the prefill's claim lease is short,
+  // docs/protocol.md "Claim lease"), then one every heartbeat_interval until admission.
+  SendHeartbeats(params);
   queued_[request_id] =
       Queued{.params = params, .next_heartbeat = now + options_.heartbeat_interval};
 }
@@ -433,6 +436,32 @@ void DecodeCore::Advance(const std::string& request_id) {
     by_transfer_.erase({r.params.remote_engine_id, r.params.transfer_id});
     requests_.erase(it);
   }
+}
+
+int64_t DecodeCore::OnPeerLost(const std::string& prefill_engine_id, TimePoint now) {
+  (void)now;
+  for (auto it = queued_.begin(); it != queued_.end();) {
+    it =
+        it->second.params.remote_engine_id == prefill_engine_id ? queued_.erase(it) : std::next(it);
+  }
+  std::vector<std::string> bound;
+  for (const auto& [id, r] : requests_) {
+    if (r.params.remote_engine_id == prefill_engine_id) bound.push_back(id);
+  }
+  int64_t failed = 0;
+  for (const std::string& id : bound) {
+    Request& r = requests_.at(id);
+    for (Pair& p : r.pairs) {
+      if (p.state == PairState::kAwaitingReply) Move(r, p, PairState::kFailed);  // none will come
+    }
+    if (!r.aborted() && r.state != RequestState::kReported) {
+      ++failed;
+      ++counters_.peer_lost;
+      Fail(id, r, UnavailableError("prefill " + prefill_engine_id + " lost"));
+    }
+    Advance(id);
+  }
+  return failed;
 }
 
 void DecodeCore::OnTick(TimePoint now) {

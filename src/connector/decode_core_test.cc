@@ -354,11 +354,15 @@ TEST(DecodeCore, CompletionForUnknownReadIsIgnoredAndCounted) {
 }
 
 // A decode request still queued in the engine (not admitted: no blocks yet) heartbeats every
-// prefill rank it will read from, and stops at admission or at an abort before admission.
+// prefill rank it will read from — the first at once (it claims the hold), then every interval —
+// and stops at admission or at an abort before admission.
 TEST(DecodeCore, HeartbeatsWhileQueuedBeforeAdmission) {
   DecodeCore core = MakeCore();
   core.OnRequestQueued("q", Params(40, 2), 0);
   core.OnRequestQueued("w", KvTransferParams{.do_remote_decode = true, .transfer_id = "x"}, 0);
+  auto claims = Of<SendMessageAction>(core.TakeActions());
+  ASSERT_EQ(claims.size(), 2u);  // the claim, one per prefill rank
+  EXPECT_EQ(std::get<HeartbeatMsg>(claims[1].msg).prefill_rank, 1);
   EXPECT_FALSE(core.Idle());
   EXPECT_EQ(core.NextDeadline(), std::optional<TimePoint>(kBeat));
   core.OnTick(kBeat - 1);

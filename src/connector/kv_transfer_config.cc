@@ -174,6 +174,7 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
   static const std::set<std::string> kExtraKeys = {"mode",
                                                    "transport",
                                                    "lease_ms",
+                                                   "claim_lease_ms",
                                                    "load_failure_policy",
                                                    "reply_timeout_ms",
                                                    "read_timeout_ms",
@@ -232,6 +233,10 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
     ASSIGN_OR_RETURN(int64_t ms, GetInt(x, where, "lease_ms", 1, kHourMs));
     c.lease = ms * kMillisecond;
   }
+  if (x.contains("claim_lease_ms")) {
+    ASSIGN_OR_RETURN(int64_t ms, GetInt(x, where, "claim_lease_ms", 0, kHourMs));
+    c.claim_lease = ms * kMillisecond;
+  }
   if (x.contains("reply_timeout_ms")) {
     ASSIGN_OR_RETURN(int64_t ms, GetInt(x, where, "reply_timeout_ms", 1, kHourMs));
     c.reply_timeout = ms * kMillisecond;
@@ -270,6 +275,8 @@ nlohmann::json KvTransferConfigToJson(const KvTransferConfig& c) {
             {"heartbeat_ms", c.heartbeat_interval / kMillisecond},
             {"max_parked_messages", c.max_parked_messages}};
   if (!c.engine_id.empty()) x["engine_id"] = c.engine_id;
+  if (c.claim_lease != KvTransferConfig{}.claim_lease)
+    x["claim_lease_ms"] = c.claim_lease / kMillisecond;
   return json{{"kv_connector", "KVBridgeConnector"},
               {"kv_role", KvRoleName(c.role)},
               {"kv_connector_extra_config", x}};

@@ -36,6 +36,10 @@ std::string_view PrefillCore::ReasonName(DoneReason r) {
       return "expired";
     case DoneReason::kAborted:
       return "aborted";
+    case DoneReason::kUnclaimed:
+      return "unclaimed";
+    case DoneReason::kPeerLost:
+      return "peer_lost";
   }
   return "unknown";
 }
@@ -57,8 +61,9 @@ PrefillCore::Transfer& PrefillCore::Register(const std::string& transfer_id, Tim
       // Completion is checked by the caller once the siblings are mapped.
       ApplyReadDone(t, transfer_id, *rd, p.reply_token, /*already_replied=*/true,
                     /*complete=*/false, now);
-    } else if (std::get_if<HeartbeatMsg>(&p.msg)) {
+    } else if (auto* hb = std::get_if<HeartbeatMsg>(&p.msg)) {
       t.lease_floor = std::max(t.lease_floor, p.received + options_.lease);
+      Claim(t, hb->decode_engine_id, now);
     } else if (std::get_if<ReleaseMsg>(&p.msg)) {
       if (t.open) {
         t.open = false;
@@ -68,6 +73,15 @@ PrefillCore::Transfer& PrefillCore::Register(const std::string& transfer_id, Tim
     }
   }
   return t;
+}
+
+void PrefillCore::Claim(Transfer& t, const std::string& decode_engine_id, TimePoint now) {
+  if (!t.claimed_by.empty() || decode_engine_id.empty()) return;
+  t.claimed_by = decode_engine_id;
+  if (t.under_claim_lease) {
+    t.under_claim_lease = false;
+    t.lease_deadline = std::max(*t.lease_deadline, now + options_.lease);
+  }
 }
 
 Status PrefillCore::OnRequestAdded(const std::string& parent_id, int n,
@@ -121,7 +135,14 @@ bool PrefillCore::OnRequestFinished(const std::string& request_id, const std::st
   s.held = true;
   s.blocks.assign(block_ids.begin(), block_ids.end());
   ++counters_.holds;
-  if (!t.lease_deadline) t.lease_deadline = std::max(now + options_.lease, t.lease_floor);
+  if (!t.lease_deadline) {
+    if (t.claimed_by.empty() && options_.claim_lease > 0) {
+      t.lease_deadline = now + options_.claim_lease;
+      t.under_claim_lease = true;
+    } else {
+      t.lease_deadline = std::max(now + options_.lease, t.lease_floor);
+    }
+  }
   return true;
 }
 
@@ -192,6 +213,7 @@ void PrefillCore::ApplyReadDone(Transfer& t, const std::string& transfer_id, con
   for (const auto& [id, s] : t.siblings) any_held |= s.held;
   const bool valid = !already_replied && t.open && any_held;
   t.decode_tp = msg.decode_tp_size;
+  Claim(t, msg.decode_engine_id, now);
   t.notified[pair] = valid;
   if (!already_replied) {
     Reply(msg, reply_token, valid,
@@ -304,7 +326,7 @@ void PrefillCore::OnReadDone(const ReadDoneMsg& msg, uint64_t reply_token, TimeP
     bool valid = n != tb->second.notified.end() && n->second;
 #ifdef KVBRIDGE_PLANTED_FAULTS
     if (sim::Planted().reuse_blocks_on_lease_during_read &&
-        tb->second.reason == DoneReason::kExpired)
+        (tb->second.reason == DoneReason::kExpired || tb->second.reason == DoneReason::kUnclaimed))
       valid = true;
 #endif
     Reply(msg, reply_token, valid, valid ? "" : std::string(ReasonName(tb->second.reason)));
@@ -349,6 +371,7 @@ void PrefillCore::OnHeartbeat(const HeartbeatMsg& msg, TimePoint now) {
   if (it != transfers_.end()) {
     Transfer& t = it->second;
     if (!t.open) return;  // done: nothing to extend (not an error: it raced with completion)
+    Claim(t, msg.decode_engine_id, now);
     if (t.lease_deadline) {
       t.lease_deadline = std::max(*t.lease_deadline, now + options_.lease);
     } else {
@@ -387,8 +410,13 @@ void PrefillCore::OnTick(TimePoint now) {
     if (t.open && t.lease_deadline && *t.lease_deadline <= now) expired.push_back(id);
   }
   for (const auto& id : expired) {
-    ++counters_.lease_expired;
-    Finish(id, DoneReason::kExpired, now);
+    if (transfers_.at(id).under_claim_lease) {
+      ++counters_.claims_expired;
+      Finish(id, DoneReason::kUnclaimed, now);
+    } else {
+      ++counters_.lease_expired;
+      Finish(id, DoneReason::kExpired, now);
+    }
   }
   for (auto it = parked_.begin(); it != parked_.end();) {
     if (it->second.expires <= now) {
@@ -407,6 +435,53 @@ void PrefillCore::OnTick(TimePoint now) {
     if (tb != tombstones_.end() && tb->second.expires == exp) tombstones_.erase(tb);
     tombstone_order_.pop_front();
   }
+}
+
+int64_t PrefillCore::OnPeerLost(const std::string& decode_engine_id, TimePoint now) {
+  if (decode_engine_id.empty()) return 0;
+  std::vector<std::string> bound;
+  for (const auto& [id, t] : transfers_) {
+    if (t.open && t.claimed_by == decode_engine_id) bound.push_back(id);
+  }
+  for (const std::string& id : bound) {
+    ++counters_.peer_lost;
+    Finish(id, DoneReason::kPeerLost, now);
+  }
+  // What it said about transfers not registered yet names a reader that is gone.
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    std::string from;
+    if (const auto* rd = std::get_if<ReadDoneMsg>(&it->second.msg)) from = rd->decode_engine_id;
+    if (const auto* hb = std::get_if<HeartbeatMsg>(&it->second.msg)) from = hb->decode_engine_id;
+    if (from == decode_engine_id) {
+      ++counters_.parked_dropped;
+      it = parked_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return static_cast<int64_t>(bound.size());
+}
+
+std::pair<int64_t, int64_t> PrefillCore::BoundTo(const std::string& decode_engine_id) const {
+  int64_t transfers = 0;
+  std::set<int32_t> blocks;
+  for (const auto& [tid, t] : transfers_) {
+    if (!t.open || t.claimed_by != decode_engine_id) continue;
+    ++transfers;
+    for (const auto& [id, s] : t.siblings) {
+      if (s.held) blocks.insert(s.blocks.begin(), s.blocks.end());
+    }
+  }
+  return {transfers, static_cast<int64_t>(blocks.size())};
+}
+
+std::optional<TimePoint> PrefillCore::EarliestClaimDeadline() const {
+  std::optional<TimePoint> best;
+  for (const auto& [tid, t] : transfers_) {
+    if (t.open && t.under_claim_lease && (!best || *t.lease_deadline < *best))
+      best = t.lease_deadline;
+  }
+  return best;
 }
 
 std::vector<ConnectorAction> PrefillCore::TakeActions() {

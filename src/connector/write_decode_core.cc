@@ -176,6 +176,12 @@ Status WriteDecodeCore::OnBlocksAllocated(const std::string& request_id,
   // The table is the guard: a second (or late) allocation is an illegal transition and changes
   // nothing (no second WriteBlocks, no new write bound, no block offered or freed).
   RETURN_IF_ERROR(SetState(r, RequestState::kWaiting));
+  if (!r.failure.ok()) {
+    // Its prefill was lost before the allocation: offer nothing, fail the load now.
+    Fail(r, r.failure);
+    Advance(request_id, now);
+    return OkStatus();
+  }
   r.deadline = now + options_.write_timeout;
   const BlockSpan span =
       ExternalBlockSpan(options_.block_size, num_local_computed_tokens, num_external_tokens);
@@ -370,6 +376,53 @@ void WriteDecodeCore::OnTick(TimePoint now) {
     }
     Advance(id, now);
   }
+}
+
+int64_t WriteDecodeCore::OnPeerLost(const std::string& prefill_engine_id, PeerLoss loss,
+                                    TimePoint now) {
+  bool settle = loss == PeerLoss::kGone;  // no byte can land: the pairs in flight are done
+#ifdef KVBRIDGE_PLANTED_FAULTS
+  if (sim::Planted().free_write_targets_on_suspected_loss) settle = true;
+#endif
+  std::vector<std::string> bound;
+  for (const auto& [id, r] : requests_) {
+    if (r.params.remote_engine_id == prefill_engine_id) bound.push_back(id);
+  }
+  int64_t failed = 0;
+  for (const std::string& id : bound) {
+    Request& r = requests_.at(id);
+    Status why = UnavailableError("prefill " + prefill_engine_id + " lost (" +
+                                  std::string(PeerLossName(loss)) + ")");
+    if (r.state == RequestState::kAwaitingAlloc) {
+      if (r.failure.ok()) r.failure = std::move(why);  // fails at its allocation
+      ++failed;
+      ++counters_.peer_lost;
+      continue;
+    }
+    if (settle) {
+      for (Pair& p : r.pairs) {
+        if (p.state == PairState::kWaiting || p.state == PairState::kCancelling)
+          Move(r, p, PairState::kFailed);
+      }
+    }
+    if (r.state == RequestState::kWaiting) {
+      ++failed;
+      ++counters_.peer_lost;
+      Fail(r, std::move(why));  // kSuspected: WriteCancel(want_done) to the pairs still waiting
+    }
+    Advance(id, now);
+  }
+  return failed;
+}
+
+std::pair<int64_t, int64_t> WriteDecodeCore::BoundTo(const std::string& prefill_engine_id) const {
+  int64_t requests = 0, blocks = 0;
+  for (const auto& [id, r] : requests_) {
+    if (r.params.remote_engine_id != prefill_engine_id) continue;
+    ++requests;
+    if (r.allocated()) blocks += static_cast<int64_t>(r.blocks.size());
+  }
+  return {requests, blocks};
 }
 
 std::vector<ConnectorAction> WriteDecodeCore::TakeActions() {

@@ -646,6 +646,37 @@ void WritePrefillCore::OnWriteBlocks(const WriteBlocksMsg& msg, TimePoint now) {
   Park(k, msg, msg.transfer_id, now);
 }
 
+int64_t WritePrefillCore::OnPeerLost(const std::string& decode_engine_id, TimePoint now) {
+  int64_t cancelled = 0;
+  for (Rank& k : ranks_) {
+    std::vector<std::string> touched;
+    for (auto& [tid, t] : k.transfers) {
+      for (auto& [d, g] : t.targets) {
+        if (g.msg.decode_engine_id != decode_engine_id || g.state != TargetState::kActive) continue;
+        g.want_done = false;  // nobody to tell
+        CancelTarget(k, g, WriteOutcome::kFailed, "decode " + decode_engine_id + " lost");
+        ++k.counters.peer_lost;
+        ++cancelled;
+        touched.push_back(tid);
+      }
+    }
+    for (const std::string& tid : touched) Advance(k, tid, now);
+    for (auto it = k.parked.begin(); it != k.parked.end();) {
+      const auto* wb = std::get_if<WriteBlocksMsg>(&it->second.msg);
+      const auto* wc = std::get_if<WriteCancelMsg>(&it->second.msg);
+      const bool from = (wb != nullptr && wb->decode_engine_id == decode_engine_id) ||
+                        (wc != nullptr && wc->decode_engine_id == decode_engine_id);
+      if (from) {
+        ++k.counters.parked_dropped;
+        it = k.parked.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return cancelled;
+}
+
 void WritePrefillCore::OnWriteCancel(const WriteCancelMsg& msg, TimePoint now) {
   Rank& k = RankFor(msg.prefill_rank);
   if (msg.prefill_engine_id != options_.engine_id) {
@@ -885,6 +916,7 @@ WritePrefillCore::Counters WritePrefillCore::counters() const {
     s.writes_failed += k.writes_failed;
     s.targets_ok += k.targets_ok;
     s.targets_failed += k.targets_failed;
+    s.peer_lost += k.peer_lost;
     s.notifications_parked += k.notifications_parked;
     s.notifications_ignored += k.notifications_ignored;
     s.parked_dropped += k.parked_dropped;

@@ -268,6 +268,16 @@ void Sim::CrashEngine(int ei) {
     }
     ++it;
   }
+  // Its peers notice within about a second (issue 21): the connection closed, nothing of it can
+  // land any more (its WRITEs stopped above).
+  const std::string lost = e.engine_id;
+  for (const Engine& x : engines_) {
+    if (!x.up || x.index == ei) continue;
+    const int xi = x.index, xinc = x.incarnation;
+    At(now_ + LossUniform(k_.detect_lo, k_.detect_hi),
+       [this, xi, xinc, lost] { DeliverPeerLost(xi, xinc, lost, PeerLoss::kGone); });
+  }
+  At(now_ + 2 * kSecond, [this, lost] { CheckPeerReleased(lost); });
   e.up = false;
   e.sched.reset();
   e.conn.reset();
@@ -281,6 +291,71 @@ void Sim::CrashEngine(int ei) {
     ++x.incarnation;
     StartEngine(x);
   });
+}
+
+void Sim::DeliverPeerLost(int ei, int inc, const std::string& lost, PeerLoss loss) {
+  Engine& x = engines_[ei];
+  if (!x.up || x.incarnation != inc) return;
+  Trace("%s: told peer %s is lost (%s)", x.engine_id.c_str(), lost.c_str(),
+        std::string(PeerLossName(loss)).c_str());
+  x.conn->Push(InPeerLost{lost, loss});
+  Wake(ei);
+}
+
+void Sim::CheckPeerReleased(const std::string& lost) {
+  for (const Engine& e : engines_) {
+    if (!e.up) continue;
+    const auto [bound, blocks] = e.conn->BoundTo(lost);
+    if (blocks > 0) {
+      Violate(ViolationKind::kPeerLossNotReleased,
+              e.engine_id + " still has " + std::to_string(bound) + " transfer(s) (" +
+                  std::to_string(blocks) + " blocks) bound to " + lost + ", 2 s after it died");
+      return;
+    }
+  }
+}
+
+void Sim::SuspectPeer(int attempt) {
+  // An engine with work bound to a live peer is told that peer is lost (its heartbeats
+  // stopped, say) while it is in fact alive and working: only what is safe may be freed.
+  std::vector<std::pair<int, int>> cands;  // (observer, suspected)
+  for (const Engine& o : engines_) {
+    if (!o.up) continue;
+    for (const Engine& p : engines_) {
+      if (p.up && p.index != o.index && o.conn->BoundTo(p.engine_id).first > 0)
+        cands.emplace_back(o.index, p.index);
+    }
+  }
+  if (cands.empty()) {
+    if (attempt < 200) At(now_ + 2 * kMillisecond, [this, attempt] { SuspectPeer(attempt + 1); });
+    return;
+  }
+  const auto [o, p] =
+      cands[static_cast<size_t>(LossUniform(0, static_cast<int64_t>(cands.size()) - 1))];
+  DeliverPeerLost(o, engines_[o].incarnation, engines_[p].engine_id, PeerLoss::kSuspected);
+}
+
+void Sim::KillProxy() {
+  if (proxy_dead_) return;
+  proxy_dead_ = true;
+  Trace("PROXY DIES");
+  for (FlowState& f : flows_) {
+    if (f.flow && !f.finished) f.proxy_lost = true;
+  }
+  // Its legs' connections close: each engine aborts what it was serving for it.
+  for (Engine& e : engines_) {
+    if (!e.up) continue;
+    for (const auto& [ref, id] : e.req_of) {
+      const int ei = e.index, inc = e.incarnation;
+      const std::string rid = id;
+      At(now_ + Uniform(k_.http_delay_lo, k_.http_delay_hi), [this, ei, inc, rid] {
+        Engine& x = engines_[ei];
+        if (!x.up || x.incarnation != inc) return;
+        Trace("%s: proxy connection closed, abort %s", x.engine_id.c_str(), rid.c_str());
+        Defer(x, [this, ei, rid] { engines_[ei].sched->Abort(rid, now_); });
+      });
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -320,6 +395,12 @@ SimResult Sim::Run() {
   for (int c = 0; c < k_.crashes; ++c) {
     const int ei = static_cast<int>(Uniform(0, static_cast<int64_t>(engines_.size()) - 1));
     At(Uniform(0, k_.arrival_window + 50 * kMillisecond), [this, ei] { CrashEngine(ei); });
+  }
+  for (int s = 0; s < k_.suspicions; ++s) {
+    At(LossUniform(0, k_.arrival_window + 200 * kMillisecond), [this] { SuspectPeer(0); });
+  }
+  if (k_.proxy_death) {
+    At(LossUniform(0, k_.arrival_window + 50 * kMillisecond), [this] { KillProxy(); });
   }
   for (int j = 0; j < k_.junk; ++j) {
     At(Uniform(0, k_.arrival_window + 100 * kMillisecond), [this] { InjectJunk(); });

@@ -36,6 +36,8 @@ std::string_view ViolationKindName(ViolationKind kind) {
       return "write_into_reused_block";
     case ViolationKind::kUsedBeforeWriteDone:
       return "used_before_write_done";
+    case ViolationKind::kPeerLossNotReleased:
+      return "peer_loss_not_released";
   }
   return "unknown";
 }
@@ -166,7 +168,17 @@ void Sim::CheckAll() {
       return;
     }
   }
+  // Holds nobody claims (the proxy died between the legs) go within the claim lease + 1 s.
+  for (const Engine& e : engines_) {
+    if (!e.up) continue;
+    if (auto d = e.conn->prefill().EarliestClaimDeadline(); d && now_ > *d + kSecond) {
+      Violate(ViolationKind::kPeerLossNotReleased,
+              e.engine_id + " still holds a transfer nobody claimed, 1 s past its claim lease");
+      return;
+    }
+  }
   for (const FlowState& f : flows_) {
+    if (f.proxy_lost) continue;  // its proxy died: the client got a reset
     if (f.flow && !f.finished && now_ > f.arrival + k_.hang_bound) {
       Violate(ViolationKind::kHang, "client " + std::to_string(f.id) + " (transfer " +
                                         f.flow->transfer_id() + ") not done after " +
@@ -178,6 +190,7 @@ void Sim::CheckAll() {
 
 void Sim::CheckQuiescence() {
   for (const FlowState& f : flows_) {
+    if (f.proxy_lost) continue;
     if (!f.finished || !f.flow->client_done()) {
       Violate(ViolationKind::kHang, "quiescent, but client " + std::to_string(f.id) +
                                         " (transfer " + f.flow->transfer_id() + ") is not done");

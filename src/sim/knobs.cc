@@ -9,7 +9,7 @@ constexpr std::pair<Workload, std::string_view> kWorkloadNames[] = {
     {Workload::kMixed, "mixed"},          {Workload::kClean, "clean"},
     {Workload::kFaults, "faults"},        {Workload::kPrefillN, "prefill-n"},
     {Workload::kEarlyRace, "early-race"}, {Workload::kLeaseRead, "lease-read"},
-    {Workload::kAbortLoad, "abort-load"},
+    {Workload::kAbortLoad, "abort-load"}, {Workload::kPeerLoss, "peer-loss"},
 };
 }  // namespace
 
@@ -25,7 +25,8 @@ Result<Workload> ParseWorkload(std::string_view name) {
     if (n == name) return k;
   }
   return InvalidArgumentError("unknown workload '" + std::string(name) +
-                              "' (mixed|clean|faults|prefill-n|early-race|lease-read|abort-load)");
+                              "' (mixed|clean|faults|prefill-n|early-race|lease-read|abort-load|"
+                              "peer-loss)");
 }
 
 }  // namespace kvbridge::sim
@@ -37,6 +38,7 @@ namespace kvbridge::sim::internal {
 KvTransferConfig SimTransferConfig(const Knobs& k) {
   KvTransferConfig c;
   c.lease = k.lease;
+  c.claim_lease = k.claim_lease;
   c.reply_timeout = k.reply_timeout;
   c.read_timeout = k.read_timeout;
   c.mode = k.write_mode ? KvTransferMode::kWrite : KvTransferMode::kRead;
@@ -51,6 +53,7 @@ void Sim::DrawKnobs() {
       break;
     case Workload::kFaults:
     case Workload::kLeaseRead:
+    case Workload::kPeerLoss:
       k_.faults = true;
       break;
     default:
@@ -109,6 +112,21 @@ void Sim::DrawKnobs() {
   if (opts_.hang_bound > 0) k_.hang_bound = opts_.hang_bound;
   DrawTpKnobs();
   DrawModeKnobs();
+  DrawLossKnobs();
+}
+
+void Sim::DrawLossKnobs() {
+  // Issue 21's events, from a stream of their own (loss_rng_, also used when they fire): every
+  // other knob of a seed stays what it was.
+  if (!k_.faults) return;
+  if (opts_.workload == Workload::kPeerLoss) {
+    k_.crashes = 1 + static_cast<int>(loss_rng_() % 2);
+    k_.suspicions = 1 + static_cast<int>(loss_rng_() % 3);
+    k_.proxy_death = loss_rng_() % 10 < 3;
+  } else {
+    k_.suspicions = static_cast<int>(loss_rng_() % 3);
+    k_.proxy_death = loss_rng_() % 10 == 0;
+  }
 }
 
 void Sim::DrawModeKnobs() {

@@ -42,6 +42,13 @@ struct Knobs {
   DurationUs read_timeout = 8 * kSecond;
   // Crashes and junk.
   int crashes = 0;
+  // Peer loss (issue 21): a crash is told to every live peer after a detection delay (kGone);
+  // a suspicion tells one engine that a live peer is lost (kSuspected: it is not); the proxy
+  // may die (its flows stop, its legs' connections close).
+  DurationUs detect_lo = 20 * kMillisecond, detect_hi = 1000 * kMillisecond;
+  int suspicions = 0;
+  bool proxy_death = false;
+  DurationUs claim_lease = 1 * kSecond;  // <= lease in every run
   int junk = 0;
   DurationUs hang_bound = 120 * kSecond;
   // Tensor parallelism: every prefill engine has prefill_tp ranks, every decode decode_tp; the

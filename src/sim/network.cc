@@ -9,6 +9,10 @@ namespace kvbridge::sim::internal {
 
 void Sim::StartFlow(int fid) {
   FlowState& f = flows_[fid];
+  if (proxy_dead_) {
+    f.proxy_lost = true;  // nobody accepts the connection
+    return;
+  }
   json body;
   const int bs = k_.block_size;
   // Prompt: 1 token, below one block, exact multiples, shared prefixes, random.
@@ -90,6 +94,7 @@ void Sim::StartFlow(int fid) {
 
 void Sim::Exec(int fid, std::vector<proxy::Action> actions) {
   FlowState& f = flows_[fid];
+  if (proxy_dead_) return;  // a dead proxy acts no more
   for (proxy::Action& a : actions) {
     if (auto* s = std::get_if<proxy::SendLeg>(&a)) {
       const int ei = EngineByName(s->instance.id);

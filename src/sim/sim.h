@@ -90,7 +90,8 @@ struct FlowState {
   int n = 1;
   bool client_aborted = false;
   int responses = 0;
-  bool finished = false;  // flow.done() seen
+  bool finished = false;    // flow.done() seen
+  bool proxy_lost = false;  // the proxy died before the flow ended (its client got a reset)
 };
 
 struct Read {
@@ -141,14 +142,16 @@ struct WriteTarget {
   std::set<int32_t> freed;                  // offered blocks seen free since the offer
   std::map<int, std::set<int32_t>> landed;  // layer (-1: all) -> blocks landed ok
   bool done_ok = false;                     // the decode core took a WriteDone(ok) for the pair
-  bool drained = false;  // a WriteDone (any outcome) reached the decode: nothing may land now
-  bool tainted = false;  // a write of it read source blocks that were not held throughout
+  bool drained = false;   // a WriteDone (any outcome) reached the decode: nothing may land now
+  bool tainted = false;   // a write of it read source blocks that were not held throughout
+  bool reported = false;  // the decode reported its request: the blocks are the engine's again
 };
 using TargetKey = std::tuple<int, int, std::string, int, int>;  // dst, inc, tid, drank, prank
 
 class Sim {
  public:
-  Sim(uint64_t seed, const SimOptions& opts) : seed_(seed), opts_(opts), rng_(seed) {}
+  Sim(uint64_t seed, const SimOptions& opts)
+      : seed_(seed), opts_(opts), rng_(seed), loss_rng_(seed ^ 0x7065'6572'6c6f'7373ULL) {}
 
   SimResult Run();
 
@@ -175,6 +178,9 @@ class Sim {
   }
   void SendFromEngine(int engine, const SendMessageAction& a);
   void CheckLoadTaint(int engine, const std::string& request_id);
+  // The decode reported WRITE request `transfer_id` (load done / failed, blocks free): nothing
+  // of its pairs may land any more.
+  void MarkTargetsReported(int engine, const std::string& transfer_id);
   void OnLoadFailed(int engine, const std::string& request_id, const Status& status);
   void Trace(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
   bool tracing() const { return opts_.trace; }
@@ -189,6 +195,10 @@ class Sim {
 
   void DrawKnobs();
   void DrawModeKnobs();
+  void DrawLossKnobs();
+  int64_t LossUniform(int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(loss_rng_);
+  }
   void At(TimePoint t, std::function<void()> fn) {
     events_.emplace(std::make_pair(std::max(t, now_), next_seq_++), std::move(fn));
   }
@@ -196,6 +206,13 @@ class Sim {
   // Engines.
   void StartEngine(Engine& e);
   void CrashEngine(int ei);
+  // Peer loss (issue 21): engine `ei` (incarnation `inc`) is told that `lost` is lost.
+  void DeliverPeerLost(int ei, int inc, const std::string& lost, PeerLoss loss);
+  // 2 s after `lost` died: nothing bound to it may be left on a live engine.
+  void CheckPeerReleased(const std::string& lost);
+  // Tells an engine that a live peer it has work bound to is lost (a false suspicion).
+  void SuspectPeer(int attempt);
+  void KillProxy();
   void Wake(int ei);
   void EngineStep(int ei, int inc);
   void StepDone(int ei, int inc);
@@ -244,6 +261,8 @@ class Sim {
   uint64_t seed_;
   SimOptions opts_;
   std::mt19937_64 rng_;
+  std::mt19937_64 loss_rng_;  // peer-loss events (DrawLossKnobs)
+  bool proxy_dead_ = false;
   Knobs k_;
   TimePoint now_ = 0;
   uint64_t next_seq_ = 0;

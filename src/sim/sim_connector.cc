@@ -36,6 +36,13 @@ void SimConnector::HandleInbox(TimePoint now) {
       logic_.OnTransferEnded(KvTransferMode::kRead, r->read_id, r->status, now);
     } else if (auto* w = std::get_if<InWriteEnded>(&e)) {
       logic_.OnTransferEnded(KvTransferMode::kWrite, w->write_id, w->status, now);
+    } else if (auto* pl = std::get_if<InPeerLost>(&e)) {
+      const int64_t n = logic_.OnPeerLost(pl->engine_id, pl->loss, now);
+      if (sim_->tracing()) {
+        sim_->Trace("  %s: peer %s lost (%s): %lld released or failed", engine_id_.c_str(),
+                    pl->engine_id.c_str(), std::string(PeerLossName(pl->loss)).c_str(),
+                    static_cast<long long>(n));
+      }
     } else {
       InMsg& m = std::get<InMsg>(e);
       if (auto* rd = std::get_if<ReadDoneMsg>(&m.msg)) {
@@ -50,7 +57,8 @@ void SimConnector::HandleInbox(TimePoint now) {
 }
 
 KvConnector::StepReport SimConnector::Poll(TimePoint now) {
-  leases_before_poll_ = prefill().counters().lease_expired;
+  leases_before_poll_ = prefill().counters().lease_expired + prefill().counters().claims_expired;
+  peer_lost_before_poll_ = prefill().counters().peer_lost;
   HandleInbox(now);
   StepReport out = logic_.Poll(now);
   // The ledger: every report names a request in the matching state, once.
@@ -111,6 +119,7 @@ void SimConnector::Note(const RequestNote& n) {
         sim_->Violate(ViolationKind::kExactlyOnce, "request " + n.request_id + " loads twice");
       }
       load_tid_[n.request_id] = n.transfer_id;
+      if (n.mode == KvTransferMode::kWrite) write_tid_[n.request_id] = n.transfer_id;
       break;
     case RequestNote::Kind::kHeld:
       if (!held_
@@ -129,6 +138,12 @@ void SimConnector::Note(const RequestNote& n) {
 }
 
 void SimConnector::OnReport(const ConnectorLogic::Report& r) {
+  const std::string& rid =
+      std::visit([](const auto& x) -> const std::string& { return x.request_id; }, r);
+  if (auto w = write_tid_.find(rid); w != write_tid_.end()) {
+    sim_->MarkTargetsReported(engine_, w->second);
+    write_tid_.erase(w);
+  }
   if (const auto* ld = std::get_if<ReportLoadDoneAction>(&r)) {
     if (sim_->tracing())
       sim_->Trace("  %s: load done %s", engine_id_.c_str(), ld->request_id.c_str());
@@ -151,7 +166,10 @@ void SimConnector::OnReport(const ConnectorLogic::Report& r) {
       // rest of the inbox is taken.
       const std::string& tid = h->second.transfer_id;
       const bool excused =
-          released_.count(tid) > 0 || prefill().counters().lease_expired > leases_before_poll_;
+          released_.count(tid) > 0 ||
+          prefill().counters().lease_expired + prefill().counters().claims_expired >
+              leases_before_poll_ ||
+          prefill().counters().peer_lost > peer_lost_before_poll_;
       sim_->CheckReadsAtPrefillFree(engine_, tid, excused);
     }
   }

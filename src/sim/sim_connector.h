@@ -50,7 +50,11 @@ struct InWriteEnded {
   uint64_t write_id = 0;
   Status status;
 };
-using InEvent = std::variant<InMsg, InReadEnded, InWriteEnded>;
+struct InPeerLost {
+  std::string engine_id;
+  PeerLoss loss = PeerLoss::kGone;
+};
+using InEvent = std::variant<InMsg, InReadEnded, InWriteEnded, InPeerLost>;
 
 // The engine-side connector: the runtime's own ConnectorLogic (connector_logic.h: the hook
 // mapping and the four cores) behind the engine's KvConnector hooks, with the simulator as its
@@ -112,7 +116,13 @@ class SimConnector final : public KvConnector, private ConnectorSink {
   size_t num_write_decodes() const { return logic_.NumAwaitingAlloc(); }
   size_t inbox_size() const { return inbox_.size(); }
   int64_t lease_expired() const {
-    return prefill().counters().lease_expired + wprefill().counters().lease_expired;
+    // A claim lease that fires is a lease too (0 in fault-free runs).
+    return prefill().counters().lease_expired + prefill().counters().claims_expired +
+           wprefill().counters().lease_expired;
+  }
+  /// What is bound here to peer `engine_id` (ConnectorCores::BoundTo).
+  std::pair<int64_t, int64_t> BoundTo(const std::string& engine_id) const {
+    return logic_.cores().BoundTo(engine_id);
   }
   int64_t notifications_ignored() const {
     return prefill().counters().notifications_ignored + decode().counters().notifications_ignored +
@@ -140,12 +150,14 @@ class SimConnector final : public KvConnector, private ConnectorSink {
     std::string transfer_id;
     bool write = false;
   };
-  std::map<std::string, Held> held_;             // finished, blocks held for a transfer
-  std::set<std::string> draining_;               // aborted, blocks kept until a report
-  std::set<std::string> loading_;                // waiting for remote KV
-  std::map<std::string, std::string> load_tid_;  // loading request -> transfer_id
-  std::set<std::string> released_;               // READ transfers the proxy released here
-  int64_t leases_before_poll_ = 0;               // PrefillCore's lease expiries when Poll began
+  std::map<std::string, Held> held_;              // finished, blocks held for a transfer
+  std::set<std::string> draining_;                // aborted, blocks kept until a report
+  std::set<std::string> loading_;                 // waiting for remote KV
+  std::map<std::string, std::string> load_tid_;   // loading request -> transfer_id
+  std::set<std::string> released_;                // READ transfers the proxy released here
+  int64_t leases_before_poll_ = 0;                // PrefillCore's lease expiries when Poll began
+  int64_t peer_lost_before_poll_ = 0;             // PrefillCore's peer-loss frees when Poll began
+  std::map<std::string, std::string> write_tid_;  // WRITE decode request -> transfer_id
 };
 
 }  // namespace kvbridge::sim::internal

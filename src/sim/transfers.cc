@@ -210,6 +210,12 @@ void Sim::EndWrite(uint64_t key, uint64_t version) {
                 what + ": block " + std::to_string(b) + " was not offered");
         return;
       }
+      if (tg.reported) {
+        Violate(ViolationKind::kWriteIntoReusedBlock,
+                what + ": landed in block " + std::to_string(b) +
+                    " after the decode reported the request (its blocks are the engine's again)");
+        return;
+      }
       if (tg.drained) {
         Violate(ViolationKind::kWriteIntoReusedBlock,
                 what + ": landed in block " + std::to_string(b) +
@@ -319,6 +325,14 @@ void Sim::CheckLoadTaint(int engine, const std::string& request_id) {
     Violate(ViolationKind::kStaleKvUsed,
             e.engine_id + " uses the KV of " + request_id +
                 ", read from prefill blocks that were freed (or gone) during the READ");
+  }
+}
+
+void Sim::MarkTargetsReported(int engine, const std::string& transfer_id) {
+  const int inc = engines_[engine].incarnation;
+  for (auto& [key, t] : targets_) {
+    if (std::get<0>(key) == engine && std::get<1>(key) == inc && std::get<2>(key) == transfer_id)
+      t.reported = true;
   }
 }
 

@@ -62,6 +62,10 @@ struct PlantedFaults {
   /// not forwarded to the prefill cores — the engine frees that sibling's blocks at once and the
   /// transfer waits for a sibling the cores never hear finish.
   bool forget_last_finished_sibling = false;
+  /// WriteDecodeCore (WRITE, issue 21): a prefill only suspected lost (its heartbeats stopped,
+  /// PeerLoss::kSuspected) is treated as gone — the decode frees its WRITE targets at once,
+  /// though the prefill may still be alive and writing into them.
+  bool free_write_targets_on_suspected_loss = false;
 };
 
 /// This thread's switches (all off by default).

@@ -130,6 +130,18 @@ TEST(PlantedFaults, APrefillRankThatNeverSendsWriteDoneIsCaught) {
                KvTransferMode::kWrite});
 }
 
+// Issue 21, WRITE: a decode that treats a prefill only suspected lost (its heartbeats stopped;
+// it is alive and writing) as gone frees its WRITE targets at once; the prefill's WRITEs then
+// land in blocks the engine owns again.
+TEST(PlantedFaults, FreeingWriteTargetsOnASuspectedPrefillIsCaught) {
+  ExpectFound({"free WRITE targets on a suspected loss",
+               [](PlantedFaults& p) { p.free_write_targets_on_suspected_loss = true; },
+               Workload::kPeerLoss,
+               {ViolationKind::kWriteIntoReusedBlock},
+               300,
+               KvTransferMode::kWrite});
+}
+
 // The hook mapping itself (ConnectorLogic, shared by the runtime and the simulator): a
 // RequestFinished of a set's last sibling that never reaches the prefill cores. The engine frees
 // that sibling's blocks at once while the transfer waits for it; before the simulator drove the

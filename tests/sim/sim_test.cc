@@ -85,6 +85,35 @@ TEST(Sim, WriteLeasesFireDuringWrites) {
   RunSeeds(Workload::kLeaseRead, 840001, 100, KvTransferMode::kWrite);
 }
 
+// Issue 21: engine crashes told to every peer within a second, false suspicions of live peers,
+// the proxy dying between the legs — with the release bounds checked (peer_loss_not_released).
+TEST(Sim, PeerLossReadSeeds) { RunSeeds(Workload::kPeerLoss, 900001, 300, KvTransferMode::kRead); }
+TEST(Sim, PeerLossWriteSeeds) {
+  RunSeeds(Workload::kPeerLoss, 910001, 300, KvTransferMode::kWrite);
+}
+
+// The peer-loss workload really has its events: crashes told to the peers, false suspicions
+// acted on, the proxy dying.
+TEST(Sim, PeerLossEventsHappen) {
+  SimOptions opts;
+  opts.workload = Workload::kPeerLoss;
+  opts.trace = true;
+  int gone = 0, suspected = 0, proxy = 0;
+  for (uint64_t s = 900001; s < 900041; ++s) {
+    opts.mode = s % 2 == 0 ? KvTransferMode::kWrite : KvTransferMode::kRead;
+    SimResult r = RunSimulation(s, opts);
+    ASSERT_TRUE(r.ok) << r.Summary();
+    gone += r.trace.find("is lost (gone)") != std::string::npos;
+    suspected += r.trace.find("is lost (suspected)") != std::string::npos;
+    proxy += r.trace.find("PROXY DIES") != std::string::npos;
+  }
+  std::printf("[sim] peer-loss: of 40 seeds, %d told a crash, %d a suspicion, %d lost the proxy\n",
+              gone, suspected, proxy);
+  EXPECT_GT(gone, 10);
+  EXPECT_GT(suspected, 10);
+  EXPECT_GT(proxy, 3);
+}
+
 // Seeds that found real bugs (docs/sim.md "Findings"); each failed before its fix.
 TEST(Sim, RegressionSeeds) {
   struct Seed {

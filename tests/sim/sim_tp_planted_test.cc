@@ -10,8 +10,8 @@
 #include <string>
 
 #include "kvbridge/common/logging.h"
-#include "testing/planted_faults.h"
 #include "kvbridge/sim/simulator.h"
+#include "testing/planted_faults.h"
 
 #ifndef KVBRIDGE_PLANTED_FAULTS
 #error "this test needs the planted-fault build (kvbridge_sim_faults)"

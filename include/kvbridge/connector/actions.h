@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -24,6 +25,19 @@
 #include "kvbridge/connector/messages.h"
 
 namespace kvbridge {
+
+/// How the loss of a transfer peer (an engine incarnation) was observed (DESIGN.md "Peer loss is
+/// observed, not waited out"; docs/protocol.md "Peer loss"):
+///  - kGone: its connection closed or its process is gone (shm: its control socket closed), so
+///    no byte of it can land any more — what it was writing into may be freed now;
+///  - kSuspected: only its heartbeats stopped (the proxy says so); it may still be writing —
+///    its requests fail, but blocks it may write stay reserved until the write bound (the
+///    prefill's lease plus a grace).
+enum class PeerLoss : uint8_t { kGone = 0, kSuspected = 1 };
+/// "gone" | "suspected".
+inline std::string_view PeerLossName(PeerLoss loss) {
+  return loss == PeerLoss::kGone ? "gone" : "suspected";
+}
 
 /// Where a prefill rank listens: its engine incarnation and control endpoint (from
 /// kv_transfer_params.remote_engine_id / remote_host / remote_port) and the TP rank.

@@ -53,6 +53,13 @@ struct ConnectorCores {
   void OnTick(TimePoint now);
   /// Tells every core (none is skipped); true when any keeps the request's blocks for now.
   bool OnRequestAborted(const std::string& request_id, TimePoint now);
+  /// The peer engine incarnation `engine_id` is lost: tells every core (each acts on what is
+  /// bound to it in its role; PeerLoss says what may still land). Returns the holds, requests
+  /// and targets released or failed.
+  int64_t OnPeerLost(const std::string& engine_id, PeerLoss loss, TimePoint now);
+  /// Per-peer accounting: what is bound to `engine_id` now (READ holds it claimed + WRITE
+  /// requests writing from it) and the blocks of them.
+  std::pair<int64_t, int64_t> BoundTo(const std::string& engine_id) const;
   /// The earliest deadline of any core, or nullopt when none has one.
   std::optional<TimePoint> NextDeadline() const;
   /// True when no core has work in flight.

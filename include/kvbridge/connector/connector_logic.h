@@ -137,6 +137,12 @@ class ConnectorLogic {
   /// HoldReplyMsg goes back through Send with that token). Returns a release's result (NotFound
   /// for another incarnation); OK for every other message.
   Status OnMessage(const ControlMessage& msg, uint64_t reply_token, TimePoint now);
+  /// The peer engine incarnation `engine_id` is lost (its transfer connection closed or its
+  /// process is gone: kGone; only its heartbeats stopped: kSuspected). Everything bound to it
+  /// is released or failed now, as far as PeerLoss makes it safe (ConnectorCores::OnPeerLost;
+  /// docs/protocol.md "Peer loss"). Returns what was released or failed (holds, requests,
+  /// targets); 0 when nothing was bound to it.
+  int64_t OnPeerLost(const std::string& engine_id, PeerLoss loss, TimePoint now);
 
   // ---- Queries (the driver's stats, metrics and checks). ----
 

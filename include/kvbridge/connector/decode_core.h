@@ -71,6 +71,7 @@ class DecodeCore {
     int64_t read_timeouts = 0;
     int64_t skipped = 0;                ///< requests whose prefix cache had every needed block
     int64_t notifications_ignored = 0;  ///< completions/replies for no waiting request
+    int64_t peer_lost = 0;              ///< requests failed because their prefill was lost
   };
 
   explicit DecodeCore(Options options);
@@ -99,7 +100,8 @@ class DecodeCore {
   /// A request with do_remote_prefill `params` (read mode) entered the engine's waiting queue.
   /// Until OnRequestAdded (admission) or an abort, it sends a heartbeat to each prefill rank
   /// every heartbeat_interval (DESIGN.md READ step 4: "a decode still queued extends [the lease]
-  /// by heartbeat"), so a long queue does not cost the hold. Other params: ignored.
+  /// by heartbeat"), so a long queue does not cost the hold; the first one goes at once, which
+  /// claims the hold (the prefill's claim lease, prefill_core.h). Other params: ignored.
   void OnRequestQueued(const std::string& request_id, const KvTransferParams& params,
                        TimePoint now);
   /// A request with do_remote_prefill `params` was aborted before OnRequestAdded (still queued
@@ -113,6 +115,11 @@ class DecodeCore {
   void OnHoldReply(const HoldReplyMsg& msg, TimePoint now);
   /// Fires read and reply timeouts and sends due heartbeats.
   void OnTick(TimePoint now);
+  /// The prefill engine incarnation `prefill_engine_id` is lost (either PeerLoss: a READ lands
+  /// only in our own blocks, and only while our READ runs). Every request reading from it fails
+  /// now (its READs are cancelled, replies no longer awaited; the policy applies once no READ
+  /// can land), and its queued requests stop heartbeating. Returns the requests failed.
+  int64_t OnPeerLost(const std::string& prefill_engine_id, TimePoint now);
 
   std::vector<ConnectorAction> TakeActions();
   std::optional<TimePoint> NextDeadline() const;

@@ -47,6 +47,9 @@ struct KvTransferConfig {
   KvTransferMode mode = KvTransferMode::kRead;  ///< extra "mode"
   KvTransport transport = KvTransport::kAuto;   ///< extra "transport"
   DurationUs lease = 60 * kSecond;              ///< extra "lease_ms", [1, 3600000]
+  /// extra "claim_lease_ms", [0, 3600000]: a READ hold no decode has claimed yet (heartbeat or
+  /// read_done) is freed this long after it began (min with lease); 0 = no claim lease.
+  DurationUs claim_lease = 5 * kSecond;
   LoadFailurePolicy load_failure_policy = LoadFailurePolicy::kRecompute;
   DurationUs reply_timeout = 10 * kSecond;  ///< extra "reply_timeout_ms": hold reply bound
   DurationUs read_timeout = 30 * kSecond;   ///< extra "read_timeout_ms": cancel a READ after
@@ -60,6 +63,8 @@ struct KvTransferConfig {
   DurationUs EffectiveHeartbeat() const {
     return heartbeat_interval > 0 ? heartbeat_interval : lease / 4;
   }
+  /// min(claim_lease, lease).
+  DurationUs EffectiveClaimLease() const { return claim_lease < lease ? claim_lease : lease; }
 };
 
 /// Parses `--kv-transfer-config` text. InvalidArgument (message names the key and the allowed

@@ -20,6 +20,13 @@
 // not held. The entry leaves the table with its last sibling and leaves a tombstone (TTL = lease)
 // so late duplicates are recognised and answered consistently.
 //
+// Claim lease (DESIGN.md "Failures"; docs/protocol.md "Claim lease"): a hold that no decode has
+// claimed yet (no heartbeat or read_done naming the transfer) lives under Options::claim_lease
+// (a few seconds), so a hold whose proxy died between the legs is not kept for a whole lease;
+// the first claim puts it under the usual heartbeat-extended lease. The claiming decode is
+// remembered: OnPeerLost(that decode) releases its holds at once (READ: safe, the decode's
+// hold reply then says "peer_lost" and it recomputes).
+//
 // Messages naming a transfer this engine has not registered are parked (at most
 // max_parked_messages, TTL = lease) and applied when it registers; dropped and counted at TTL.
 //
@@ -55,16 +62,28 @@ class PrefillCore {
     /// 0: assume enough heads that they split evenly over both TP sizes.
     int num_kv_heads = 0;
     DurationUs lease = 60 * kSecond;
+    /// A hold no decode has claimed yet is freed this long after its first hold (counted in
+    /// claims_expired); 0: no claim lease (the lease applies from the first hold).
+    DurationUs claim_lease = 0;
     int64_t max_parked_messages = 4096;
     int64_t max_tombstones = 65536;
   };
   /// Why a transfer left kOpen.
-  enum class DoneReason : uint8_t { kCompleted = 0, kReleased = 1, kExpired = 2, kAborted = 3 };
+  enum class DoneReason : uint8_t {
+    kCompleted = 0,
+    kReleased = 1,
+    kExpired = 2,
+    kAborted = 3,
+    kUnclaimed = 4,  ///< the claim lease passed with no decode's claim
+    kPeerLost = 5,   ///< the decode that claimed it was lost (OnPeerLost)
+  };
 
   struct Counters {
     int64_t holds = 0;                  ///< siblings whose blocks were held
     int64_t holds_freed = 0;            ///< ReportBlocksFree emitted
     int64_t lease_expired = 0;          ///< transfers freed by the lease
+    int64_t claims_expired = 0;         ///< transfers freed by the claim lease (never claimed)
+    int64_t peer_lost = 0;              ///< transfers freed because their decode was lost
     int64_t transfers_completed = 0;    ///< every expected decode rank notified
     int64_t transfers_released = 0;     ///< explicit release (proxy / decode skip)
     int64_t notifications_parked = 0;   ///< messages parked (total)
@@ -104,6 +123,16 @@ class PrefillCore {
   Status OnRelease(const ReleaseMsg& msg, TimePoint now);
   /// Fires leases and drops expired parked messages.
   void OnTick(TimePoint now);
+  /// The decode engine incarnation `decode_engine_id` is lost (either PeerLoss: a READ hold is
+  /// safe to free on a suspicion too). Every open transfer it claimed is freed now (reason
+  /// "peer_lost"), and messages it sent that are parked are dropped. Returns the transfers
+  /// freed.
+  int64_t OnPeerLost(const std::string& decode_engine_id, TimePoint now);
+  /// Open transfers claimed by `decode_engine_id` and the distinct blocks they hold (per-peer
+  /// accounting).
+  std::pair<int64_t, int64_t> BoundTo(const std::string& decode_engine_id) const;
+  /// The earliest claim-lease deadline of a hold no decode has claimed (nullopt: none).
+  std::optional<TimePoint> EarliestClaimDeadline() const;
 
   std::vector<ConnectorAction> TakeActions();
   /// Earliest lease or parked-message TTL, if any.
@@ -136,6 +165,8 @@ class PrefillCore {
     DoneReason reason = DoneReason::kCompleted;
     std::optional<TimePoint> lease_deadline;  // set at the first hold
     TimePoint lease_floor = 0;                // heartbeats before the first hold
+    std::string claimed_by;                   // the decode engine that claimed it ("" : none)
+    bool under_claim_lease = false;           // lease_deadline is the claim lease's
     std::optional<int> decode_tp;
     // (decode rank, prefill rank) -> hold was valid at its ReadDone
     std::map<std::pair<int, int>, bool> notified;
@@ -153,6 +184,9 @@ class PrefillCore {
   };
 
   Transfer& Register(const std::string& transfer_id, TimePoint now);
+  // A decode named the transfer (heartbeat, read_done): the first claim puts a hold under the
+  // claim lease under the usual lease from now.
+  void Claim(Transfer& t, const std::string& decode_engine_id, TimePoint now);
   bool ServesRank(int prefill_rank) const;
   /// The (decode rank, prefill rank) pairs that must notify before a transfer completes.
   std::vector<std::pair<int, int>> ExpectedPairs(int decode_tp) const;

@@ -92,6 +92,7 @@ class WriteDecodeCore {
     int64_t skipped = 0;  ///< requests whose prefix cache had every needed block
     int64_t aborts_mid_write = 0;
     int64_t notifications_ignored = 0;
+    int64_t peer_lost = 0;  ///< requests failed because their prefill was lost
     /// Sum over loads_done of the overlap: the prefill's last layer computed → this decode's go
     /// (microseconds; the prefill part measured there, plus the time here since WriteDone
     /// arrived; the one-way message delay is not included).
@@ -133,6 +134,16 @@ class WriteDecodeCore {
   /// A prefill rank's WriteDone.
   void OnWriteDone(const WriteDoneMsg& msg, TimePoint now);
   void OnTick(TimePoint now);
+  /// The prefill engine incarnation `prefill_engine_id` is lost. Every request it writes to
+  /// fails (ReportLoadFailed, or ReportBlocksFree when aborted). kGone: no byte of it can land
+  /// any more, so the pairs settle and the blocks go now. kSuspected (only its heartbeats
+  /// stopped): the request fails and WriteCancel goes out, but its blocks stay reserved until a
+  /// WriteDone or the write bound (lease + grace) — DESIGN.md: late writes must never land in
+  /// reused blocks. A request not allocated yet fails at its allocation (nothing was offered).
+  /// Returns the requests failed.
+  int64_t OnPeerLost(const std::string& prefill_engine_id, PeerLoss loss, TimePoint now);
+  /// Requests bound to `prefill_engine_id` and the blocks offered to it (per-peer accounting).
+  std::pair<int64_t, int64_t> BoundTo(const std::string& prefill_engine_id) const;
 
   std::vector<ConnectorAction> TakeActions();
   std::vector<LoadTiming> TakeLoadTimings();

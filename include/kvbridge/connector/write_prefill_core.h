@@ -96,6 +96,7 @@ class WritePrefillCore {
     int64_t notifications_parked = 0;
     int64_t notifications_ignored = 0;  ///< duplicate, late, unknown completions and messages
     int64_t parked_dropped = 0;         ///< parked messages dropped (TTL or full)
+    int64_t peer_lost = 0;              ///< targets cancelled because their decode was lost
     int64_t transfer_us_sum = 0;        ///< over targets_ok: first WRITE posted → last WRITE done
     int64_t compute_us_sum = 0;         ///< over completed transfers: first → last layer computed
   };
@@ -149,6 +150,11 @@ class WritePrefillCore {
   void OnWriteCompleted(uint64_t write_id, const Status& status, TimePoint now);
   /// Fires leases, write bounds and parked-message TTLs.
   void OnTick(TimePoint now);
+  /// The decode engine incarnation `decode_engine_id` is lost (either PeerLoss: this side only
+  /// stops writing). Every active target in it is cancelled without a WriteDone (its writes in
+  /// flight are cancelled; this engine's blocks are freed once they drained, as for a decode's
+  /// cancel), and its parked block ids are dropped. Returns the targets cancelled.
+  int64_t OnPeerLost(const std::string& decode_engine_id, TimePoint now);
 
   std::vector<ConnectorAction> TakeActions();
   std::optional<TimePoint> NextDeadline() const;

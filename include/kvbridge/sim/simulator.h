@@ -59,10 +59,15 @@ enum class ViolationKind : uint8_t {
   /// WRITE: a decode used its KV before every writing rank's write_done(ok) and every layer of
   /// every offered block landed
   kUsedBeforeWriteDone,
+  /// Issue 21's release bounds: what a dead peer held bound here (READ holds it claimed, WRITE
+  /// targets it wrote) is not released within 2 s of its death; a hold no decode claimed is not
+  /// freed within the claim lease + 1 s (the proxy died between the legs)
+  kPeerLossNotReleased,
 };
 /// "leak", "hang", "early_free", "stale_kv_used", "exactly_once", "sibling_accounting",
 /// "pool_accounting", "lease_expired", "notification_ignored", "load_failed", "bad_answer",
-/// "crash", "write_into_reused_block", "used_before_write_done", "none".
+/// "crash", "write_into_reused_block", "used_before_write_done", "peer_loss_not_released",
+/// "none".
 std::string_view ViolationKindName(ViolationKind kind);
 
 /// What a run simulates. Fields left unset are drawn from the seed.
@@ -74,11 +79,15 @@ enum class Workload : uint8_t {
   kEarlyRace,  ///< clean, many client aborts right after the request (release races the leg)
   kLeaseRead,  ///< faults: heavy message loss and slow READs (leases fire during READs)
   kAbortLoad,  ///< clean, client aborts while decodes load
+  /// faults: 1-2 engine crashes (their peers told within 1 s), 1-3 false suspicions (a live
+  /// peer reported lost by its heartbeats), the proxy dies on 30% of the seeds
+  kPeerLoss,
 };
 std::string_view WorkloadName(Workload w);
 
 /// How KV moves in a run (DESIGN.md): the decode READs (pull) or the prefill WRITEs (push).
-/// Parses "mixed", "clean", "faults", "prefill-n", "early-race", "lease-read", "abort-load".
+/// Parses "mixed", "clean", "faults", "prefill-n", "early-race", "lease-read", "abort-load",
+/// "peer-loss".
 Result<Workload> ParseWorkload(std::string_view name);
 
 struct SimOptions {
