@@ -15,6 +15,7 @@
 #include "kvbridge/common/logging.h"
 #include "kvbridge/connector/kvbridge_connector.h"
 #include "kvbridge/engine/engine.h"
+#include "kvbridge/engine/kv_event_log.h"
 #include "kvbridge/model/chat_template.h"
 #include "kvbridge/model/config.h"
 #include "kvbridge/model/cuda_model.h"
@@ -239,6 +240,11 @@ int RunServe(const ServeOptions& o) {
     sc.validate_kv_transfer_params = kv->ValidateHook();
   }
 
+  // KV events (GET /v1/kv/events): what this engine's prefix cache holds, for KV-aware routing.
+  auto kv_events = std::make_shared<KvEventLog>(
+      KvEventLogOptions{.block_size = o.block_size, .model_fingerprint = (*model)->fingerprint()});
+  ec.kv_cache_listener = kv_events;
+
   auto engine = Engine::Create(ec, std::shared_ptr<const Model>(*model));
   if (!engine.ok()) return Fail(engine.status());
   const EngineStats st = (*engine)->Stats();
@@ -248,6 +254,8 @@ int RunServe(const ServeOptions& o) {
 
   auto srv = server::ApiServer::Create(sc, engine->get(), (*model)->tokenizer());
   if (!srv.ok()) return Fail(srv.status());
+  if (Status s = (*srv)->RegisterRoute(KvEventsRoute(kv_events, o.cluster_token)); !s.ok())
+    return Fail(s);
   if (kv) {
     for (Route& route : kv->Routes()) {
       Status s = (*srv)->RegisterRoute(std::move(route));
@@ -299,6 +307,7 @@ int RunServe(const ServeOptions& o) {
     int sig = 0;
     sigwait(&signals, &sig);
     KVB_LOG_INFO("kvbridge serve: signal {}, shutting down", sig);
+    kv_events->Close();  // long polls answer now, not at their timeout
     (*srv)->Stop();
   });
   (*srv)->Wait();

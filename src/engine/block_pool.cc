@@ -1,47 +1,9 @@
 #include "kvbridge/engine/block_pool.h"
 
-#include <xxhash.h>
-
 #include <cstring>
 #include <string>
 
 namespace kvbridge {
-
-namespace {
-
-BlockHash FromXxh128(XXH128_hash_t h) { return BlockHash{h.low64, h.high64}; }
-
-void PutLe64(uint64_t v, uint8_t* out) {
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-
-}  // namespace
-
-BlockHash RootBlockHash(std::string_view model_fingerprint) {
-  return FromXxh128(XXH3_128bits(model_fingerprint.data(), model_fingerprint.size()));
-}
-
-BlockHash ChainBlockHash(const BlockHash& parent, std::span<const int32_t> tokens) {
-  // Explicit little-endian serialization so the chain is the same on every host.
-  std::vector<uint8_t> buf(16 + 4 * tokens.size());
-  PutLe64(parent.lo, buf.data());
-  PutLe64(parent.hi, buf.data() + 8);
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    uint32_t t = static_cast<uint32_t>(tokens[i]);
-    for (int k = 0; k < 4; ++k) buf[16 + 4 * i + k] = static_cast<uint8_t>(t >> (8 * k));
-  }
-  return FromXxh128(XXH3_128bits(buf.data(), buf.size()));
-}
-
-void AppendBlockHashes(const BlockHash& root, std::span<const int32_t> tokens, int block_size,
-                       std::vector<BlockHash>* hashes) {
-  size_t full = tokens.size() / static_cast<size_t>(block_size);
-  while (hashes->size() < full) {
-    size_t i = hashes->size();
-    const BlockHash& parent = i == 0 ? root : (*hashes)[i - 1];
-    hashes->push_back(ChainBlockHash(parent, tokens.subspan(i * block_size, block_size)));
-  }
-}
 
 Result<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOptions& options) {
   if (options.num_blocks <= 0 || options.num_blocks >= (int64_t{1} << 31)) {
@@ -111,6 +73,7 @@ int32_t BlockPool::TakeFresh() {
     --num_cached_free_;
     Block& blk = blocks_[b];
     cached_.erase(blk.hash);
+    if (listener_ != nullptr) listener_->OnBlockEvicted(blk.hash);
     blk.has_hash = false;
     blk.hash = {};
     ++num_evictions_;
@@ -226,6 +189,7 @@ void BlockPool::CacheFullBlock(int32_t block, const BlockHash& hash) {
   if (!cached_.emplace(hash, block).second) return;
   blk.has_hash = true;
   blk.hash = hash;
+  if (listener_ != nullptr) listener_->OnBlockCached(hash);
 }
 
 Status BlockPool::Hold(std::string_view key, std::span<const int32_t> blocks) {

@@ -153,6 +153,7 @@ Status EngineCore::Finish(MetricsRegistry* metrics, std::function<void()> wake, 
                    BlockPool::Create({.num_blocks = num_blocks,
                                       .block_size = config.block_size,
                                       .enable_prefix_caching = config.enable_prefix_caching}));
+  core->pool_->set_cache_listener(config.kv_cache_listener.get());
 
   SchedulerConfig sc;
   sc.max_num_seqs = config.max_num_seqs;

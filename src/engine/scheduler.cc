@@ -159,6 +159,9 @@ Scheduler::Scheduler(SchedulerConfig config, BlockPool* pool, KvConnector* conne
                                             "Prompt tokens of requests whose prefill completed.");
     m_generation_tokens_ =
         &metrics->AddCounter("kvbridge_generation_tokens_total", "Generated (sampled) tokens.");
+    m_prompt_computed_ = &metrics->AddCounter(
+        "kvbridge_prompt_tokens_computed_total",
+        "Prompt tokens run through the forward pass (not prefix-cache hits, not remote KV).");
     m_prefix_queries_ = &metrics->AddCounter("kvbridge_prefix_cache_queries_total",
                                              "Tokens looked up in the prefix cache.");
     m_prefix_hits_ = &metrics->AddCounter("kvbridge_prefix_cache_hits_total",
@@ -552,6 +555,11 @@ ScheduledBatch Scheduler::Schedule(TimePoint now) {
     c.num_blocks = static_cast<int>(s->blocks.size());
     batch.num_tokens += c.num_tokens;
     batch.num_logit_rows += c.compute_logits ? 1 : 0;
+    if (m_prompt_computed_) {
+      const int in_prompt =
+          std::min(c.start_pos + c.num_tokens, s->group->num_prompt) - c.start_pos;
+      if (in_prompt > 0) m_prompt_computed_->Inc(in_prompt);
+    }
   }
   FlushOutputs();
   return batch;

@@ -173,6 +173,7 @@ HttpRequest ToHttpRequest(const httplib::Request& req) {
   for (const auto& [k, v] : req.headers) r.headers.emplace(k, v);
   for (const auto& m : req.matches) r.path_matches.push_back(m.str());
   r.remote_addr = req.remote_addr;
+  for (const auto& [k, v] : req.params) r.query.emplace(k, v);
   return r;
 }
 

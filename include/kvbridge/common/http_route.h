@@ -32,6 +32,8 @@ struct HttpRequest {
   std::multimap<std::string, std::string> headers;  ///< names as sent (lookup: Header())
   std::vector<std::string> path_matches;  ///< regex captures of the route pattern, [0] = whole path
   std::string remote_addr;
+  /// Query parameters, decoded ("?since=5" → {"since", "5"}).
+  std::multimap<std::string, std::string> query;
   /// First value of header `name` (case-insensitive), or "" when absent.
   std::string Header(std::string_view name) const;
 };

@@ -35,29 +35,20 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvbridge/common/block_hash.h"
 #include "kvbridge/common/status.h"
 
 namespace kvbridge {
 
-/// 128-bit block hash (XXH3-128), lo/hi halves.
-struct BlockHash {
-  uint64_t lo = 0;
-  uint64_t hi = 0;
-  friend bool operator==(const BlockHash&, const BlockHash&) = default;
+/// Told of every hash the prefix cache gains (a block registered by CacheFullBlock) or loses (a
+/// cached-free block evicted by Allocate) — the source of the engine's KV events (kv_events.h).
+/// Called synchronously on the pool's thread, after the change.
+class BlockCacheListener {
+ public:
+  virtual ~BlockCacheListener() = default;
+  virtual void OnBlockCached(const BlockHash& hash) = 0;
+  virtual void OnBlockEvicted(const BlockHash& hash) = 0;
 };
-struct BlockHashHasher {
-  size_t operator()(const BlockHash& h) const { return h.lo ^ (h.hi * 0x9E3779B97F4A7C15ull); }
-};
-
-/// Root of every hash chain: XXH3-128 of the model fingerprint's bytes.
-BlockHash RootBlockHash(std::string_view model_fingerprint);
-/// XXH3-128 of 16 bytes of `parent` (lo then hi, little-endian) followed by `tokens` as int32
-/// little-endian.
-BlockHash ChainBlockHash(const BlockHash& parent, std::span<const int32_t> tokens);
-/// Extends `hashes` (the chain of tokens' first hashes->size() full blocks) to cover every full
-/// block of `tokens` (tokens.size() / block_size of them).
-void AppendBlockHashes(const BlockHash& root, std::span<const int32_t> tokens, int block_size,
-                       std::vector<BlockHash>* hashes);
 
 struct BlockPoolOptions {
   int64_t num_blocks = 0;  ///< > 0 and < 2^31
@@ -125,6 +116,9 @@ class BlockPool {
   /// Cached blocks evicted so far.
   int64_t num_evictions() const { return num_evictions_; }
 
+  /// Sets (null: clears) the listener of cache changes; not owned, must outlive the pool's use.
+  void set_cache_listener(BlockCacheListener* listener) { listener_ = listener; }
+
   /// Recounts every set from scratch and checks the rules above. Errors: Internal, naming the
   /// first broken rule. O(num_blocks); for tests and debug builds.
   Status CheckInvariants() const;
@@ -159,6 +153,7 @@ class BlockPool {
   int64_t num_active_ = 0;
   int64_t num_held_ = 0;
   int64_t num_evictions_ = 0;
+  BlockCacheListener* listener_ = nullptr;
 };
 
 }  // namespace kvbridge

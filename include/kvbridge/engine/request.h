@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -23,6 +24,8 @@
 #include "kvbridge/engine/kv_connector.h"
 
 namespace kvbridge {
+
+class BlockCacheListener;  // block_pool.h
 
 /// OpenAI-style sampling parameters of one request (all n siblings share them).
 struct SamplingParams {
@@ -144,6 +147,9 @@ struct EngineConfig {
   int cuda_device = -1;
   double gpu_memory_utilization = 0.9;   ///< cuda_device >= 0 and num_blocks == 0 (as vLLM)
   KvConnectorFactory connector_factory;  ///< empty: no P/D connector (colocated engine)
+  /// Told of every prefix-cache store and eviction on the engine thread (null: none) — the
+  /// engine's KV event stream (kv_event_log.h); kept alive by this config.
+  std::shared_ptr<BlockCacheListener> kv_cache_listener;
 };
 
 struct EngineStats {

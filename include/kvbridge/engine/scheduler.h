@@ -255,6 +255,7 @@ class Scheduler {
   // Metrics (null when no registry).
   Counter* m_prompt_tokens_ = nullptr;
   Counter* m_generation_tokens_ = nullptr;
+  Counter* m_prompt_computed_ = nullptr;
   Counter* m_prefix_queries_ = nullptr;
   Counter* m_prefix_hits_ = nullptr;
   Counter* m_preemptions_ = nullptr;
