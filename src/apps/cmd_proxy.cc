@@ -8,6 +8,7 @@
 #include "apps/port_file.h"
 #include "kvbridge/common/logging.h"
 #include "kvbridge/proxy/proxy_server.h"
+#include "kvbridge/server/prompt_tokens.h"
 
 namespace {
 
@@ -21,6 +22,8 @@ struct ProxyCliOptions {
   int request_timeout_s = 600;
   int upstream_idle_timeout_ms = 1000;
   std::string port_file;  // where to write the bound port once listening; empty = nowhere
+  std::string model_dir;  // tokenizer + chat template for KV-aware routing; empty: /tokenize
+  std::string chat_template;
 };
 
 int RunProxy(ProxyCliOptions& cli) {
@@ -36,6 +39,17 @@ int RunProxy(ProxyCliOptions& cli) {
   cli.proxy.heartbeat_timeout = cli.heartbeat_timeout_ms * kvbridge::kMillisecond;
   cli.proxy.request_timeout = cli.request_timeout_s * kvbridge::kSecond;
   cli.proxy.upstream_idle_timeout = cli.upstream_idle_timeout_ms * kvbridge::kMillisecond;
+  if (!cli.model_dir.empty()) {
+    auto pt = kvbridge::server::PromptTokenizer::Load(cli.model_dir, cli.chat_template);
+    if (!pt.ok()) {
+      std::fprintf(stderr, "error: --model: %s\n", pt.status().ToString().c_str());
+      return 2;
+    }
+    std::shared_ptr<const kvbridge::server::PromptTokenizer> shared(std::move(*pt));
+    cli.proxy.prompt_ids = [shared](std::string_view path, std::string_view body) {
+      return shared->PromptIds(path, body);
+    };
+  }
   // Signals are taken synchronously by this thread; block them before any thread starts.
   sigset_t set;
   sigemptyset(&set);
@@ -88,7 +102,24 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                      "an engine whose certificate does not verify gets no leg");
       sub.add_option("--mode", o->mode, "KV mode of every instance: read|write")
           ->capture_default_str();
-      sub.add_option("--routing", o->routing, "least-loaded|round-robin")->capture_default_str();
+      sub.add_option("--routing", o->routing, "kv-aware|least-loaded|round-robin")
+          ->capture_default_str();
+      sub.add_option("--pd-skip-threshold", o->proxy.pd_skip_threshold,
+                     "Send a request to its decode alone (no prefill leg) when that decode's "
+                     "prefix cache lacks at most N of its prompt tokens (-1: never)")
+          ->capture_default_str();
+      sub.add_option("--model", o->model_dir,
+                     "Model directory whose tokenizer and chat template give the prompt ids "
+                     "for kv-aware routing / the skip (default: ask an engine's /tokenize)");
+      sub.add_option("--chat-template", o->chat_template,
+                     "Chat template override, as the engines' --chat-template");
+      sub.add_option("--kv-events-poll-ms", o->proxy.kv_events_poll_ms,
+                     "Long-poll timeout of each engine's /v1/kv/events")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 30000));
+      sub.add_option("--kv-index-max-blocks", o->proxy.kv_index_max_blocks,
+                     "Block hashes the KV index keeps (least recently stored go first)")
+          ->capture_default_str();
       sub.add_flag("--prefill-forward-n", o->proxy.prefill_forward_n,
                    "Send the client's n to the prefill leg (default n=1)");
       sub.add_flag("--colocated", o->proxy.colocated,

@@ -54,6 +54,7 @@ struct UpOptions {
   std::vector<std::string> decode_args;
   std::string cluster_token;
   std::string routing = "least-loaded";
+  int pd_skip_threshold = -1;  ///< the proxy's --pd-skip-threshold (< 0: off)
   double ready_timeout_s = 180;
   int prefill_tp = 1;  ///< --tensor-parallel-size of each prefill engine
   int decode_tp = 1;   ///< --tensor-parallel-size of each decode engine
@@ -212,6 +213,7 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
                                                  "decode_args",
                                                  "cluster_token",
                                                  "routing",
+                                                 "pd_skip_threshold",
                                                  "ready_timeout_s",
                                                  "prefill_tp",
                                                  "decode_tp"};
@@ -239,6 +241,8 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
   o.prefill_kv_blocks = t["prefill_kv_blocks"].value_or(static_cast<int64_t>(o.prefill_kv_blocks));
   o.cluster_token = t["cluster_token"].value_or(o.cluster_token);
   o.routing = t["routing"].value_or(o.routing);
+  o.pd_skip_threshold =
+      static_cast<int>(t["pd_skip_threshold"].value_or(static_cast<int64_t>(o.pd_skip_threshold)));
   o.ready_timeout_s = t["ready_timeout_s"].value_or(o.ready_timeout_s);
   o.prefill_tp = static_cast<int>(t["prefill_tp"].value_or(static_cast<int64_t>(o.prefill_tp)));
   o.decode_tp = static_cast<int>(t["decode_tp"].value_or(static_cast<int64_t>(o.decode_tp)));
@@ -369,6 +373,12 @@ int RunUp(UpOptions o) {
                                          "--cluster-token",
                                          o.cluster_token};
   if (o.prefill_forward_n) proxy_argv.push_back("--prefill-forward-n");
+  // KV-aware routing and the P/D skip hash the prompt ids: the proxy tokenizes with the model's
+  // own tokenizer and chat template (docs/proxy.md "KV-aware routing").
+  if (o.routing == "kv-aware" || o.pd_skip_threshold >= 0) {
+    proxy_argv.insert(proxy_argv.end(), {"--model", o.model_dir, "--pd-skip-threshold",
+                                         std::to_string(o.pd_skip_threshold)});
+  }
 
   auto report_death = [&](Child* c, int status) {
     std::fprintf(stderr, "kvbridge up: %s (pid %d) %s; its log %s ends:\n%s\n", c->name.c_str(),
@@ -566,8 +576,12 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto* rt = sub.add_option("--ready-timeout", o->ready_timeout_s,
                                 "Seconds to wait for every instance")
                      ->capture_default_str();
-      auto* routing = sub.add_option("--routing", o->routing, "least-loaded|round-robin")
+      auto* routing = sub.add_option("--routing", o->routing, "kv-aware|least-loaded|round-robin")
                           ->capture_default_str();
+      auto* skip = sub.add_option("--pd-skip-threshold", o->pd_skip_threshold,
+                                  "Send a request to its decode alone when that decode lacks at "
+                                  "most N of its prompt tokens (-1: never)")
+                       ->capture_default_str();
       auto* ptp = sub.add_option("--prefill-tp", o->prefill_tp,
                                  "Tensor-parallel size of each prefill engine")
                       ->capture_default_str();
@@ -589,6 +603,7 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
         if (pkb->count()) eff.prefill_kv_blocks = o->prefill_kv_blocks;
         if (rt->count()) eff.ready_timeout_s = o->ready_timeout_s;
         if (routing->count()) eff.routing = o->routing;
+        if (skip->count()) eff.pd_skip_threshold = o->pd_skip_threshold;
         if (ptp->count()) eff.prefill_tp = o->prefill_tp;
         if (dtp->count()) eff.decode_tp = o->decode_tp;
         for (const auto& a : o->engine_args) eff.engine_args.push_back(a);

@@ -34,11 +34,13 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>  // before asio: its awaitable.hpp uses std::exchange without including it
 
 #include "kvbridge/common/logging.h"
 #include "kvbridge/common/metrics.h"
+#include "kvbridge/proxy/kv_routing.h"
 #include "proxy/stream.h"
 #include "proxy/tls.h"
 #include "proxy/upstream_pool.h"
@@ -274,8 +276,12 @@ struct ProxyServer::Impl {
             metrics.AddGauge("kvbridge_proxy_requests_in_flight", "Client requests being served.")),
         expired(metrics.AddCounter("kvbridge_proxy_instances_expired_total",
                                    "Registered instances dropped for missed heartbeats.")),
+        kv_index(KvIndexOptions{o.kv_index_max_blocks}),
+        kv_router(KvRouteOptions{.kv_aware = o.routing == RoutingPolicy::kKvAware,
+                                 .pd_skip_threshold = o.pd_skip_threshold}),
         acceptor(ioc),
         pool(BasicUpstreamPool<Stream>::Options{o.upstream_max_idle, o.upstream_idle_timeout}) {
+    AddKvMetrics();
     for (Outcome oc : {Outcome::kOk, Outcome::kBadRequest, Outcome::kNoInstance,
                        Outcome::kPrefillError, Outcome::kDecodeError, Outcome::kUnreachable,
                        Outcome::kClientDisconnected, Outcome::kTimeout}) {
@@ -377,6 +383,11 @@ struct ProxyServer::Impl {
   awaitable<bool> Handle(Stream& sock, http::request<http::string_body>& req);
   awaitable<bool> RunFlow(Stream& sock, http::request<http::string_body>& req);
   awaitable<void> Housekeeping();
+  // KV-aware routing (kv_routing.h): metrics, a follower per engine, a request's prompt ids.
+  void AddKvMetrics();
+  void FollowNewEngines();
+  awaitable<void> FollowKvEvents(std::string id, std::string url);
+  awaitable<std::optional<std::vector<int32_t>>> PromptIds(std::string path, std::string body);
   awaitable<void> Release(ReleaseHold rel);
 
   ProxyOptions options;
@@ -396,6 +407,14 @@ struct ProxyServer::Impl {
   Counter* m_leg_connections_new = nullptr;
   Counter* m_leg_connections_reused = nullptr;
   Counter* m_leg_retries = nullptr;
+  KvIndex kv_index;                           // guarded by mu
+  KvRouter kv_router;                         // guarded by mu
+  std::set<std::string> kv_followed;          // guarded by mu: engines with a follower running
+  Counter* m_kv_route_skip = nullptr;         // decode alone
+  Counter* m_kv_route_pd = nullptr;           // both legs
+  Counter* m_kv_route_no_ids = nullptr;       // no prompt ids: the registry's pick
+  Histogram* m_kv_route_seconds = nullptr;    // the decision (hashes + index + scores)
+  Histogram* m_prompt_ids_seconds = nullptr;  // tokenizing/templating (or /tokenize)
   // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -851,13 +870,29 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   fo.colocated = options.colocated;
   fo.max_attempts = options.max_attempts;
   fo.timeout = options.request_timeout;
-  auto ctx = std::make_shared<FlowCtx>(
-      this, ex, fo,
-      [this](Role role, const std::vector<std::string>& exclude) {
+  InstancePicker picker = [this](Role role, const std::vector<std::string>& exclude) {
+    std::lock_guard<std::mutex> lock(mu);
+    return registry.Pick(role, exclude);
+  };
+  if (kv_router.active()) {
+    std::optional<std::vector<int32_t>> ids =
+        co_await PromptIds(std::string(req.target()), req.body());
+    if (ids) {
+      const TimePoint t1 = SteadyNow();
+      KvRouteDecision d;
+      {
         std::lock_guard<std::mutex> lock(mu);
-        return registry.Pick(role, exclude);
-      },
-      &sock, &req, t0);
+        d = kv_router.Decide(*ids, registry, kv_index, options.colocated);
+      }
+      m_kv_route_seconds->Observe(static_cast<double>(SteadyNow() - t1) / kSecond);
+      (d.skip_prefill ? m_kv_route_skip : m_kv_route_pd)->Inc();
+      fo = DecidedFlowOptions(d, fo);
+      picker = DecidedPicker(d, std::move(picker));
+    } else {
+      m_kv_route_no_ids->Inc();
+    }
+  }
+  auto ctx = std::make_shared<FlowCtx>(this, ex, fo, std::move(picker), &sock, &req, t0);
   in_flight.Add(1);
   ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
   if (std::optional<TimePoint> deadline = ctx->flow.deadline()) {
@@ -1089,6 +1124,7 @@ awaitable<void> ProxyServer::Impl::Housekeeping() {
     if (ec) co_return;
     const TimePoint now = SteadyNow();
     pool.Sweep(now);
+    if (kv_router.active()) FollowNewEngines();
     std::vector<InstanceState> statics;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -1120,6 +1156,129 @@ awaitable<void> ProxyServer::Impl::Housekeeping() {
       registry.SetHealthy(st.info.id, healthy);
     }
   }
+}
+
+// --- KV-aware routing: followers of the engines' KV event streams, prompt ids ---------------
+
+void ProxyServer::Impl::AddKvMetrics() {
+  const char* help = "Requests routed by the KV-aware router / P/D skip, by path taken.";
+  m_kv_route_skip = &metrics.AddCounter("kvbridge_proxy_kv_routes_total", help, "path=\"skip\"");
+  m_kv_route_pd = &metrics.AddCounter("kvbridge_proxy_kv_routes_total", help, "path=\"pd\"");
+  m_kv_route_no_ids =
+      &metrics.AddCounter("kvbridge_proxy_kv_routes_total", help, "path=\"no_prompt_ids\"");
+  m_kv_route_seconds = &metrics.AddHistogram(
+      "kvbridge_proxy_kv_route_seconds",
+      "KV-aware routing decision: prompt block hashes, index lookups, scores.",
+      Histogram::FineLatencyBucketsSeconds());
+  m_prompt_ids_seconds = &metrics.AddHistogram(
+      "kvbridge_proxy_prompt_ids_seconds",
+      "Getting a request's prompt ids for routing (in-process tokenizer, or an engine's "
+      "/tokenize).",
+      Histogram::FineLatencyBucketsSeconds());
+  metrics.AddCallbackGauge("kvbridge_proxy_kv_index_blocks", "Block hashes in the KV index.",
+                           [this] {
+                             std::lock_guard<std::mutex> lock(mu);
+                             return static_cast<double>(kv_index.num_blocks());
+                           });
+  metrics.AddCallbackGauge("kvbridge_proxy_kv_index_entries",
+                           "(block hash, engine) pairs in the KV index.", [this] {
+                             std::lock_guard<std::mutex> lock(mu);
+                             return static_cast<double>(kv_index.num_entries());
+                           });
+}
+
+void ProxyServer::Impl::FollowNewEngines() {
+  std::vector<std::pair<std::string, std::string>> fresh;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const InstanceState& st : registry.List()) {
+      if (kv_followed.insert(st.info.id).second) fresh.emplace_back(st.info.id, st.info.url);
+    }
+  }
+  for (auto& [id, url] : fresh) {
+    net::co_spawn(net::make_strand(ioc), FollowKvEvents(id, url), net::detached);
+  }
+}
+
+// One engine's stream, while the engine is in the registry: long polls, each answer applied to
+// the index; a lost connection or an engine restart heals by itself (same cursor, or a reset
+// answered by the engine). When the engine leaves the registry its entries go.
+awaitable<void> ProxyServer::Impl::FollowKvEvents(std::string id, std::string url) {
+  auto ex = co_await net::this_coro::executor;
+  net::steady_timer backoff(ex);
+  for (;;) {
+    std::string query;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      std::optional<InstanceState> st = registry.Get(id);
+      if (!st || st->info.url != url) {
+        kv_index.DropEngine(id);
+        kv_followed.erase(id);
+        co_return;
+      }
+      query = kv_index.NextQuery(id, options.kv_events_poll_ms);
+    }
+    auto r = co_await HttpCall(
+        http::verb::get, url, "/v1/kv/events?" + query, "", options.cluster_token,
+        options.kv_events_poll_ms * kMillisecond + options.connect_timeout, client_tls.get());
+    Status applied = OkStatus();
+    if (r.ok() && r->status == 200) {
+      auto batch = ParseKvEventBatch(r->body);
+      std::lock_guard<std::mutex> lock(mu);
+      applied = batch.ok() ? kv_index.Apply(id, *batch) : batch.status();
+      if (applied.ok()) continue;
+    }
+    if (!applied.ok()) KVB_LOG_DEBUG("kv events of {}: {}", id, applied.ToString());
+    // Unreachable, an error status (an engine without the stream: 404) or a refused batch.
+    backoff.expires_after(std::chrono::milliseconds(applied.ok() ? 500 : 50));
+    beast::error_code ec;
+    co_await backoff.async_wait(net::redirect_error(kAwait, ec));
+    if (ec) co_return;
+  }
+}
+
+awaitable<std::optional<std::vector<int32_t>>> ProxyServer::Impl::PromptIds(std::string path,
+                                                                            std::string body) {
+  const TimePoint t0 = SteadyNow();
+  std::optional<std::vector<int32_t>> out;
+  std::vector<int32_t> given;  // a completion's prompt given as ids needs no tokenizer
+  if (path == "/v1/completions") {
+    json j = json::parse(body, nullptr, false);
+    const json* p = j.is_object() && j.contains("prompt") ? &j["prompt"] : nullptr;
+    if (p != nullptr && p->is_array() && !p->empty() &&
+        std::all_of(p->begin(), p->end(), [](const json& v) { return v.is_number_integer(); })) {
+      for (const json& v : *p) given.push_back(v.get<int32_t>());
+    }
+  }
+  if (!given.empty()) {
+    out = std::move(given);
+  } else if (options.prompt_ids) {
+    auto ids = options.prompt_ids(path, body);
+    if (ids.ok()) out = std::move(*ids);
+  } else {
+    std::optional<Endpoint> ep;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ep = registry.Pick(Role::kDecode, {});
+      if (!ep) ep = registry.Pick(Role::kPrefill, {});
+    }
+    if (ep) {
+      std::string url = ep->url;
+      auto r = co_await HttpCall(http::verb::post, std::move(url), "/tokenize", std::move(body),
+                                 options.cluster_token, options.connect_timeout, client_tls.get());
+      if (r.ok() && r->status == 200) {
+        json j = json::parse(r->body, nullptr, false);
+        if (j.is_object() && j.contains("tokens") && j["tokens"].is_array()) {
+          out.emplace();
+          for (const json& t : j["tokens"]) {
+            if (t.is_number_integer()) out->push_back(t.get<int32_t>());
+          }
+        }
+      }
+    }
+  }
+  m_prompt_ids_seconds->Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
+  co_return out;
 }
 
 ProxyServer::ProxyServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -44,8 +44,9 @@ std::string TrimSlash(std::string url) {
 Result<RoutingPolicy> ParseRoutingPolicy(std::string_view text) {
   if (text == "least-loaded") return RoutingPolicy::kLeastLoaded;
   if (text == "round-robin") return RoutingPolicy::kRoundRobin;
+  if (text == "kv-aware") return RoutingPolicy::kKvAware;
   return InvalidArgumentError("unknown routing policy '" + std::string(text) +
-                              "' (least-loaded|round-robin)");
+                              "' (kv-aware|least-loaded|round-robin)");
 }
 
 Endpoint ToEndpoint(const InstanceInfo& info) {
@@ -177,6 +178,14 @@ std::optional<Endpoint> InstanceRegistry::Pick(Role role, const std::vector<std:
     }
   }
   return ToEndpoint(best->info);
+}
+
+std::vector<const InstanceState*> InstanceRegistry::Healthy(Role role) const {
+  std::vector<const InstanceState*> out;
+  for (const auto& [id, st] : instances_) {
+    if (st.info.role == role && st.healthy) out.push_back(&st);
+  }
+  return out;
 }
 
 void InstanceRegistry::LegStarted(const std::string& id) {

@@ -39,8 +39,11 @@
 // Thread-safety: Create/Start/Stop from one thread; the accessors are thread-safe.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvbridge/common/clock.h"
@@ -88,6 +91,17 @@ struct ProxyOptions {
   /// or probe to an engine whose certificate does not verify fails before any HTTP byte is sent
   /// ("TLS handshake with https://H:P: certificate verify failed: <OpenSSL's reason>").
   std::string ssl_ca_certs;
+  /// KV-aware routing is routing = kKvAware; the P/D skip (kv_routing.h) is this threshold in
+  /// tokens the chosen decode may lack (< 0: off). Either one makes the proxy follow every
+  /// engine's GET /v1/kv/events (long polls of kv_events_poll_ms) into a KvIndex of at most
+  /// kv_index_max_blocks hashes, and take each request's prompt ids: from prompt_ids when set
+  /// (in process, server::PromptTokenizer over the model directory), else from an engine's
+  /// POST /tokenize. A request whose ids cannot be had is routed by the registry alone.
+  int pd_skip_threshold = -1;
+  std::function<Result<std::vector<int32_t>>(std::string_view path, std::string_view body)>
+      prompt_ids;
+  int kv_events_poll_ms = 2000;
+  size_t kv_index_max_blocks = size_t{1} << 20;
 };
 
 class ProxyServer {

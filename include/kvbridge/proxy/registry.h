@@ -31,8 +31,10 @@
 
 namespace kvbridge::proxy {
 
-enum class RoutingPolicy { kLeastLoaded, kRoundRobin };
-/// Parses "least-loaded" / "round-robin"; InvalidArgument otherwise.
+/// kKvAware: the KV-aware router (kv_routing.h) picks by cached prefix against load; where it has
+/// no choice to make (no prompt ids, a retry), Pick acts as kLeastLoaded.
+enum class RoutingPolicy { kLeastLoaded, kRoundRobin, kKvAware };
+/// Parses "least-loaded" / "round-robin" / "kv-aware"; InvalidArgument otherwise.
 Result<RoutingPolicy> ParseRoutingPolicy(std::string_view text);
 
 /// An engine's load, from its heartbeats. kv_usage is the fraction of KV blocks in use, [0, 1].
@@ -97,6 +99,8 @@ class InstanceRegistry {
   void SetHealthy(const std::string& id, bool healthy);
   /// Picks an instance of `role` not in `exclude`; nullopt when none is healthy.
   std::optional<Endpoint> Pick(Role role, const std::vector<std::string>& exclude);
+  /// The healthy instances of `role`, ordered by id (valid until the registry next changes).
+  std::vector<const InstanceState*> Healthy(Role role) const;
   /// In-flight leg accounting for routing and metrics.
   void LegStarted(const std::string& id);
   void LegFinished(const std::string& id);

@@ -1,0 +1,173 @@
+// KV-aware routing end to end with real engines: `kvbridge up 2p2d --routing kv-aware
+// --pd-skip-threshold 16` on the tiny model (prefix caching on). A conversation's second turn goes
+// to the prefill and the decode that served its first turn — asserted from the engines' own
+// counters: only that prefill computes, and exactly the tokens past its cached blocks; only that
+// decode serves it, from its prefix cache — and a request its decode already holds (all but <= 16
+// tokens) skips the prefill leg with answers (text and logprobs) bitwise those of the P/D path.
+// Skips, saying why, while `kvbridge up` or the P/D engine is not built.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "kvbridge/common/metrics.h"
+#include "support/free_port.h"
+#include "support/subprocess.h"
+
+namespace kvbridge {
+namespace {
+
+using nlohmann::json;
+using testing::KvbridgeBin;
+using testing::Subprocess;
+
+int PortOf(const std::string& url) { return std::atoi(url.c_str() + url.rfind(':') + 1); }
+
+std::string Get(int port, const std::string& path) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(10, 0);
+  auto r = c.Get(path.c_str());
+  return r && r->status == 200 ? r->body : std::string();
+}
+
+json Complete(int port, const json& body) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(120, 0);
+  auto r = c.Post("/v1/completions", body.dump(), "application/json");
+  if (!r || r->status != 200) return json{{"error", r ? r->body : "no answer"}};
+  return json::parse(r->body, nullptr, false);
+}
+
+// Every engine's counters, by role and url.
+struct Snapshot {
+  std::map<std::string, double> computed, prompt, hits;  // url → counter
+};
+
+Snapshot Read(const json& instances) {
+  Snapshot s;
+  for (const auto& i : instances) {
+    const std::string url = i["url"];
+    const std::string m = Get(PortOf(url), "/metrics");
+    s.computed[url] = ScrapeMetric(m, "kvbridge_prompt_tokens_computed_total");
+    s.prompt[url] = ScrapeMetric(m, "kvbridge_prompt_tokens_total");
+    s.hits[url] = ScrapeMetric(m, "kvbridge_prefix_cache_hits_total");
+  }
+  return s;
+}
+
+// The one url whose counter moved between `a` and `b` (empty when none or several did).
+std::string Moved(const std::map<std::string, double>& a, const std::map<std::string, double>& b,
+                  const std::vector<std::string>& among) {
+  std::string out;
+  for (const std::string& u : among) {
+    if (b.at(u) != a.at(u)) {
+      if (!out.empty()) return "<several>";
+      out = u;
+    }
+  }
+  return out;
+}
+
+// Waits until the proxy's index stops growing (the engines' events of the last request are in).
+void SettleIndex(int proxy_port) {
+  double last = -1;
+  for (int i = 0; i < 100; ++i) {
+    double now = ScrapeMetric(Get(proxy_port, "/metrics"), "kvbridge_proxy_kv_index_entries");
+    if (now > 0 && now == last) return;
+    last = now;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+TEST(KvRoutingUp, SecondTurnGoesToTheFirstTurnsEnginesAndSkipIsBitwisePd) {
+  const std::string bin = KvbridgeBin();
+  if (::access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << "kvbridge binary not built at " << bin;
+  const std::string dir = testing::MakeTempDir("kvb-kvroute-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  const int port = testing::FreePort();
+  Subprocess up(
+      {bin, "up", "2p2d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
+       model, "--routing", "kv-aware", "--pd-skip-threshold", "16", "--ready-timeout", "240"},
+      dir + "/up.log");
+  bool ready = false;
+  for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
+    ready = up.ReadLog().find("ready in") != std::string::npos;
+    if (!ready) usleep(100'000);
+  }
+  ASSERT_TRUE(ready) << up.ReadLog();
+  json instances = json::parse(Get(port, "/instances"), nullptr, false)["instances"];
+  std::vector<std::string> prefills, decodes;
+  for (const auto& i : instances) (i["role"] == "prefill" ? prefills : decodes).push_back(i["url"]);
+  ASSERT_EQ(prefills.size(), 2u);
+  ASSERT_EQ(decodes.size(), 2u);
+
+  // Two conversations' first turns, then each one's second turn.
+  const std::vector<std::string> first = {
+      "Conversation one: tell me about the rivers and the mountains of the north, please.",
+      "Conversation two: a short poem about silver windows in the quiet morning light."};
+  std::vector<std::string> second;
+  std::vector<std::string> prefill_of, decode_of;
+  std::vector<double> first_tokens;
+  for (const std::string& q : first) {
+    Snapshot a = Read(instances);
+    json r = Complete(port, {{"prompt", q}, {"max_tokens", 12}, {"temperature", 0}});
+    ASSERT_TRUE(r.contains("choices")) << r.dump();
+    first_tokens.push_back(r["usage"]["prompt_tokens"].get<double>());
+    SettleIndex(port);
+    Snapshot b = Read(instances);
+    prefill_of.push_back(Moved(a.computed, b.computed, prefills));
+    decode_of.push_back(Moved(a.prompt, b.prompt, decodes));
+    ASSERT_EQ(prefill_of.back().rfind("http", 0), 0u) << prefill_of.back();
+    ASSERT_EQ(decode_of.back().rfind("http", 0), 0u) << decode_of.back();
+    second.push_back(q + r["choices"][0]["text"].get<std::string>() +
+                     " And now, in one more sentence, what would you add to that?");
+  }
+  for (size_t c = 0; c < second.size(); ++c) {
+    Snapshot a = Read(instances);
+    json r = Complete(port, {{"prompt", second[c]}, {"max_tokens", 12}, {"temperature", 0}});
+    ASSERT_TRUE(r.contains("choices")) << r.dump();
+    SettleIndex(port);
+    Snapshot b = Read(instances);
+    const double prompt_tokens = r["usage"]["prompt_tokens"].get<double>();
+    const double cached = 16 * std::floor(first_tokens[c] / 16);  // turn 1's full blocks
+    // Only turn 1's prefill computed, and only what lies past its cached full blocks.
+    EXPECT_EQ(Moved(a.computed, b.computed, prefills), prefill_of[c]) << "conversation " << c;
+    EXPECT_EQ(b.computed[prefill_of[c]] - a.computed[prefill_of[c]], prompt_tokens - cached)
+        << "conversation " << c;
+    // Turn 1's decode served it, finding turn 1's blocks in its own prefix cache.
+    EXPECT_EQ(Moved(a.prompt, b.prompt, decodes), decode_of[c]) << "conversation " << c;
+    EXPECT_GE(b.hits[decode_of[c]] - a.hits[decode_of[c]], cached) << "conversation " << c;
+  }
+  const std::string metrics = Get(port, "/metrics");
+  EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_proxy_kv_routes_total", "path=\"skip\""), 0.0);
+
+  // The skip path answers bitwise as the P/D path: the same request twice, cold (P/D) then held
+  // by its decode (all but <= 16 tokens: skipped).
+  const json req = {{"prompt", "Bitwise check: the garden, the ocean and the careful machine."},
+                    {"max_tokens", 10},
+                    {"temperature", 0},
+                    {"logprobs", 5}};
+  const double skips = ScrapeMetric(metrics, "kvbridge_proxy_kv_routes_total", "path=\"skip\"");
+  json pd = Complete(port, req);
+  ASSERT_TRUE(pd.contains("choices")) << pd.dump();
+  SettleIndex(port);
+  json skip = Complete(port, req);
+  ASSERT_TRUE(skip.contains("choices")) << skip.dump();
+  EXPECT_EQ(ScrapeMetric(Get(port, "/metrics"), "kvbridge_proxy_kv_routes_total", "path=\"skip\""),
+            skips + 1);
+  EXPECT_EQ(skip["choices"][0]["text"], pd["choices"][0]["text"]);
+  EXPECT_EQ(skip["choices"][0]["logprobs"].dump(), pd["choices"][0]["logprobs"].dump());
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+}
+
+}  // namespace
+}  // namespace kvbridge
