@@ -17,9 +17,37 @@ struct BenchCli {
   std::string batches = "1,4";
   bool no_shuffle = false;
   bool json = false;
+  bool multi_turn = false;
+  kvbridge::bench::MultiTurnOptions mt;
 };
 
+// `--multi-turn`: conversations through the chat API, turn by turn (bench.h).
+int RunMultiTurnCommand(BenchCli& cli) {
+  cli.mt.host = cli.o.host;
+  cli.mt.prompts_file = cli.o.prompts_file;
+  cli.mt.model = cli.o.model;
+  cli.mt.request_timeout_s = cli.o.request_timeout_s;
+  cli.mt.seed = cli.o.seed;
+  const bool tty = ::isatty(2);
+  auto progress = [tty](const std::string& line) {
+    if (tty) std::fprintf(stderr, "\r%-78s", line.c_str());
+  };
+  auto report = kvbridge::bench::RunMultiTurn(cli.mt, progress);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!report.ok()) {
+    std::fprintf(stderr, "error: %s\n", report.status().ToString().c_str());
+    return 2;
+  }
+  if (cli.json) {
+    std::printf("%s\n", kvbridge::bench::MultiTurnJson(*report).c_str());
+  } else {
+    std::printf("%s", kvbridge::bench::FormatMultiTurn(*report).c_str());
+  }
+  return report->ok ? 0 : 1;
+}
+
 int RunBenchCommand(BenchCli& cli, bool check_drain) {
+  if (cli.multi_turn) return RunMultiTurnCommand(cli);
   auto batches = kvbridge::bench::ParseBatches(cli.batches);
   if (!batches.ok()) {
     std::fprintf(stderr, "error: %s\n", batches.status().ToString().c_str());
@@ -86,6 +114,22 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
           ->capture_default_str();
       sub.add_option("--request-timeout", o.request_timeout_s, "Seconds per request")
           ->capture_default_str();
+      sub.add_flag("--multi-turn", c->multi_turn,
+                   "Conversations through /v1/chat/completions (streamed): --prompts rows with a "
+                   "\"turns\" list; per-turn TTFT, cache hit rate, prompt tokens computed");
+      sub.add_option("--conversations", c->mt.conversations,
+                     "--multi-turn: conversations (0 = every row)")
+          ->capture_default_str();
+      sub.add_option("--concurrency", c->mt.concurrency,
+                     "--multi-turn: conversations in flight within a turn")
+          ->capture_default_str();
+      sub.add_option("--max-turns", c->mt.max_turns, "--multi-turn: turns (0 = all)")
+          ->capture_default_str();
+      sub.add_option("--answer-tokens", c->mt.output_tokens, "--multi-turn: max_tokens per answer")
+          ->capture_default_str();
+      sub.add_option(
+          "--metrics-url", c->mt.metrics_urls,
+          "--multi-turn: engines whose /metrics to read (default: GET {host}/instances)");
       return [c, drain] { return RunBenchCommand(*c, drain->count() > 0); };
     });
 

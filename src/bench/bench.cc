@@ -14,20 +14,12 @@
 #include <sstream>
 #include <thread>
 
+#include "bench/bench_internal.h"
 #include "kvbridge/common/metrics.h"
 
 namespace kvbridge::bench {
-namespace {
 
-using nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-struct HostPort {
-  std::string host;
-  int port = 0;
-};
+namespace internal {
 
 Result<HostPort> ParseHost(std::string url) {
   if (url.rfind("http://", 0) == 0) url = url.substr(7);
@@ -53,6 +45,19 @@ std::unique_ptr<httplib::Client> MakeClient(const HostPort& hp, double timeout_s
   c->set_tcp_nodelay(true);  // headers and body go in separate writes: no Nagle stall
   return c;
 }
+
+}  // namespace internal
+
+namespace {
+
+using internal::HostPort;
+using internal::MakeClient;
+using internal::ParseHost;
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 struct Sample {
   bool ok = false;

@@ -115,4 +115,66 @@ double Percentile(std::vector<double> values, double q);
 /// Parses "3,4,8" into {3,4,8}; InvalidArgument for empty, non-numeric or < 1 entries.
 Result<std::vector<int>> ParseBatches(const std::string& text);
 
+// --- `kvbridge bench --multi-turn` ---------------------------------------------------------------
+//
+// Conversations through POST /v1/chat/completions, streamed (TTFT): rows of a JSONL file with a
+// "turns" list of user messages (MT-bench's question.jsonl). Turn k+1's messages are turn k's
+// plus the model's answer (assistant) plus the next user message. Turns run as phases: every
+// conversation's turn 1 (`concurrency` in flight), then every turn 2, ... so that the engines'
+// counters read between phases belong to one turn (each phase in its own seeded order): prompt tokens computed
+// (kvbridge_prompt_tokens_computed_total, summed over every instance of GET {host}/instances or
+// `metrics_urls`) and prefix-cache hits. Greedy (temperature 0), fixed max_tokens: two runs
+// against different routings see the same conversations.
+
+struct MultiTurnOptions {
+  std::string host = "http://127.0.0.1:10001";
+  std::string prompts_file;  // JSONL rows with a "turns" list of strings
+  std::string model;         // empty = the first id of GET /v1/models
+  int conversations = 0;     // 0 = every row
+  int concurrency = 8;       // conversations in flight within a turn
+  int max_turns = 0;         // 0 = every turn of the longest row
+  int output_tokens = 64;    // max_tokens of each answer
+  double request_timeout_s = 600;
+  std::vector<std::string> metrics_urls;  // empty: every instance GET {host}/instances lists
+  /// Each turn sends the conversations in its own order (a shuffle seeded by seed + turn), as
+  /// users answer at different times: a router cannot lean on the order repeating.
+  uint64_t seed = 0;
+};
+
+struct TurnReport {
+  int turn = 0;  // 1-based
+  int requests = 0;
+  int errors = 0;
+  double duration_s = 0;
+  double ttft_mean_s = 0, ttft_p50_s = 0, ttft_p90_s = 0;
+  double latency_p50_s = 0;
+  double prompt_tokens = 0;             // sum of usage.prompt_tokens
+  double usage_cached_tokens = 0;       // sum of usage.prompt_tokens_details.cached_tokens
+  double prompt_tokens_computed = -1;   // engines' counter delta (-1: not exported)
+  double prefix_cache_hit_tokens = -1;  // engines' kvbridge_prefix_cache_hits_total delta
+  /// 1 - prompt_tokens_computed / prompt_tokens: the share of prompt tokens no engine computed
+  /// (in P/D a decode loading the prefill's KV does not compute it: only the prefill counts).
+  double cache_hit_rate = 0;
+  std::vector<std::pair<std::string, double>> computed_by_instance;  // url → delta
+  std::vector<std::string> error_samples;
+};
+
+struct MultiTurnReport {
+  std::vector<TurnReport> turns;
+  bool ok = true;  // no request error
+};
+
+/// Reads rows with a "turns" list of strings. InvalidArgument naming the line.
+Result<std::vector<std::vector<std::string>>> LoadConversations(const std::string& path);
+/// Runs the conversations. InvalidArgument for bad options or file; Unavailable when the
+/// instances' list cannot be read. Request errors are counted (ok false), not a Status.
+Result<MultiTurnReport> RunMultiTurn(const MultiTurnOptions& options,
+                                     const std::function<void(const std::string&)>& progress);
+std::string FormatMultiTurn(const MultiTurnReport& report);
+/// {"turns": [{"turn": 1, "requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s",
+///  "latency_p50_s", "prompt_tokens", "prompt_tokens_computed", "prefix_cache_hit_tokens",
+///  "cache_hit_rate", "usage_cached_tokens", "duration_s", "computed_by_instance": {url: n}}, ...],
+///  "ok": true}
+std::string MultiTurnJson(const MultiTurnReport& report);
+
 }  // namespace kvbridge::bench
