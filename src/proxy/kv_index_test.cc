@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <random>
+#include <set>
 
 #include "kvbridge/proxy/kv_routing.h"
 
@@ -163,6 +166,117 @@ TEST(KvIndex, AtMost64Engines) {
   EXPECT_EQ(index.Apply("one-more", Snapshot("i", 0, {})).code(), StatusCode::kResourceExhausted);
   index.DropEngine("e7");
   EXPECT_TRUE(index.Apply("one-more", Snapshot("i", 0, {})).ok());
+}
+
+// A model engine for the index's fault tests: its events and cached set, answering a query as
+// KvEventLog does (reset for another/no incarnation, a since past the head or before the ring).
+struct ModelEngine {
+  std::string name;
+  std::string inc;
+  std::vector<KvEvent> events;  // all of this incarnation; the ring keeps the last `ring`
+  std::set<std::string> cached;
+  std::map<std::string, BlockHash> by_hex;
+  size_t ring = 16;
+  int restarts = 0;
+
+  void Op(std::mt19937& rng, const std::vector<BlockHash>& universe) {
+    const BlockHash& h = universe[rng() % universe.size()];
+    const std::string hex = BlockHashHex(h);
+    const bool store = cached.count(hex) == 0;
+    if (store) {
+      cached.insert(hex);
+      by_hex[hex] = h;
+    } else {
+      cached.erase(hex);
+    }
+    events.push_back({events.size() + 1, store ? KvEventOp::kStored : KvEventOp::kRemoved, h});
+  }
+  void Restart() {
+    inc = name + "-i" + std::to_string(++restarts);
+    events.clear();
+    cached.clear();
+  }
+  KvEventBatch Answer(const std::string& query, size_t max_events) const {
+    uint64_t since = std::stoull(query.substr(6, query.find('&') - 6));
+    std::string qinc;
+    if (auto p = query.find("incarnation="); p != std::string::npos)
+      qinc = query.substr(p + 12, query.find('&', p) - p - 12);
+    const uint64_t head = events.size();
+    const uint64_t oldest = head >= ring ? head - ring + 1 : 1;
+    KvEventBatch b;
+    b.incarnation = inc;
+    b.block_size = kBs;
+    b.root = kRoot;
+    b.head_seq = head;
+    if (qinc != inc || since > head || since + 1 < oldest) {
+      b.reset = true;
+      for (const std::string& hex : cached) b.snapshot.push_back(by_hex.at(hex));
+      b.next_since = head;
+      return b;
+    }
+    for (uint64_t s = since + 1; s <= head && b.events.size() < max_events; ++s)
+      b.events.push_back(events[s - 1]);
+    b.next_since = b.events.empty() ? since : b.events.back().seq;
+    return b;
+  }
+};
+
+// Batches lost, duplicated, reordered, stale; events dropped (gaps); engines restarting: the
+// index never holds more than its cap, heals to the engines' true sets once the streams are
+// clean, and leaves nothing behind when the engines go. Never a wrong answer either way: an
+// entry only steers a route.
+TEST(KvIndex, FaultyStreamsHealAndNeverLeak) {
+  std::vector<BlockHash> universe;
+  for (uint64_t i = 0; i < 60; ++i) universe.push_back(BlockHash{i * 7919 + 1, i});
+  for (size_t cap : {size_t{1000}, size_t{40}}) {
+    for (uint32_t seed = 1; seed <= 20; ++seed) {
+      std::mt19937 rng(seed);
+      KvIndex index({.max_blocks = cap});
+      std::vector<ModelEngine> engines(3);
+      const std::vector<std::string> ids = {"e0", "e1", "e2"};
+      for (size_t e = 0; e < engines.size(); ++e) {
+        engines[e].name = ids[e];
+        engines[e].inc = ids[e] + "-i0";
+      }
+      std::vector<std::vector<KvEventBatch>> old(engines.size());  // for stale replays
+      for (int step = 0; step < 400; ++step) {
+        const size_t e = rng() % engines.size();
+        for (int k = 0; k < 3; ++k) engines[e].Op(rng, universe);
+        if (rng() % 50 == 0) engines[e].Restart();
+        KvEventBatch b = engines[e].Answer(index.NextQuery(ids[e], 0), 1 + rng() % 6);
+        const unsigned fault = rng() % 10;
+        if (fault == 0) continue;  // the answer is lost
+        if (fault == 1 && b.events.size() > 1) b.events.erase(b.events.begin());  // a gap
+        if (fault == 2 && !old[e].empty()) {  // a stale answer first
+          (void)index.Apply(ids[e], old[e][rng() % old[e].size()]);
+        }
+        (void)index.Apply(ids[e], b);
+        if (fault == 3) (void)index.Apply(ids[e], b);  // duplicated
+        old[e].push_back(b);
+        if (old[e].size() > 20) old[e].erase(old[e].begin());
+        ASSERT_LE(index.num_blocks(), cap);
+      }
+      // Clean streams from here: every engine converges to its true set.
+      for (int round = 0; round < 20; ++round) {
+        for (size_t e = 0; e < engines.size(); ++e) {
+          (void)index.Apply(ids[e], engines[e].Answer(index.NextQuery(ids[e], 0), 1000));
+        }
+      }
+      if (cap >= universe.size() * engines.size()) {
+        for (size_t e = 0; e < engines.size(); ++e) {
+          for (const BlockHash& h : universe) {
+            const std::string one[1] = {ids[e]};
+            const BlockHash span[1] = {h};
+            EXPECT_EQ(index.PrefixBlocks(span, one)[0], engines[e].cached.count(BlockHashHex(h)))
+                << "seed " << seed << " engine " << e;
+          }
+        }
+      }
+      for (const std::string& id : ids) index.DropEngine(id);
+      EXPECT_EQ(index.num_blocks(), 0u) << "seed " << seed;
+      EXPECT_EQ(index.num_entries(), 0u) << "seed " << seed;
+    }
+  }
 }
 
 // --- routing -----------------------------------------------------------------------------------
