@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/command_registry.h"
+#include "apps/model_source.h"
 #include "kvbridge/model/cuda_model.h"
 #include "kvbridge/model/model.h"
 #include "kvbridge/model/tensor_parallel.h"
@@ -90,17 +91,28 @@ int RunGenerate(const GenerateOptions& o) {
     std::fprintf(stderr, "error: --dtype: %s\n", weight_dtype.status().ToString().c_str());
     return 2;
   }
-  auto loaded =
-      kvbridge::Model::Load(o.model_dir, {.num_threads = o.threads, .dtype = *weight_dtype});
+  auto device = kvbridge::ParseDeviceSpec(o.device);
+  if (!device.ok()) {
+    std::fprintf(stderr, "error: %s\n", device.status().ToString().c_str());
+    return 2;
+  }
+  bool weightless = false;
+  auto loaded = kvbridge::apps::LoadModelOrPreset(
+      o.model_dir, *device >= 0, {.num_threads = o.threads, .dtype = *weight_dtype}, &weightless);
   if (!loaded.ok()) {
     std::fprintf(stderr, "error: %s\n", loaded.status().ToString().c_str());
     return 1;
   }
   const kvbridge::Model& model = **loaded;
-  auto tp = kvbridge::TensorParallelModel::Create(*loaded, o.tensor_parallel_size);
-  if (!tp.ok()) {
-    std::fprintf(stderr, "error: %s\n", tp.status().ToString().c_str());
-    return 2;
+  // The CPU path (a weightless preset runs on the GPU only: no TP model, no host KV).
+  std::unique_ptr<kvbridge::TensorParallelModel> tp;
+  if (*device < 0) {
+    auto created = kvbridge::TensorParallelModel::Create(*loaded, o.tensor_parallel_size);
+    if (!created.ok()) {
+      std::fprintf(stderr, "error: %s\n", created.status().ToString().c_str());
+      return 2;
+    }
+    tp = std::move(created).value();
   }
   const auto& tok = model.tokenizer();
   std::vector<int32_t> ids;
@@ -143,18 +155,13 @@ int RunGenerate(const GenerateOptions& o) {
   // One KV cache per tensor-parallel rank (its KV heads), all indexed by the same block table.
   std::vector<kvbridge::LocalKvCache> kv;
   std::vector<kvbridge::PagedKvView> views;
-  for (int r = 0; r < (*tp)->tp_size(); ++r) {
-    kv.emplace_back((*tp)->KvLayout(r, num_blocks, block_size, dtype), ks, vs);
+  for (int r = 0; tp != nullptr && r < tp->tp_size(); ++r) {
+    kv.emplace_back(tp->KvLayout(r, num_blocks, block_size, dtype), ks, vs);
   }
   for (const auto& k : kv) views.push_back(k.view());
   std::vector<int32_t> table(num_blocks);
   for (int i = 0; i < num_blocks; ++i) table[i] = i;
   // --device cuda: the same loop over CudaModel (its own device KV pool of num_blocks blocks).
-  auto device = kvbridge::ParseDeviceSpec(o.device);
-  if (!device.ok()) {
-    std::fprintf(stderr, "error: %s\n", device.status().ToString().c_str());
-    return 2;
-  }
   std::unique_ptr<kvbridge::CudaModel> gpu;
   if (*device >= 0) {
     if (o.tensor_parallel_size != 1) {
@@ -177,7 +184,7 @@ int RunGenerate(const GenerateOptions& o) {
     gpu = std::move(created).value();
   }
   auto forward = [&](const kvbridge::ForwardBatch& b, std::vector<float>* l) {
-    return gpu != nullptr ? gpu->Forward(b, l) : (*tp)->Forward(b, views, l);
+    return gpu != nullptr ? gpu->Forward(b, l) : tp->Forward(b, views, l);
   };
 
   std::mt19937_64 rng(o.seed);
@@ -232,7 +239,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
     "generate", "Generate a completion with a local model (no server)",
     [](CLI::App& sub) -> kvbridge::apps::CommandMain {
       auto o = std::make_shared<GenerateOptions>();
-      sub.add_option("model_dir", o->model_dir, "model directory (config.json + safetensors)")
+      sub.add_option("model_dir", o->model_dir,
+                     "model directory (config.json + safetensors); with --device cuda also a "
+                     "preset name (qwen2.5-7b, ...: random weights generated on the GPU, seed 0)")
           ->required();
       auto* p = sub.add_option("--prompt", o->prompt, "prompt text (byte tokenizer, BOS added)");
       auto* pi = sub.add_option("--prompt-ids", o->prompt_ids, "prompt as token ids \"1,2,3\"");

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "apps/command_registry.h"
+#include "apps/model_source.h"
 #include "apps/port_file.h"
 #include "kvbridge/common/logging.h"
 #include "kvbridge/connector/kvbridge_connector.h"
@@ -100,11 +101,6 @@ int RunServe(const ServeOptions& o) {
   if (!dtype.ok()) return Fail(dtype.status());
   if (*device >= 0) {
     if (Status s = CudaDeviceAvailable(*device); !s.ok()) return Fail(s.WithPrefix("--device"));
-    if (!o.kv_transfer_config.empty()) {
-      return Fail(InvalidArgumentError(
-          "--kv-transfer-config (P/D) with --device cuda is not supported yet: P/D between GPU "
-          "engines is a later issue; run GPU engines colocated"));
-    }
   }
   auto weight_dtype = ParseWeightDtype(o.dtype);
   if (!weight_dtype.ok()) return Fail(weight_dtype.status().WithPrefix("--dtype"));
@@ -138,12 +134,22 @@ int RunServe(const ServeOptions& o) {
     }
     std::fclose(f);
   }
-  auto model = Model::Load(o.model_dir, {.num_threads = o.model_threads, .dtype = *weight_dtype});
+  bool weightless = false;
+  auto model =
+      LoadModelOrPreset(o.model_dir, *device >= 0,
+                        {.num_threads = o.model_threads, .dtype = *weight_dtype}, &weightless);
   if (!model.ok()) return Fail(model.status());
-  KVB_LOG_INFO("model: weights {} resident: {} bytes ({:.1f} MiB; safetensors files {:.1f} MiB)",
-               (*model)->weight_types(), (*model)->weight_bytes(),
-               static_cast<double>((*model)->weight_bytes()) / (1 << 20),
-               static_cast<double>((*model)->weight_file_bytes()) / (1 << 20));
+  if (weightless) {
+    KVB_LOG_INFO(
+        "model: preset '{}' (seed 0) without a directory: no host weights; the GPU "
+        "engine generates them in device memory",
+        o.model_dir);
+  } else {
+    KVB_LOG_INFO("model: weights {} resident: {} bytes ({:.1f} MiB; safetensors files {:.1f} MiB)",
+                 (*model)->weight_types(), (*model)->weight_bytes(),
+                 static_cast<double>((*model)->weight_bytes()) / (1 << 20),
+                 static_cast<double>((*model)->weight_file_bytes()) / (1 << 20));
+  }
   const int model_max_len = (*model)->config().max_position_embeddings;
   if (o.max_model_len > model_max_len) {
     return Fail(InvalidArgumentError("--max-model-len " + std::to_string(o.max_model_len) +
@@ -182,6 +188,7 @@ int RunServe(const ServeOptions& o) {
   sc.ssl_certfile = o.ssl_certfile;
   sc.ssl_keyfile = o.ssl_keyfile;
   sc.ssl_ca_certs = o.ssl_ca_certs;
+  // (A weightless preset's name is no existing path: no template or generation config is found.)
   auto templates = LoadChatTemplates(o.model_dir, o.chat_template);
   if (!templates.ok()) return Fail(templates.status().WithPrefix("chat template"));
   if (!templates->empty()) {
@@ -323,7 +330,9 @@ const bool kRegistered = RegisterCommand(
     "serve", "Serve one engine with the OpenAI-compatible HTTP API", [](CLI::App& sub) {
       auto o = std::make_shared<ServeOptions>();
       sub.add_option("model_dir", o->model_dir,
-                     "Model directory (config.json + model.safetensors), e.g. from make-model")
+                     "Model directory (config.json + model.safetensors), e.g. from make-model; "
+                     "with --device cuda also a preset name (qwen2.5-7b, ...: random weights "
+                     "generated on the GPU, seed 0, no directory)")
           ->required();
       sub.add_option("--host", o->host, "Address to listen on")->capture_default_str();
       sub.add_option("--port", o->port, "TCP port to listen on (0: any free port)")

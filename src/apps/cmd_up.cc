@@ -30,6 +30,7 @@
 
 #include "apps/command_registry.h"
 #include "apps/port_file.h"
+#include "kvbridge/model/random_model.h"
 #include "kvbridge/proxy/flow.h"
 
 namespace {
@@ -58,7 +59,31 @@ struct UpOptions {
   double ready_timeout_s = 180;
   int prefill_tp = 1;  ///< --tensor-parallel-size of each prefill engine
   int decode_tp = 1;   ///< --tensor-parallel-size of each decode engine
+  /// cpu, or cuda[:N] / a comma list cuda:0,cuda:1,... (engine i on entry i % size: prefills
+  /// first, then decodes).
+  std::string device = "cpu";
+  /// Each GPU engine's --gpu-memory-utilization; 0 = 0.9 / (engines on that GPU).
+  double gpu_memory_utilization = 0;
 };
+
+// The --device list: "cpu" -> {"cpu"}; "cuda:0,cuda:1" -> {"cuda:0", "cuda:1"}. Empty on a bad
+// entry (every entry cuda[:N], or the single word cpu).
+std::vector<std::string> ParseDeviceList(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    static const std::regex re("^cuda(:[0-9]+)?$");
+    if (item == "cpu" && s == "cpu") return {"cpu"};
+    if (!std::regex_match(item, re)) return {};
+    out.push_back(item);
+  }
+  return out;
+}
+
+// A random-model preset name given as --model with --device cuda: the engines generate it on the
+// GPU (serve PRESET), no directory to make.
+bool IsPresetName(const std::string& m) { return kvbridge::RandomModelPreset(m, 0).ok(); }
 
 struct Child {
   std::string name;
@@ -190,7 +215,8 @@ bool ParseTopology(const std::string& t, int* p, int* d) {
 
 // Loads FILE.toml into `o` (keys: topology, model, port, mode, transport, log_dir,
 // prefill_forward_n, prefix_caching, prefill_kv_blocks, engine_args, prefill_args, decode_args,
-// cluster_token, routing, ready_timeout_s, prefill_tp, decode_tp). Unknown keys are an error.
+// cluster_token, routing, ready_timeout_s, prefill_tp, decode_tp, device,
+// gpu_memory_utilization). Unknown keys are an error.
 bool LoadConfig(const std::string& path, UpOptions& o) {
   toml::table t;
   try {
@@ -216,7 +242,9 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
                                                  "pd_skip_threshold",
                                                  "ready_timeout_s",
                                                  "prefill_tp",
-                                                 "decode_tp"};
+                                                 "decode_tp",
+                                                 "device",
+                                                 "gpu_memory_utilization"};
   for (auto&& [k, v] : t) {
     if (std::find(kKeys.begin(), kKeys.end(), std::string(k.str())) == kKeys.end()) {
       Usage("--config " + path + ": unknown key '" + std::string(k.str()) + "'");
@@ -246,6 +274,8 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
   o.ready_timeout_s = t["ready_timeout_s"].value_or(o.ready_timeout_s);
   o.prefill_tp = static_cast<int>(t["prefill_tp"].value_or(static_cast<int64_t>(o.prefill_tp)));
   o.decode_tp = static_cast<int>(t["decode_tp"].value_or(static_cast<int64_t>(o.decode_tp)));
+  o.device = t["device"].value_or(o.device);
+  o.gpu_memory_utilization = t["gpu_memory_utilization"].value_or(o.gpu_memory_utilization);
   strs("engine_args", o.engine_args);
   strs("prefill_args", o.prefill_args);
   strs("decode_args", o.decode_args);
@@ -274,6 +304,16 @@ int RunUp(UpOptions o) {
   }
   if (o.port < 0 || o.port > 65535) {
     Usage("--port must be in [0, 65535] (0: any free port)");
+    return 2;
+  }
+  const std::vector<std::string> devices = ParseDeviceList(o.device);
+  if (devices.empty()) {
+    Usage("--device must be cpu, cuda[:N] or a list cuda:0,cuda:1,..., got '" + o.device + "'");
+    return 2;
+  }
+  const bool gpu = devices[0] != "cpu";
+  if (gpu && (o.prefill_tp > 1 || o.decode_tp > 1)) {
+    Usage("--device cuda runs engines at tensor-parallel size 1 (--prefill-tp/--decode-tp 1)");
     return 2;
   }
   const std::string exe = SelfExe();
@@ -305,7 +345,9 @@ int RunUp(UpOptions o) {
   }
   const bool registration = serve_help.find("--proxy") != std::string::npos;
 
-  if (!fs::exists(fs::path(o.model_dir) / "config.json")) {
+  if (gpu && !fs::exists(o.model_dir, ec) && IsPresetName(o.model_dir)) {
+    // serve PRESET --device cuda: weights generated on the GPU, nothing to make.
+  } else if (!fs::exists(fs::path(o.model_dir) / "config.json")) {
     std::printf("kvbridge up: making the default model in %s\n", o.model_dir.c_str());
     std::fflush(stdout);
     fs::create_directories(fs::path(o.model_dir).parent_path(), ec);
@@ -323,7 +365,17 @@ int RunUp(UpOptions o) {
 
   std::vector<Child> children;
   std::string proxy_addr;  // 127.0.0.1:PORT once the proxy has bound
-  auto engine_argv = [&](bool prefill, const std::string& port_file) {
+  // GPU engines: engine i on devices[i % size]; each takes its share of its GPU (per instance,
+  // as vLLM's --gpu-memory-utilization): 0.9 split evenly between the engines on it.
+  auto gpu_share = [&](int engine_index) {
+    if (o.gpu_memory_utilization > 0) return o.gpu_memory_utilization;
+    const int engines = o.num_prefill + o.num_decode;
+    const std::string& mine = devices[engine_index % devices.size()];
+    int on_it = 0;
+    for (int i = 0; i < engines; ++i) on_it += devices[i % devices.size()] == mine ? 1 : 0;
+    return 0.9 / std::max(1, on_it);
+  };
+  auto engine_argv = [&](bool prefill, int engine_index, const std::string& port_file) {
     nlohmann::json cfg = {
         {"kv_connector", "KVBridgeConnector"},
         {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
@@ -353,6 +405,12 @@ int RunUp(UpOptions o) {
     if (registration) {
       a.push_back("--proxy");
       a.push_back(proxy_addr);
+    }
+    if (gpu) {
+      a.push_back("--device");
+      a.push_back(devices[engine_index % devices.size()]);
+      a.push_back("--gpu-memory-utilization");
+      a.push_back(std::to_string(gpu_share(engine_index)));
     }
     for (const auto& x : o.engine_args) a.push_back(x);
     for (const auto& x : prefill ? o.prefill_args : o.decode_args) a.push_back(x);
@@ -458,7 +516,7 @@ int RunUp(UpOptions o) {
         prefill ? "prefill-" + std::to_string(i) : "decode-" + std::to_string(i - o.num_prefill);
     c.log = o.log_dir + "/" + c.name + ".log";
     c.port_file = o.log_dir + "/" + c.name + ".port";
-    start(c, engine_argv(prefill, c.port_file));
+    start(c, engine_argv(prefill, i, c.port_file));
   }
   if (int rc = await_ports(); rc >= 0) return rc;
   if (!registration) {
@@ -511,9 +569,10 @@ int RunUp(UpOptions o) {
     }
   }
   double ready_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::printf("kvbridge up %s: ready in %.1f s (mode %s, transport %s, %s, model %s)\n",
+  std::printf("kvbridge up %s: ready in %.1f s (mode %s, transport %s, %s, model %s, device %s)\n",
               o.topology.c_str(), ready_s, o.mode.c_str(), o.transport.c_str(),
-              registration ? "engines registered" : "static instance lists", o.model_dir.c_str());
+              registration ? "engines registered" : "static instance lists", o.model_dir.c_str(),
+              o.device.c_str());
   for (const Child& c : children) {
     std::printf("  %-10s %-24s pid %-7d log %s\n", c.name.c_str(), c.url.c_str(), c.pid,
                 c.log.c_str());
@@ -554,7 +613,7 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto* log = sub.add_option("--log-dir", o->log_dir, "Directory for the children's logs");
       auto* mode = sub.add_option("--mode", o->mode, "read|write")->capture_default_str();
       auto* transport =
-          sub.add_option("--transport", o->transport, "KV transport (auto|shm|tcp|ucx)")
+          sub.add_option("--transport", o->transport, "KV transport (auto|shm|tcp|ucx|cuda_ipc)")
               ->capture_default_str();
       auto* model = sub.add_option("--model", o->model_dir,
                                    "Model directory (default: made with make-model --preset small "
@@ -588,6 +647,14 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto* dtp =
           sub.add_option("--decode-tp", o->decode_tp, "Tensor-parallel size of each decode engine")
               ->capture_default_str();
+      auto* dev = sub.add_option("--device", o->device,
+                                 "cpu, cuda[:N], or cuda:0,cuda:1,... (engine i on entry i; "
+                                 "prefills first). GPU engines move KV with cuda_ipc; --model may "
+                                 "then name a preset (qwen2.5-7b: generated on the GPU)")
+                      ->capture_default_str();
+      auto* gmu = sub.add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
+                                 "Each GPU engine's share of its GPU (default 0.9 / engines on "
+                                 "that GPU)");
       return [=]() -> int {
         UpOptions eff;
         if (!cfg->empty() && !LoadConfig(*cfg, eff)) return 2;
@@ -606,6 +673,8 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
         if (skip->count()) eff.pd_skip_threshold = o->pd_skip_threshold;
         if (ptp->count()) eff.prefill_tp = o->prefill_tp;
         if (dtp->count()) eff.decode_tp = o->decode_tp;
+        if (dev->count()) eff.device = o->device;
+        if (gmu->count()) eff.gpu_memory_utilization = o->gpu_memory_utilization;
         for (const auto& a : o->engine_args) eff.engine_args.push_back(a);
         for (const auto& a : o->prefill_args) eff.prefill_args.push_back(a);
         for (const auto& a : o->decode_args) eff.decode_args.push_back(a);

@@ -66,6 +66,8 @@ std::string_view KvTransportName(KvTransport t) {
       return "tcp";
     case KvTransport::kUcx:
       return "ucx";
+    case KvTransport::kCudaIpc:
+      return "cuda_ipc";
   }
   return "auto";
 }
@@ -103,8 +105,8 @@ const std::map<std::string, std::string>& ForeignKeys() {
         {"handshake_port", ports},
         {"notify_port", ports},
         {"side_channel_port", ports},
-        {"backend", "kv_connector_extra_config.transport (auto|shm|tcp|ucx)"},
-        {"mooncake_protocol", "kv_connector_extra_config.transport (auto|shm|tcp|ucx)"},
+        {"backend", "kv_connector_extra_config.transport (auto|shm|tcp|ucx|cuda_ipc)"},
+        {"mooncake_protocol", "kv_connector_extra_config.transport (auto|shm|tcp|ucx|cuda_ipc)"},
         {"kv_buffer_size", buffer},
         {"kv_buffer_device", buffer + " and serve --device"},
         {"mem_pool_size_gb", buffer},
@@ -217,11 +219,13 @@ Result<KvTransferConfig> ParseKvTransferConfig(std::string_view json_text) {
     c.transport = KvTransport::kUcx;
   }
   if (x.contains("transport")) {
-    ASSIGN_OR_RETURN(std::string s, GetEnum(x, where, "transport", {"auto", "shm", "tcp", "ucx"}));
-    c.transport = s == "shm"   ? KvTransport::kShm
-                  : s == "tcp" ? KvTransport::kTcp
-                  : s == "ucx" ? KvTransport::kUcx
-                               : KvTransport::kAuto;
+    ASSIGN_OR_RETURN(std::string s,
+                     GetEnum(x, where, "transport", {"auto", "shm", "tcp", "ucx", "cuda_ipc"}));
+    c.transport = s == "shm"        ? KvTransport::kShm
+                  : s == "tcp"      ? KvTransport::kTcp
+                  : s == "ucx"      ? KvTransport::kUcx
+                  : s == "cuda_ipc" ? KvTransport::kCudaIpc
+                                    : KvTransport::kAuto;
   }
   if (x.contains("load_failure_policy")) {
     ASSIGN_OR_RETURN(std::string s,

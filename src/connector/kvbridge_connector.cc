@@ -98,12 +98,34 @@ xfer::KvRegistration KvHostRegistration(const PagedKvView& view, int shm_fd,
   return reg;
 }
 
+// A GPU engine's KV pool (device memory of `device`, one cudaMalloc) as its agent registers it:
+// MemoryKind::kCuda, moved by cuda_ipc only.
+xfer::KvRegistration KvDeviceRegistration(const PagedKvView& view, int device) {
+  xfer::KvRegistration reg;
+  reg.layout = view.layout;
+  for (int l = 0; l < view.layout.num_layers; ++l) {
+    reg.layers.push_back(xfer::MemoryRegion{.kind = xfer::MemoryKind::kCuda,
+                                            .device = device,
+                                            .base = view.layer_base[l],
+                                            .bytes = view.layout.LayerBytes()});
+  }
+  reg.k_scale = view.k_scale;
+  reg.v_scale = view.v_scale;
+  return reg;
+}
+
 // Registers local rank `rank`'s KV memory with its agent, shareable with a same-host peer (shm
-// backend) when it can be (KvShareable); otherwise only tcp/ucx can move it. FailedPrecondition
-// when `transport` is shm and the memory is not shareable; the agent's error otherwise.
+// backend) when it can be (KvShareable); otherwise only tcp/ucx can move it. A GPU engine's pool
+// (cuda_device >= 0) is registered as device memory (cuda_ipc). FailedPrecondition when
+// `transport` is shm and the memory is not shareable; the agent's error otherwise.
 Status RegisterKvMemory(xfer::TransferAgent& agent, KvTransport transport, int rank,
                         const PagedKvView& view, int shm_fd,
-                        const std::vector<uint64_t>& layer_offsets) {
+                        const std::vector<uint64_t>& layer_offsets, int cuda_device = -1) {
+  if (cuda_device >= 0) {
+    return agent.RegisterMemory(KvDeviceRegistration(view, cuda_device))
+        .WithPrefix("kv connector: registering the GPU KV pool (device " +
+                    std::to_string(cuda_device) + ")");
+  }
   const bool shareable = KvShareable(view, shm_fd, layer_offsets);
   if (transport == KvTransport::kShm && !shareable) {
     if (rank != 0) {
@@ -475,6 +497,9 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
 
   std::optional<TimePoint> NextDeadline() const override { return logic_.NextDeadline(); }
 
+  // Only a WRITE-mode prefill request needs the per-layer calls (a GPU pass then waits per layer).
+  bool WantsLayerKvWritten() const override { return logic_.WantsLayers(); }
+
   void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) override {
     if (!logic_.WantsLayers()) return;  // no WRITE-mode prefill request here
     // The layer's real time (`now` is the step's start): the overlap is measured from it.
@@ -629,8 +654,15 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         if (m_seconds_) m_seconds_->Observe(e.seconds);
         if (opt().debug_corrupt_first_read_block && p.first_local_block >= 0) {
           const PagedKvLayout& l = hooks_.kv_view.layout;
-          hooks_.kv_view.layer_base[0][static_cast<size_t>(p.first_local_block) * l.BlockBytes()] ^=
-              0x40;
+          const size_t offset = static_cast<size_t>(p.first_local_block) * l.BlockBytes();
+          if (hooks_.kv_cuda_device >= 0) {  // device memory: through the engine
+            if (hooks_.kv_xor_byte) {
+              Status xs = hooks_.kv_xor_byte(0, offset, 0x40);
+              if (!xs.ok()) KVB_LOG_WARN("kv connector: debug corruption: {}", xs.ToString());
+            }
+          } else {
+            hooks_.kv_view.layer_base[0][offset] ^= 0x40;
+          }
         }
       }
     } else {
@@ -693,7 +725,24 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     impl_->block_size.store(layout.block_size);
     xfer::AgentConfig ac;
     ac.name = AgentName(impl_->engine_id, opt().tp_rank);
-    switch (opt().config.transport) {
+    const bool device_pool = hooks_.kv_cuda_device >= 0;
+    const KvTransport transport = opt().config.transport;
+    if (device_pool && transport != KvTransport::kAuto && transport != KvTransport::kCudaIpc) {
+      return InvalidArgumentError(
+          "kv connector: transport \"" + std::string(KvTransportName(transport)) +
+          "\" moves host memory, and this GPU engine's KV pool is device memory: use transport "
+          "\"auto\" or \"cuda_ipc\" (GPU engines on one host)");
+    }
+    if (!device_pool && transport == KvTransport::kCudaIpc) {
+      return InvalidArgumentError(
+          "kv connector: transport \"cuda_ipc\" moves device memory, and this engine's KV pool "
+          "is host memory (a CPU engine): use --device cuda, or transport auto|shm|tcp|ucx");
+    }
+    switch (device_pool ? KvTransport::kCudaIpc : transport) {
+      case KvTransport::kCudaIpc:  // between GPU engines on one host (auto with a device pool)
+        ac.backends = {"cuda_ipc"};
+        ac.force_backend = "cuda_ipc";
+        break;
       case KvTransport::kAuto:
         ac.backends = {"shm", "tcp"};
         break;
@@ -740,7 +789,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     };
     ASSIGN_OR_RETURN(agent_, xfer::TransferAgent::Create(ac));
     RETURN_IF_ERROR(RegisterKvMemory(*agent_, opt().config.transport, /*rank=*/0, hooks_.kv_view,
-                                     hooks_.kv_shm_fd, hooks_.kv_layer_offsets));
+                                     hooks_.kv_shm_fd, hooks_.kv_layer_offsets,
+                                     hooks_.kv_cuda_device));
     ASSIGN_OR_RETURN(xfer::AgentMetadata md, agent_->Metadata());
     agent_->SetNotificationHandler([weak](xfer::Notification n) {
       if (auto impl = weak.lock()) impl->OnNotification(std::move(n), /*rank=*/0);
@@ -862,6 +912,17 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         if (md.agent_name != key) {
           return UnavailableError("prefill at " + host + ":" + std::to_string(port) + " is " +
                                   md.agent_name + ", not " + key + " (restarted?)");
+        }
+        ASSIGN_OR_RETURN(xfer::AgentMetadata local_md, agent->Metadata());
+        if (md.memory_kind != local_md.memory_kind) {
+          // A CPU engine and a GPU engine in one topology: no transport moves between host and
+          // device pools (not staged through host memory).
+          return FailedPreconditionError(
+              "P/D between a CPU engine and a GPU engine is not supported: this engine's KV "
+              "pool is " +
+              std::string(xfer::MemoryKindName(local_md.memory_kind)) + " memory, the peer " +
+              md.agent_name + "'s is " + std::string(xfer::MemoryKindName(md.memory_kind)) +
+              " memory; run every engine of a topology with the same --device (cpu, or cuda)");
         }
         ASSIGN_OR_RETURN(std::string backend, agent->AddPeer(md));
         for (xfer::TransferAgent* a : rank_agents) RETURN_IF_ERROR(a->AddPeer(md).status());

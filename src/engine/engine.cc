@@ -2,6 +2,7 @@
 #include "kvbridge/engine/engine.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -41,6 +42,17 @@ class EngineImpl final : public Engine {
                                         "Distinct KV blocks with a transfer hold.");
     m_blocks_cached_ = &metrics_.AddGauge("kvbridge_kv_blocks_cached_free",
                                           "Unreferenced KV blocks kept as prefix-cache entries.");
+    for (const char* phase : {"prefill", "decode"}) {
+      const std::string l = std::string("phase=\"") + phase + "\"";
+      const int i = phase[0] == 'p' ? 0 : 1;
+      m_step_seconds_[i] = &metrics_.AddCounter(
+          "kvbridge_engine_step_seconds_total",
+          "Wall time of engine steps (schedule + forward + sampling); phase prefill: a step "
+          "with a prompt chunk, decode: only one-token rows.",
+          l);
+      m_steps_[i] =
+          &metrics_.AddCounter("kvbridge_engine_steps_total", "Engine steps that ran a batch.", l);
+    }
     metrics_
         .AddGauge("kvbridge_model_weight_bytes",
                   "Bytes of model weights resident for compute (matrices in their resident type, "
@@ -213,7 +225,14 @@ class EngineImpl final : public Engine {
       // sees its blocks freed.
       PublishStats();
       Deliver(core_->TakeOutputs());
+      const auto step_start = std::chrono::steady_clock::now();
       Result<EngineCore::StepResult> r = core_->Step(now);
+      if (r.ok() && r->made_progress) {
+        const int i = r->num_tokens > r->num_sequences ? 0 : 1;
+        m_step_seconds_[i]->Inc(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count());
+        m_steps_[i]->Inc();
+      }
       PublishStats();
       Deliver(core_->TakeOutputs());
       idle = !r.ok() ? false : !r->made_progress;
@@ -261,6 +280,8 @@ class EngineImpl final : public Engine {
   Gauge* m_blocks_active_ = nullptr;
   Gauge* m_blocks_held_ = nullptr;
   Gauge* m_blocks_cached_ = nullptr;
+  Counter* m_step_seconds_[2] = {nullptr, nullptr};  // [prefill, decode]
+  Counter* m_steps_[2] = {nullptr, nullptr};
   std::thread thread_;
 };
 

@@ -54,11 +54,6 @@ Result<std::unique_ptr<EngineCore>> EngineCore::Create(const EngineConfig& confi
       return InvalidArgumentError("engine: --device cuda runs tensor_parallel_size 1 only (got " +
                                   std::to_string(tp) + ")");
     }
-    if (config.connector_factory) {
-      return InvalidArgumentError(
-          "engine: P/D (a KV connector, --kv-transfer-config) with --device cuda is not "
-          "supported yet: run GPU engines colocated, or P/D on the CPU");
-    }
     ASSIGN_OR_RETURN(
         core->cuda_model_,
         CudaModel::Create(model, {.device = config.cuda_device,
@@ -178,7 +173,28 @@ Status EngineCore::Finish(MetricsRegistry* metrics, std::function<void()> wake, 
   core->scheduler_ =
       std::make_unique<Scheduler>(std::move(sc), core->pool_.get(), nullptr, metrics);
 
-  if (config.connector_factory) {
+  if (config.connector_factory && core->cuda_model_ != nullptr) {
+    // The GPU engine: one rank, its KV pool in device memory (moved by cuda_ipc).
+    EngineHooks hooks;
+    hooks.kv_view = core->cuda_model_->kv_view();
+    hooks.kv_cuda_device = core->cuda_model_->device();
+    CudaModel* gpu = core->cuda_model_.get();
+    hooks.kv_xor_byte = [gpu](int layer, size_t offset, uint8_t mask) {
+      return gpu->XorKvByte(layer, offset, mask);
+    };
+    hooks.model_fingerprint = model->fingerprint();
+    hooks.metrics = metrics;
+    hooks.tp_size = 1;
+    KvRankHooks& rh = hooks.ranks.emplace_back();
+    rh.kv_view = hooks.kv_view;
+    rh.kv_head_begin = 0;
+    rh.kv_head_end = mc.num_key_value_heads;
+    hooks.wake = wake ? std::move(wake) : std::function<void()>([] {});
+    ASSIGN_OR_RETURN(core->connector_, config.connector_factory(hooks));
+    if (core->connector_ == nullptr)
+      return InvalidArgumentError("engine: connector factory returned null");
+    core->scheduler_->set_connector(core->connector_.get());
+  } else if (config.connector_factory) {
     EngineHooks hooks;
     hooks.kv_view = core->storages_[0]->view();
     hooks.model_fingerprint = model->fingerprint();
@@ -251,7 +267,7 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
   }
   ForwardBatch fb = batch.ToForwardBatch();
   std::vector<KvConnector::LayerKvChunk> layer_chunks;
-  if (connector_ != nullptr) {
+  if (connector_ != nullptr && connector_->WantsLayerKvWritten()) {
     for (const ScheduledChunk& c : batch.chunks) {
       layer_chunks.push_back(
           {.request_id = c.request_id,

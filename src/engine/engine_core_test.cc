@@ -7,6 +7,7 @@
 #include <set>
 
 #include "engine/engine_test_util.h"
+#include "kvbridge/model/random_model.h"
 
 namespace kvbridge {
 namespace {
@@ -499,7 +500,21 @@ namespace {
 
 // --device cuda on the engine: the refusals that need no GPU (a GPU engine's behaviour is
 // tested on the device machine: tests/gpu/cuda_model_test.cc, scripts/gpu_serve_check.py).
-TEST(EngineCore, GpuEngineRefusesTensorParallelAndConnectorsAndSaysWhyWithoutAGpu) {
+// A weightless preset model (no host weights) runs on the GPU only: the CPU engine refuses it.
+TEST(EngineCore, CpuEngineRefusesAWeightlessModel) {
+  using testing_engine::SmallConfig;
+  auto spec = RandomModelPreset("tiny", 0);
+  ASSERT_TRUE(spec.ok());
+  auto model = Model::CreateWeightless(*spec);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  auto core = EngineCore::Create(SmallConfig(), *model, nullptr, {});
+  ASSERT_FALSE(core.ok());
+  EXPECT_EQ(core.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(core.status().message().find("weightless"), std::string::npos)
+      << core.status().ToString();
+}
+
+TEST(EngineCore, GpuEngineRefusesTensorParallelAndSaysWhyWithoutAGpu) {
   using testing_engine::SmallConfig;
   using testing_engine::TinyModel;
   EngineConfig c = SmallConfig();
@@ -510,14 +525,6 @@ TEST(EngineCore, GpuEngineRefusesTensorParallelAndConnectorsAndSaysWhyWithoutAGp
   EXPECT_EQ(tp.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(tp.status().message().find("tensor_parallel_size 1"), std::string::npos);
   c.tensor_parallel_size = 1;
-  c.connector_factory = [](const EngineHooks&) -> Result<std::unique_ptr<KvConnector>> {
-    return InternalError("not reached");
-  };
-  auto pd = EngineCore::Create(c, TinyModel(), nullptr, {});
-  ASSERT_FALSE(pd.ok());
-  EXPECT_EQ(pd.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(pd.status().message().find("not supported yet"), std::string::npos);
-  c.connector_factory = nullptr;
   if (CudaDeviceAvailable(0).ok()) GTEST_SKIP() << "this machine has a GPU";
   auto none = EngineCore::Create(c, TinyModel(), nullptr, {});
   ASSERT_FALSE(none.ok());

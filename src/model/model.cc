@@ -231,6 +231,32 @@ Result<std::shared_ptr<Model>> Model::Load(const std::string& dir, ModelLoadOpti
   return std::shared_ptr<Model>(new Model(std::move(impl)));
 }
 
+Result<std::shared_ptr<Model>> Model::CreateWeightless(const RandomModelSpec& spec) {
+  RETURN_IF_ERROR(spec.config.Validate());
+  auto impl = std::make_unique<Impl>();
+  impl->config = spec.config;
+  ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::ForConfig(spec.config));
+  const std::string canonical = spec.config.ToJson("").dump();
+  const std::string tag = "weightless random model seed=" + std::to_string(spec.seed);
+  XXH3_state_t* st = XXH3_createState();
+  if (st == nullptr) return InternalError("XXH3_createState failed");
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(st, &XXH3_freeState);
+  XXH3_128bits_reset(st);
+  XXH3_128bits_update(st, canonical.data(), canonical.size());
+  XXH3_128bits_update(st, tag.data(), tag.size() + 1);  // with the NUL separator
+  const XXH128_hash_t digest = XXH3_128bits_digest(st);
+  char hex[33];
+  std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(digest.high64),
+                static_cast<unsigned long long>(digest.low64));
+  impl->fingerprint = hex;
+  impl->weightless = spec;
+  return std::shared_ptr<Model>(new Model(std::move(impl)));
+}
+
+const RandomModelSpec* Model::weightless_spec() const {
+  return impl_->weightless ? &*impl_->weightless : nullptr;
+}
+
 const ModelConfig& Model::config() const { return impl_->config; }
 const Tokenizer& Model::tokenizer() const { return impl_->tokenizer; }
 const std::string& Model::fingerprint() const { return impl_->fingerprint; }
@@ -238,6 +264,7 @@ size_t Model::weight_bytes() const { return impl_->weights.bytes; }
 uint64_t Model::weight_file_bytes() const { return impl_->weight_file_bytes; }
 
 std::string Model::weight_types() const {
+  if (impl_->weightless) return "none";
   const model_internal::Weights& w = impl_->weights;
   std::vector<std::string> seen;
   auto note = [&](const model_internal::Matrix& m) {
@@ -281,6 +308,11 @@ void Model::KvScales(KvDtype dtype, std::vector<float>* k_scale,
 
 Status Model::Forward(const ForwardBatch& batch, const PagedKvView& kv,
                       std::vector<float>* logits) const {
+  if (impl_->weightless) {
+    return FailedPreconditionError(
+        "Model::Forward: this model is weightless (a random-model preset whose weights only a GPU "
+        "engine generates, on the device): run it with --device cuda, or write it with make-model");
+  }
   return impl_->Forward(batch, kv, logits);
 }
 

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvbridge/model/model.h"
+#include "kvbridge/model/random_model.h"
 #include "kvbridge/model/safetensors.h"
 #include "model/kernels.h"
 #include "model/thread_pool.h"
@@ -97,6 +99,8 @@ struct Model::Impl {
   /// RoPE table: [max_position_embeddings][head_dim / 2] cos, then the same for sin.
   std::vector<float> rope_cos, rope_sin;
   std::unique_ptr<model_internal::ThreadPool> pool;
+  /// Set for a weightless model (Model::CreateWeightless): no weights, no RoPE tables, no pool.
+  std::optional<RandomModelSpec> weightless;
 
   Status Forward(const ForwardBatch& batch, const PagedKvView& kv,
                  std::vector<float>* logits) const;

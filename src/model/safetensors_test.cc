@@ -203,6 +203,52 @@ TEST(TensorStore, RejectsBadIndexes) {
   EXPECT_EQ(TensorStore::OpenDir(dir.path()).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A weightless model (a preset a GPU engine generates on the device): the preset's config and
+// byte tokenizer, a fingerprint that depends on config and seed only, no weights, and a Forward
+// that refuses with the reason (issue 18: `serve qwen2.5-7b --device cuda` without a directory).
+TEST(ModelWeightless, ConfigTokenizerAndFingerprintWithoutWeights) {
+  auto spec = RandomModelPreset("qwen2.5-7b", 0);
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  auto m = Model::CreateWeightless(*spec);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const Model& model = **m;
+  ASSERT_NE(model.weightless_spec(), nullptr);
+  EXPECT_EQ(model.weightless_spec()->seed, 0u);
+  EXPECT_EQ(model.config().hidden_size, 3584);
+  EXPECT_EQ(model.config().num_hidden_layers, 28);
+  EXPECT_EQ(model.config().vocab_size, 152064);
+  EXPECT_EQ(model.tokenizer().vocab_size(), 152064);
+  EXPECT_EQ(model.tokenizer().eos_id(), 151645);
+  EXPECT_EQ(model.weight_bytes(), 0u);
+  EXPECT_EQ(model.weight_types(), "none");
+  EXPECT_EQ(model.fingerprint().size(), 32u);
+  // Same preset and seed: same fingerprint; another seed or preset: another.
+  auto again = Model::CreateWeightless(*spec);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)->fingerprint(), model.fingerprint());
+  auto seeded = RandomModelPreset("qwen2.5-7b", 1);
+  ASSERT_TRUE(seeded.ok());
+  EXPECT_NE((*Model::CreateWeightless(*seeded))->fingerprint(), model.fingerprint());
+  auto small = RandomModelPreset("small", 0);
+  ASSERT_TRUE(small.ok());
+  EXPECT_NE((*Model::CreateWeightless(*small))->fingerprint(), model.fingerprint());
+  // The KV layout follows the config (what a GPU engine's pool and the transfer agent use).
+  const PagedKvLayout l = model.KvLayout(8, 16, KvDtype::kFp8E4M3);
+  EXPECT_EQ(l.num_layers, 28);
+  EXPECT_EQ(l.num_kv_heads, 4);
+  EXPECT_EQ(l.head_dim, 128);
+  LocalKvCache kv(model.KvLayout(1, 16, KvDtype::kBf16), std::vector<float>(28, 1.0f),
+                  std::vector<float>(28, 1.0f));
+  std::vector<int32_t> ids = {1, 2, 3};
+  std::vector<int32_t> table = {0};
+  ForwardBatch batch;
+  batch.sequences.push_back({ids.data(), 3, 0, table.data(), 1, true});
+  std::vector<float> logits;
+  const Status st = model.Forward(batch, kv.view(), &logits);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("weightless"), std::string::npos) << st.ToString();
+}
+
 // Model::Load surfaces the parser's errors with the directory, file, tensor and shapes.
 TEST(ModelLoad, NamesFileTensorAndShapeOfAMismatchedWeight) {
   TempDir dir;

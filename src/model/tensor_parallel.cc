@@ -199,6 +199,12 @@ Result<std::unique_ptr<TensorParallelModel>> TensorParallelModel::Create(
   if (model == nullptr) return InvalidArgumentError("tensor parallel: no model");
   const ModelConfig& c = model->config();
   RETURN_IF_ERROR(ValidateTensorParallelSize(c, tp_size));
+  if (model->weightless_spec() != nullptr) {
+    return FailedPreconditionError(
+        "tensor parallel: the model is weightless (a random-model preset without a model "
+        "directory): the CPU forward pass needs weights; use --device cuda, or write the preset "
+        "with `kvbridge make-model --preset NAME --out DIR` and serve DIR");
+  }
   auto impl = std::make_unique<Impl>();
   impl->model = model;
   impl->tp = tp_size;

@@ -31,12 +31,13 @@
 namespace kvbridge {
 
 enum class KvRole : uint8_t { kProducer = 0, kConsumer = 1, kBoth = 2 };
-enum class KvTransport : uint8_t { kAuto = 0, kShm = 1, kTcp = 2, kUcx = 3 };
+/// kAuto: shm, else tcp between host pools; cuda_ipc between device pools (GPU engines).
+enum class KvTransport : uint8_t { kAuto = 0, kShm = 1, kTcp = 2, kUcx = 3, kCudaIpc = 4 };
 enum class LoadFailurePolicy : uint8_t { kRecompute = 0, kFail = 1 };
 
 /// "kv_producer" | "kv_consumer" | "kv_both".
 std::string_view KvRoleName(KvRole r);
-/// "auto" | "shm" | "tcp" | "ucx".
+/// "auto" | "shm" | "tcp" | "ucx" | "cuda_ipc".
 std::string_view KvTransportName(KvTransport t);
 /// "recompute" | "fail".
 std::string_view LoadFailurePolicyName(LoadFailurePolicy p);

@@ -115,6 +115,9 @@ class KvConnector {
   /// WRITE mode: called after the forward pass wrote layer `layer`'s K/V for `chunks` (every
   /// chunk of the batch), before the next layer is computed.
   virtual void OnLayerKvWritten(int layer, std::span<const LayerKvChunk> chunks, TimePoint now) {}
+  /// False when OnLayerKvWritten does nothing (READ mode): the engine then sets no per-layer
+  /// callback, so a GPU forward pass never waits on the host between layers.
+  virtual bool WantsLayerKvWritten() const { return true; }
 
   /// The record of request `request_id`'s finished remote KV load, taken once (the engine asks
   /// when the request's final output is emitted): phase times (SteadyNow µs, keys ending in
@@ -156,6 +159,13 @@ struct EngineHooks {
   /// Byte offset of layer l's region (kv_view.layer_base[l]) inside kv_shm_fd; size num_layers
   /// when kv_shm_fd >= 0, else empty.
   std::vector<uint64_t> kv_layer_offsets;
+  /// >= 0: the pool (kv_view, ranks[0].kv_view) is device memory of CUDA device
+  /// kv_cuda_device, one cudaMalloc (a GPU engine, `--device cuda`); the connector registers it
+  /// as MemoryKind::kCuda and moves it with cuda_ipc. -1: host memory.
+  int kv_cuda_device = -1;
+  /// With kv_cuda_device >= 0: XORs byte `offset` of layer `layer` of the device pool with `mask`
+  /// (the host cannot write device memory; the connector's debug corruption uses this).
+  std::function<Status(int layer, size_t offset, uint8_t mask)> kv_xor_byte;
   /// Tensor-parallel size of the engine (`--tensor-parallel-size`), >= 1.
   int tp_size = 1;
   /// One entry per rank (size tp_size); ranks[0] mirrors kv_view / kv_shm_fd / kv_layer_offsets

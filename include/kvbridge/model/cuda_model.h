@@ -55,7 +55,7 @@ struct CudaModelOptions {
   /// KV blocks; 0 = sized from gpu_memory_utilization (CudaKvBlocksForUtilization).
   int64_t num_blocks = 0;
   /// Fraction of the device's total memory for this model's weights + activations + KV pool
-  /// (as vLLM's --gpu-memory-utilization); used when num_blocks is 0.
+  /// (as vLLM's --gpu-memory-utilization, a per-instance share); used when num_blocks is 0.
   double gpu_memory_utilization = 0.9;
   int max_num_batched_tokens = 2048;  ///< most rows (tokens) in one step
   int max_num_seqs = 256;             ///< most sequences in one step (= most logit rows)
@@ -71,13 +71,20 @@ struct CudaMemoryReport {
   size_t device_free = 0;       ///< cudaMemGetInfo free after Create
 };
 
-/// The vLLM-style KV sizing rule, a pure function (unit-tested without a GPU): the KV pool gets
-/// utilization * total minus everything already in use on the device after weights and
-/// activations were allocated (total - free_after_static, which counts other processes too),
-/// in whole blocks of `bytes_per_block` (all layers). Errors: InvalidArgument (utilization not in
-/// (0, 1], bytes_per_block 0), ResourceExhausted naming the numbers when not one block fits.
+/// Device memory CudaKvBlocksForUtilization leaves free for the CUDA context, other engines'
+/// contexts and the transfer backend's scratch (bytes).
+inline constexpr size_t kCudaFreeMargin = size_t{512} << 20;
+
+/// The KV sizing rule, a pure function (unit-tested without a GPU), per instance as vLLM's
+/// --gpu-memory-utilization: the KV pool gets utilization * total minus this engine's own
+/// weights and activations (`own_static_bytes`), so engines sharing one GPU each take their
+/// fraction (4 engines at 0.22 share one GPU); and never more than the device has free after the
+/// static allocations minus kCudaFreeMargin (other processes' use counts there). Whole blocks of
+/// `bytes_per_block` (all layers). Errors: InvalidArgument (utilization not in (0, 1],
+/// bytes_per_block 0), ResourceExhausted naming the numbers when not one block fits.
 Result<int64_t> CudaKvBlocksForUtilization(size_t device_total, size_t free_after_static,
-                                           double utilization, size_t bytes_per_block);
+                                           size_t own_static_bytes, double utilization,
+                                           size_t bytes_per_block);
 
 /// Parses a --device value: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N. InvalidArgument otherwise.
 Result<int> ParseDeviceSpec(std::string_view spec);
@@ -88,7 +95,8 @@ Status CudaDeviceAvailable(int device);
 
 class CudaModel {
  public:
-  /// Uploads `model` to GPU `options.device` and allocates the KV pool and activations.
+  /// Uploads `model` to GPU `options.device` and allocates the KV pool and activations. A
+  /// weightless `model` (Model::CreateWeightless) is CreateRandom(*model->weightless_spec()).
   /// Errors: Unimplemented (no CUDA build; a config feature the GPU path lacks), Unavailable (no
   /// usable device), InvalidArgument (bad options), ResourceExhausted naming what did not fit
   /// (weights, activations or the KV pool, with the bytes asked and free).
@@ -107,11 +115,12 @@ class CudaModel {
   /// One step, contract of Model::Forward (forward.h): validates the whole batch first (nothing
   /// written on error), then per layer writes the chunk tokens' K/V into the device pool, calls
   /// batch.on_layer_kv_written(layer) once that layer's KV writes have completed on the device
-  /// (the host waits on the layer's CUDA event before the call; no wait when unset), attends from
-  /// the cache. `logits` gets [sequences with compute_logits][vocab_size] fp32, batch order.
-  /// Errors: InvalidArgument as Model::Forward, plus more rows than max_num_batched_tokens,
-  /// more sequences than max_num_seqs, or a block table longer than max_model_len needs;
-  /// Internal for a CUDA error (the step's KV is then unspecified).
+  /// (the host waits on the layer's CUDA event after enqueuing the rest of the layer and before
+  /// enqueuing layer + 1, so the GPU keeps computing layer `layer` during the call; no wait when
+  /// unset), attends from the cache. `logits` gets [sequences with compute_logits][vocab_size]
+  /// fp32, batch order. Errors: InvalidArgument as Model::Forward, plus more rows than
+  /// max_num_batched_tokens, more sequences than max_num_seqs, or a block table longer than
+  /// max_model_len needs; Internal for a CUDA error (the step's KV is then unspecified).
   Status Forward(const ForwardBatch& batch, std::vector<float>* logits);
 
   /// The device pool: layer_base are device pointers (cudaMalloc, 256-byte aligned), scales are
@@ -119,6 +128,9 @@ class CudaModel {
   const PagedKvView& kv_view() const;
   /// Copies block `src` to `dst` in every layer (copy-on-write), synchronously.
   Status CopyBlock(int32_t src, int32_t dst);
+  /// XORs byte `offset` of layer `layer`'s region with `mask`, synchronously (debug: a corrupted
+  /// block). InvalidArgument outside the pool.
+  Status XorKvByte(int layer, size_t offset, uint8_t mask);
   /// Fills the whole pool with `byte` (0xFF = NaN for bf16/fp32 and fp8 e4m3), synchronously.
   Status FillKv(uint8_t byte);
   /// Copies layer `layer`'s whole region to/from the host (LayerBytes()).

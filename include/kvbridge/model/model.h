@@ -33,6 +33,8 @@
 
 namespace kvbridge {
 
+struct RandomModelSpec;  // kvbridge/model/random_model.h
+
 /// The type the linear weights and embeddings are kept in (vLLM's --dtype values). kAuto keeps
 /// each tensor as stored (BF16/F16/F32 used in place from the memory-mapped file; F64 becomes
 /// fp32); the others convert every tensor at load (round to nearest even when narrowing).
@@ -59,6 +61,16 @@ class Model {
   /// Errors: NotFound (missing file), InvalidArgument naming file, tensor and expected vs
   /// found shape/dtype, Unimplemented (unsupported config features).
   static Result<std::shared_ptr<Model>> Load(const std::string& dir, ModelLoadOptions options = {});
+  /// A weightless model: the config, byte tokenizer and fingerprint of random-model preset
+  /// `spec` (random_model.h) and no weights in host memory, for a GPU engine that generates the
+  /// weights straight into device memory (CudaModel::Create of a weightless model =
+  /// CudaModel::CreateRandom(spec)): `serve qwen2.5-7b --device cuda` never allocates the 15 GB
+  /// on the host. Its fingerprint is XXH3-128 over the canonical config JSON and the text
+  /// "weightless random model seed=S" (equal for every engine of the same preset and seed; not
+  /// equal to the fingerprint of the same preset written by make-model and loaded, which hashes
+  /// the weights). Forward returns FailedPrecondition; weight_bytes() is 0.
+  /// Errors: InvalidArgument (invalid config, a vocabulary the byte tokenizer cannot serve).
+  static Result<std::shared_ptr<Model>> CreateWeightless(const RandomModelSpec& spec);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -75,8 +87,11 @@ class Model {
   size_t weight_bytes() const;
   /// Total size of the model's safetensors files.
   uint64_t weight_file_bytes() const;
-  /// The resident types of the matrices, e.g. "BF16", "F32" or "BF16+F32".
+  /// The resident types of the matrices, e.g. "BF16", "F32" or "BF16+F32" ("none" when
+  /// weightless).
   std::string weight_types() const;
+  /// The preset spec of a weightless model (CreateWeightless), else null.
+  const RandomModelSpec* weightless_spec() const;
 
   /// The KV layout this model needs (all KV heads on one rank).
   PagedKvLayout KvLayout(int num_blocks, int block_size, KvDtype dtype) const;

@@ -433,6 +433,7 @@ Status CudaModel::Impl::Init() {
     const size_t slack = static_cast<size_t>(c.num_hidden_layers) * 256;
     ASSIGN_OR_RETURN(blocks,
                      CudaKvBlocksForUtilization(total_b, free_b > slack ? free_b - slack : 0,
+                                                mem.weight_bytes + mem.activation_bytes + slack,
                                                 opt.gpu_memory_utilization, per_block));
     blocks = std::min<int64_t>(blocks, (int64_t{1} << 31) - 1);
   }
@@ -518,10 +519,6 @@ Status CudaModel::Impl::Forward(const ForwardBatch& batch, std::vector<float>* l
     LaunchKvWrite(qkv, nqkv, qd, qd + kvd, m, pos, toff, tables, kvp, base, ks, vs, stream);
     RETURN_IF_ERROR(Mark("kv_write"));
     KVB_CUDA_RETURN(cudaEventRecord(events[l], stream), "cudaEventRecord");
-    if (batch.on_layer_kv_written) {
-      KVB_CUDA_RETURN(cudaEventSynchronize(events[l]), "layer KV write");
-      batch.on_layer_kv_written(l);
-    }
     LaunchAttention(qkv, nqkv, m, pos, toff, tables, kvp, base, ks, vs, nh, attn_scale, attn,
                     max_pos, attn_scratch, attn_scratch_floats, stream);
     RETURN_IF_ERROR(Mark("attention"));
@@ -539,6 +536,13 @@ Status CudaModel::Impl::Forward(const ForwardBatch& batch, std::vector<float>* l
     RETURN_IF_ERROR(Mark("down_proj"));
     LaunchResidualTree(x, partial, m, hsz, nullptr, stream);
     RETURN_IF_ERROR(Mark("shard_tree_residual"));
+    if (batch.on_layer_kv_written) {
+      // Layer l is enqueued whole: wait for its KV writes only now, so that while the host runs
+      // the callback (WRITE mode: the pushes of layer l, on the transfer's own stream) the GPU
+      // still has this layer's attention and MLP queued, and layer l + 1 is enqueued after.
+      KVB_CUDA_RETURN(cudaEventSynchronize(events[l]), "layer KV write");
+      batch.on_layer_kv_written(l);
+    }
   }
   KVB_CUDA_RETURN(cudaGetLastError(), "forward launch");
   logits_out->assign(static_cast<size_t>(nl) * c.vocab_size, 0.0f);
@@ -565,6 +569,8 @@ CudaModel::~CudaModel() = default;
 Result<std::unique_ptr<CudaModel>> CudaModel::Create(std::shared_ptr<const Model> model,
                                                      const CudaModelOptions& options) {
   if (model == nullptr) return InvalidArgumentError("CudaModel: no model");
+  // A weightless model (a preset without a directory): its weights are generated on the device.
+  if (const RandomModelSpec* spec = model->weightless_spec()) return CreateRandom(*spec, options);
   RETURN_IF_ERROR(CudaDeviceAvailable(options.device));
   auto impl = std::make_unique<Impl>();
   impl->model = model;
@@ -612,6 +618,22 @@ Status CudaModel::CopyBlock(int32_t src, int32_t dst) {
                     "CopyBlock");
   }
   KVB_CUDA_RETURN(cudaStreamSynchronize(impl_->stream), "CopyBlock");
+  return OkStatus();
+}
+
+Status CudaModel::XorKvByte(int layer, size_t offset, uint8_t mask) {
+  if (layer < 0 || layer >= static_cast<int>(impl_->view.layer_base.size()) ||
+      offset >= impl_->view.layout.LayerBytes()) {
+    return InvalidArgumentError("XorKvByte: byte outside the pool");
+  }
+  KVB_CUDA_RETURN(cudaSetDevice(impl_->opt.device), "cudaSetDevice");
+  uint8_t* p = impl_->view.layer_base[layer] + offset;
+  uint8_t b = 0;
+  KVB_CUDA_RETURN(cudaMemcpyAsync(&b, p, 1, cudaMemcpyDeviceToHost, impl_->stream), "XorKvByte");
+  KVB_CUDA_RETURN(cudaStreamSynchronize(impl_->stream), "XorKvByte");
+  b ^= mask;
+  KVB_CUDA_RETURN(cudaMemcpyAsync(p, &b, 1, cudaMemcpyHostToDevice, impl_->stream), "XorKvByte");
+  KVB_CUDA_RETURN(cudaStreamSynchronize(impl_->stream), "XorKvByte");
   return OkStatus();
 }
 

@@ -35,6 +35,7 @@ Status CudaModel::Forward(const ForwardBatch&, std::vector<float>*) { return NoC
 const PagedKvView& CudaModel::kv_view() const { return impl_->view; }
 Status CudaModel::CopyBlock(int32_t, int32_t) { return NoCuda(); }
 Status CudaModel::FillKv(uint8_t) { return NoCuda(); }
+Status CudaModel::XorKvByte(int, size_t, uint8_t) { return NoCuda(); }
 Status CudaModel::ReadKvLayer(int, std::vector<uint8_t>*) const { return NoCuda(); }
 Status CudaModel::WriteKvLayer(int, const std::vector<uint8_t>&) { return NoCuda(); }
 void* CudaModel::layer_kv_event(int) const { return nullptr; }

@@ -142,7 +142,8 @@ Result<int> ParseDeviceSpec(std::string_view spec) {
 }
 
 Result<int64_t> CudaKvBlocksForUtilization(size_t device_total, size_t free_after_static,
-                                           double utilization, size_t bytes_per_block) {
+                                           size_t own_static_bytes, double utilization,
+                                           size_t bytes_per_block) {
   if (!(utilization > 0.0 && utilization <= 1.0)) {
     return InvalidArgumentError("gpu_memory_utilization must be in (0, 1], got " +
                                 std::to_string(utilization));
@@ -150,20 +151,32 @@ Result<int64_t> CudaKvBlocksForUtilization(size_t device_total, size_t free_afte
   if (bytes_per_block == 0) return InvalidArgumentError("KV block of 0 bytes");
   const double mib = 1048576.0;
   const double budget = utilization * static_cast<double>(device_total);
-  const double used = static_cast<double>(device_total) - static_cast<double>(free_after_static);
-  const double left = budget - used;
+  const double own = static_cast<double>(own_static_bytes);
+  const double free_now = static_cast<double>(free_after_static);
+  const double margin = static_cast<double>(kCudaFreeMargin);
+  // This instance's share (vLLM's per-instance limit), and no more than is free on the device.
+  const double left = std::min(budget - own, free_now - margin);
   auto fmt = [&](double b) {
     char s[32];
     std::snprintf(s, sizeof(s), "%.0f MiB", b / mib);
     return std::string(s);
   };
   if (left < static_cast<double>(bytes_per_block)) {
+    if (budget - own <= free_now - margin) {
+      return ResourceExhaustedError(
+          "KV cache: gpu_memory_utilization " + std::to_string(utilization) + " of " +
+          fmt(static_cast<double>(device_total)) + " is " + fmt(budget) + ", but this engine's " +
+          "weights and activations take " + fmt(own) + ", leaving less than one KV block (" +
+          std::to_string(bytes_per_block) +
+          " bytes over all layers): raise "
+          "--gpu-memory-utilization");
+    }
     return ResourceExhaustedError(
-        "KV cache: gpu_memory_utilization " + std::to_string(utilization) + " of " +
-        fmt(static_cast<double>(device_total)) + " is " + fmt(budget) + ", but " + fmt(used) +
-        " is already in use after the weights and activations (this process and others), "
-        "leaving less than one KV block (" +
-        std::to_string(bytes_per_block) + " bytes over all layers)");
+        "KV cache: only " + fmt(free_now) + " of " + fmt(static_cast<double>(device_total)) +
+        " is free on the device after the weights and activations (other processes hold the "
+        "rest; " +
+        fmt(margin) + " is kept free), less than one KV block (" + std::to_string(bytes_per_block) +
+        " bytes over all layers)");
   }
   return static_cast<int64_t>(left / static_cast<double>(bytes_per_block));
 }

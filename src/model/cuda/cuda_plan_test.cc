@@ -151,16 +151,32 @@ TEST(CudaPlanTest, ActivationBytes) {
 
 TEST(CudaPlanTest, KvBlocksForUtilization) {
   const size_t gib = size_t{1} << 30;
-  // 100 GiB device, 0.9 -> 90 GiB budget; 20 GiB in use after weights/activations -> 70 GiB.
-  auto n = CudaKvBlocksForUtilization(100 * gib, 80 * gib, 0.9, 1 << 20);
+  const size_t mib = size_t{1} << 20;
+  // 100 GiB device, 0.9 -> 90 GiB budget; this engine's weights/activations 20 GiB -> 70 GiB.
+  auto n = CudaKvBlocksForUtilization(100 * gib, 80 * gib, 20 * gib, 0.9, 1 << 20);
   ASSERT_TRUE(n.ok());
   EXPECT_EQ(*n, 70 * 1024);
-  auto none = CudaKvBlocksForUtilization(100 * gib, 5 * gib, 0.9, 1 << 20);
+  // Per instance: another process holding 30 GiB does not shrink a 0.2 share (20 GiB - 16 own).
+  auto shared = CudaKvBlocksForUtilization(100 * gib, 54 * gib, 16 * gib, 0.2, 1 << 20);
+  ASSERT_TRUE(shared.ok());
+  EXPECT_EQ(*shared, 4 * 1024);
+  // ... but the pool never takes more than is free, less the margin.
+  auto capped = CudaKvBlocksForUtilization(100 * gib, 10 * gib, 20 * gib, 0.9, 1 << 20);
+  ASSERT_TRUE(capped.ok());
+  EXPECT_EQ(*capped, static_cast<int64_t>((10 * gib - kCudaFreeMargin) / mib));
+  // The share is smaller than this engine's own weights: the error says so.
+  auto small = CudaKvBlocksForUtilization(100 * gib, 80 * gib, 20 * gib, 0.1, 1 << 20);
+  EXPECT_EQ(small.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(small.status().message().find("raise --gpu-memory-utilization"), std::string::npos)
+      << small.status().ToString();
+  // The device is full (others): the error says that instead.
+  auto none = CudaKvBlocksForUtilization(100 * gib, 256 * mib, 20 * gib, 0.9, 1 << 20);
   EXPECT_EQ(none.status().code(), StatusCode::kResourceExhausted);
-  EXPECT_NE(none.status().message().find("KV cache"), std::string::npos);
-  EXPECT_EQ(CudaKvBlocksForUtilization(100 * gib, 80 * gib, 0.0, 1).status().code(),
+  EXPECT_NE(none.status().message().find("free on the device"), std::string::npos)
+      << none.status().ToString();
+  EXPECT_EQ(CudaKvBlocksForUtilization(100 * gib, 80 * gib, 0, 0.0, 1).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(CudaKvBlocksForUtilization(100 * gib, 80 * gib, 1.5, 1).status().code(),
+  EXPECT_EQ(CudaKvBlocksForUtilization(100 * gib, 80 * gib, 0, 1.5, 1).status().code(),
             StatusCode::kInvalidArgument);
 }
 

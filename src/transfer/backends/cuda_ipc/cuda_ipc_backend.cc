@@ -16,6 +16,7 @@
 #include <numeric>
 #include <thread>
 
+#include "kvbridge/common/thread_annotations.h"
 #include "transfer/backend_util.h"
 #include "transfer/backends/cuda_ipc/block_copy.h"
 #include "transfer/backends/cuda_ipc/cuda_status.h"
@@ -192,7 +193,8 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
         engine_(engine),
         completer_(completer),
         local_(local),
-        map_(std::move(map)) {}
+        map_(std::move(map)),
+        outbound_(map_ != nullptr) {}
   ~CudaIpcChannel() override { Close(); }
 
   void StartReader() {
@@ -200,16 +202,19 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
   }
 
   void Submit(std::shared_ptr<TransferJob> job) override {
-    if (!map_)
+    if (!outbound_)
       return job->finish(FailedPreconditionError("inbound cuda_ipc channel carries messages only"));
-    if (!alive()) return job->finish(UnavailableError("cuda_ipc peer '" + peer_ + "' is dead"));
+    // The mapping of the peer's pool; released when the peer dies (ReleaseMapping).
+    std::shared_ptr<RemoteMap> map = Mapping();
+    if (!alive() || !map)
+      return job->finish(UnavailableError("cuda_ipc peer '" + peer_ + "' is dead"));
     // relaxed: advisory; once launched the kernel runs to the end (finish after its event).
     if (job->cancel.load(std::memory_order_relaxed))
       return job->finish(CancelledError("cancelled"));
     const auto& segs = *job->segments;
     uint64_t unit = 0;
     for (const Segment& s : segs) {  // defence in depth: Prepare checked against the metadata
-      if (!SegmentFitsPeer(s, map_->layer_bytes)) {
+      if (!SegmentFitsPeer(s, map->layer_bytes)) {
         return job->finish(InvalidArgumentError("segment outside the peer's mapped region"));
       }
       if (!local_->Contains(s.local, s.length)) {
@@ -225,7 +230,7 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
     std::vector<AddressPair> units;
     if (unit != 0) units.reserve(job->total_bytes / unit);
     for (const Segment& s : segs) {
-      uint8_t* remote = map_->layer_base[s.remote_layer] + s.remote_offset;
+      uint8_t* remote = map->layer_base[s.remote_layer] + s.remote_offset;
       for (uint64_t off = 0; off < s.length; off += unit)
         units.push_back({s.local + off, remote + off});
     }
@@ -233,7 +238,7 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
     Result<CopyHandle> h = engine_->PostAddresses(op, units, unit == 0 ? 16 : unit);
     if (!h.ok()) return job->finish(h.status());
     std::weak_ptr<CudaIpcChannel> weak = weak_from_this();
-    completer_->Push(Pending{std::move(*h), std::move(job), map_, [weak] {
+    completer_->Push(Pending{std::move(*h), std::move(job), std::move(map), [weak] {
                                auto c = weak.lock();
                                return c && c->alive();
                              }});
@@ -252,11 +257,26 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
   void Close() override {
     MarkDead();
     JoinOrDetach(reader_);
+    ReleaseMapping();
   }
 
  private:
   void MarkDead() {
     if (alive_.exchange(false)) ch_.Shutdown();
+  }
+  std::shared_ptr<RemoteMap> Mapping() {
+    MutexLock l(&map_mu_);
+    return map_;
+  }
+  // Drops this channel's reference to the peer's mapped pool: once the copies in flight (each
+  // holds a reference) are done, cudaIpcCloseMemHandle runs and a dead peer's device memory goes
+  // back to the driver (a mapping would otherwise keep it allocated as long as we live).
+  void ReleaseMapping() {
+    std::shared_ptr<RemoteMap> old;
+    {
+      MutexLock l(&map_mu_);
+      old = std::move(map_);
+    }
   }
   void ReadLoop() {
     for (;;) {
@@ -266,6 +286,7 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
     }
     const bool was_alive = alive_.exchange(false);
     ch_.Shutdown();
+    ReleaseMapping();  // the peer is gone: close our IPC mapping of its pool
     if (was_alive && ctx_->on_peer_lost) ctx_->on_peer_lost(peer_);
   }
 
@@ -275,7 +296,9 @@ class CudaIpcChannel : public BackendPeer, public std::enable_shared_from_this<C
   CopyEngine* engine_;
   Completer* completer_;
   const LocalLayers* local_;
-  std::shared_ptr<RemoteMap> map_;  // null for inbound (message-only) channels
+  Mutex map_mu_;
+  std::shared_ptr<RemoteMap> map_ GUARDED_BY(map_mu_);  // null for inbound channels, or once dead
+  const bool outbound_;                                 // false: an inbound (message-only) channel
   std::atomic<bool> alive_{true};
   std::mutex send_mu_;
   std::thread reader_;
