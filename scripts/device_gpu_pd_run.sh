@@ -14,7 +14,9 @@
 #           directory: one completion (shape), the process's host RSS (no host weights) and
 #           device memory
 #   pd      gpu_pd_check.py: up 1p1d --device cuda vs colocated, bitwise, READ and WRITE, bf16
-#           and fp8 KV, drained; the kill test (PD_ARGS, default --kill)
+#           and fp8 KV, drained, prefill step time and TTFT of a 2000-token prompt; the kill
+#           tests (decode / prefill killed mid-READ) and a CPU+GPU topology refused (PD_ARGS,
+#           default "--kill --mixed")
 #   main    gpu_main_job.sh: up 1p3d --device cuda on qwen2.5-7b fp8 vs 4 colocated engines
 #           (MAIN_BATCHES, MAIN_SAMPLES)
 # Results: $OUT/summary.md, $OUT/main_table.md, $OUT/logs.tgz.
@@ -46,7 +48,7 @@ if [[ -f "$C/lib.tgz" ]]; then
   export LD_LIBRARY_PATH=/tmp/kvb_gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 STAGES=${STAGES:-"env tests preset pd main"}
-PD_ARGS=${PD_ARGS:-"--kill"}
+PD_ARGS=${PD_ARGS:-"--kill --mixed --corrupt"}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 KVB=$C/bin/kvbridge

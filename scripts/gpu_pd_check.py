@@ -191,22 +191,28 @@ def run_pair(a, kv, mode, work):
         roles, _ = instances(proxy)
         pids = engine_pids(logdir)
         row(f"{kv} {mode}: up 1p1d --device cuda ready", True, f"proxy {proxy}, engines {pids}")
+        # Two passes of every request: the answers of both must equal the colocated engine's; the
+        # device memory after the second pass must equal that after the first (no per-request
+        # growth; the first pass may grow the transfer's scratch pool once).
         mem_first = None
         equal, total = 0, 0
         mism = []
-        for name, body in requests_for(0):
-            r_colo = post(colo_url + "/v1/completions", body)
-            r_pd = post(proxy + "/v1/completions", body)
-            total += 1
-            if answer(r_colo) == answer(r_pd):
-                equal += 1
-            else:
-                mism.append(name)
-            if mem_first is None:
+        for rep in range(2):
+            for name, body in requests_for(0):
+                r_colo = post(colo_url + "/v1/completions", body)
+                r_pd = post(proxy + "/v1/completions", body)
+                total += 1
+                if answer(r_colo) == answer(r_pd):
+                    equal += 1
+                else:
+                    mism.append(f"pass {rep + 1} {name}")
+            if rep == 0:
                 time.sleep(0.3)
                 mem_first = gpu_mem()[0]
         row(f"{kv} {mode}: P/D == colocated bitwise (texts + logprobs + top-2), prompts 1/15/16/17/2000, "
-            "n=1 and n=8", equal == total, f"{equal}/{total} equal" + (f"; differ: {mism}" if mism else ""))
+            "n=1 and n=8, two passes", equal == total,
+            f"{equal}/{total} equal" + (f"; differ: {mism}" if mism else ""))
+        timing(a, kv, mode, colo_url, proxy, roles)
         side = roles.get("decode") if mode == "read" else roles.get("prefill")
         moved = metric(get(side + "/metrics"), "kvbridge_kv_transfer_bytes_total") or 0
         backend_lines = []
@@ -223,18 +229,72 @@ def run_pair(a, kv, mode, work):
         time.sleep(0.3)
         mem_end = gpu_mem()[0]
         same = all(mem_end.get(p) == mem_first.get(p) for p in pids.values() if p in mem_first)
-        row(f"{kv} {mode}: engines' device memory after the run == after the first request (MiB)", same,
+        row(f"{kv} {mode}: engines' device memory after the second pass == after the first (MiB)", same,
             f"first {[mem_first.get(p) for p in pids.values()]} end {[mem_end.get(p) for p in pids.values()]}")
     finally:
         stop(up)
         stop(colo)
 
 
-def kill_test(a, kv, work):
+def prefill_counters(url):
+    m = get(url + "/metrics")
+    sec = steps = 0.0
+    for line in m.splitlines():
+        if line.startswith('kvbridge_engine_step_seconds_total{phase="prefill"}'):
+            sec = float(line.rsplit(" ", 1)[1])
+        if line.startswith('kvbridge_engine_steps_total{phase="prefill"}'):
+            steps = float(line.rsplit(" ", 1)[1])
+    return sec, steps
+
+
+def hist(url, name):
+    m = get(url + "/metrics")
+    return (metric(m, name + "_sum") or 0.0), (metric(m, name + "_count") or 0.0)
+
+
+TIMING = {}
+
+
+def timing(a, kv, mode, colo_url, proxy, roles, k=6):
+    """The same 2000-token prompts (distinct: no prefix-cache hit), one at a time, max_tokens 1:
+    the prefill step time (the prefill engine's step counters: with WRITE the pushes of every layer
+    overlap its compute) and the time to the first token, P/D vs colocated, plus the KV
+    transfer time (kvbridge_kv_transfer_seconds)."""
+    rng = random.Random(99)
+    prompts = [[rng.randrange(0, 256) for _ in range(2000)] for _ in range(k)]
+    out = {}
+    for label, url, engine in (("colocated", colo_url, colo_url), ("pd", proxy, roles["prefill"])):
+        s0, n0 = prefill_counters(engine)
+        x0 = hist(roles["decode"] if mode == "read" else roles["prefill"], "kvbridge_kv_transfer_seconds") \
+            if label == "pd" else (0, 0)
+        lat = []
+        for ids in prompts:
+            t = time.time()
+            post(url + "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0})
+            lat.append(time.time() - t)
+        s1, n1 = prefill_counters(engine)
+        x1 = hist(roles["decode"] if mode == "read" else roles["prefill"], "kvbridge_kv_transfer_seconds") \
+            if label == "pd" else (0, 0)
+        lat.sort()
+        out[label] = {"step_ms": (s1 - s0) / max(n1 - n0, 1) * 1e3, "steps": n1 - n0,
+                      "ttft_ms": lat[len(lat) // 2] * 1e3,
+                      "xfer_ms": (x1[0] - x0[0]) / max(x1[1] - x0[1], 1) * 1e3}
+    TIMING[(kv, mode)] = out
+    c, p = out["colocated"], out["pd"]
+    row(f"{kv} {mode}: 2000-token prompt alone (median of {k}): prefill step, TTFT, KV transfer",
+        p["steps"] > 0,
+        f"prefill step colocated {c['step_ms']:.1f} ms, P/D prefill {p['step_ms']:.1f} ms ({p['steps']:.0f} steps); "
+        f"max_tokens=1 latency colocated {c['ttft_ms']:.1f} ms, P/D {p['ttft_ms']:.1f} ms "
+        f"(+{p['ttft_ms'] - c['ttft_ms']:.1f}); KV transfer {p['xfer_ms']:.2f} ms per request")
+
+
+def kill_test(a, kv, work, victim="decode"):
     """1p1d started by hand (serve + serve + proxy: `up` would stop everything when one engine
-    dies): the decode is SIGKILLed while 2000-token prompts are being READ; its device memory must
-    be released (it is gone from nvidia-smi), the prefill must drain (its holds end by the READ
-    notifications it got, or its lease), and the prefill keeps serving."""
+    dies): one engine (`victim`) is SIGKILLed while 2000-token prompts are being READ; its device
+    memory must be released (it is gone from nvidia-smi and the device's used memory drops by its
+    share — for a killed prefill that needs the decode to close its IPC mapping of the pool), the
+    survivor must drain (a prefill's holds end by its lease; a decode's failed READs recompute or
+    fail) and keep serving."""
     import threading
     token = "kill-test-token"
     procs = []
@@ -242,13 +302,13 @@ def kill_test(a, kv, work):
     try:
         per_before, used_before = gpu_mem()
         for role in ("prefill", "decode"):
-            pf = os.path.join(work, f"kill-{kv}-{role}.port")
+            pf = os.path.join(work, f"kill-{kv}-{victim}-{role}.port")
             if os.path.exists(pf):
                 os.remove(pf)
             cfg = json.dumps({"kv_connector": "KVBridgeConnector",
                               "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
                               "kv_connector_extra_config": {"mode": "read", "lease_ms": int(a.lease_s * 1000)}})
-            log = open(os.path.join(work, f"kill-{kv}-{role}.log"), "w")
+            log = open(os.path.join(work, f"kill-{kv}-{victim}-{role}.log"), "w")
             p = subprocess.Popen([a.kvbridge, "serve", a.model, "--device", "cuda", "--port", "0",
                                   "--port-file", pf, "--gpu-memory-utilization", str(a.share),
                                   "--kv-cache-dtype", kv, "--max-num-seqs", "64", "--cluster-token", token,
@@ -258,12 +318,12 @@ def kill_test(a, kv, work):
                 row(f"{kv} kill: {role} starts", False, open(log.name).read()[-300:])
                 return
             urls[role] = f"http://127.0.0.1:{int(open(pf).read().strip())}"
-        pf = os.path.join(work, f"kill-{kv}-proxy.port")
+        pf = os.path.join(work, f"kill-{kv}-{victim}-proxy.port")
         if os.path.exists(pf):
             os.remove(pf)
         px = subprocess.Popen([a.kvbridge, "proxy", "--port", "0", "--port-file", pf, "--cluster-token", token,
                                "--prefill", urls["prefill"], "--decode", urls["decode"]],
-                              stdout=open(os.path.join(work, f"kill-{kv}-proxy.log"), "w"),
+                              stdout=open(os.path.join(work, f"kill-{kv}-{victim}-proxy.log"), "w"),
                               stderr=subprocess.STDOUT)
         procs.append(px)
         wait_file(pf, px)
@@ -277,7 +337,9 @@ def kill_test(a, kv, work):
                 pass
             time.sleep(0.2)
         warm = post(proxy + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
-        dec = procs[1].pid
+        vi = 1 if victim == "decode" else 0
+        dead, surv = procs[vi].pid, procs[1 - vi].pid
+        surv_url = urls["prefill" if victim == "decode" else "decode"]
         per0, used0 = gpu_mem()
         rng = random.Random(5)
         errs = []
@@ -287,33 +349,119 @@ def kill_test(a, kv, work):
             try:
                 post(proxy + "/v1/completions", {"prompt": ids, "max_tokens": 64, "n": 8,
                                                  "temperature": 0.8, "seed": i}, timeout=60)
-            except Exception as e:  # expected: the decode died
+            except Exception as e:  # expected: an engine died
                 errs.append(str(e)[:80])
         ts = [threading.Thread(target=fire, args=(i,)) for i in range(8)]
         for t in ts:
             t.start()
         time.sleep(a.kill_after_s)
-        os.kill(dec, signal.SIGKILL)
-        procs[1].wait()
+        os.kill(dead, signal.SIGKILL)
+        procs[vi].wait()
         for t in ts:
             t.join(timeout=90)
-        time.sleep(1.0)
+        time.sleep(1.5)
         per1, used1 = gpu_mem()
-        row(f"{kv} kill: decode (pid {dec}) SIGKILLed mid-READ: its device memory released",
-            dec not in per1 and used1 < used0,
-            f"device used {used0} -> {used1} MiB (the decode held {per0.get(dec)} MiB; before the "
-            f"topology {used_before}); prefill {per0.get(procs[0].pid)} -> {per1.get(procs[0].pid)} MiB; "
-            f"{len(errs)} of 8 requests failed; warm-up {bool(warm.get('choices'))}")
-        ok, dt, last = drained([urls["prefill"]], timeout=a.lease_s + 10)
-        row(f"{kv} kill: the prefill drains after the decode died", ok, f"{dt:.1f} s; {last}")
-        alive = procs[0].poll() is None
+        share = per0.get(dead, 0)
+        row(f"{kv} kill {victim}: SIGKILLed mid-READ (pid {dead}): its device memory released",
+            dead not in per1 and used1 <= used0 - share + 256,
+            f"device used {used0} -> {used1} MiB (the {victim} held {share} MiB; before the topology "
+            f"{used_before}); survivor {per0.get(surv)} -> {per1.get(surv)} MiB; {len(errs)} of 8 "
+            f"requests failed; warm-up {bool(warm.get('choices'))}")
+        ok, dt, last = drained([surv_url], timeout=a.lease_s + 10)
+        row(f"{kv} kill {victim}: the survivor drains", ok, f"{dt:.1f} s; {last}")
+        alive = procs[1 - vi].poll() is None
         try:
-            r = post(urls["prefill"] + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+            r = post(surv_url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
             serves = bool(r.get("choices"))
         except Exception as e:
             serves = False
             errs.append(repr(e)[:80])
-        row(f"{kv} kill: the prefill survives and still serves", alive and serves, "")
+        row(f"{kv} kill {victim}: the survivor still serves", alive and serves, "")
+    finally:
+        for p in reversed(procs):
+            stop(p)
+
+
+def corrupt_test(a, work):
+    """READ with the decode corrupting one byte of the first block it READs (test-only env): the
+    P/D logprobs must then differ from the colocated engine's (the comparison can fail)."""
+    kv = "bf16"
+    colo, colo_url = start_colocated(a, kv, work)
+    os.environ["KVBRIDGE_DEBUG_CORRUPT_FIRST_READ_BLOCK"] = "1"
+    up = None
+    try:
+        up, proxy, logdir = start_up(a, kv, "read", os.path.join(work, "corrupt"))
+    finally:
+        del os.environ["KVBRIDGE_DEBUG_CORRUPT_FIRST_READ_BLOCK"]
+    try:
+        if proxy is None or colo_url is None:
+            row("corrupt: topology starts", False, "")
+            return
+        rng = random.Random(3)
+        differ = 0
+        for _ in range(3):
+            ids = [rng.randrange(0, 256) for _ in range(200)]
+            body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+            differ += answer(post(colo_url + "/v1/completions", body)) != answer(
+                post(proxy + "/v1/completions", body))
+        row("corrupt: one flipped byte in a READ block changes the P/D logprobs", differ == 3,
+            f"{differ}/3 answers differ from colocated")
+    finally:
+        stop(up)
+        stop(colo)
+
+
+def mixed_test(a, work):
+    """A CPU prefill and a GPU decode in one topology: refused with a clear error (no transport
+    moves between host and device pools; not staged through host memory). The decode's READ
+    fails with the reason and the request is recomputed there (load failure policy recompute)."""
+    model = os.path.join(work, "small-qwen2")
+    subprocess.run([a.kvbridge, "make-model", "--preset", "small", "--arch", "qwen2", "--seed", "4",
+                    "--out", model], check=True, capture_output=True)
+    token = "mixed-token"
+    procs, urls = [], {}
+    try:
+        for role, dev in (("prefill", "cpu"), ("decode", "cuda")):
+            pf = os.path.join(work, f"mixed-{role}.port")
+            if os.path.exists(pf):
+                os.remove(pf)
+            cfg = json.dumps({"kv_connector": "KVBridgeConnector",
+                              "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"})
+            cmd = [a.kvbridge, "serve", model, "--device", dev, "--port", "0", "--port-file", pf,
+                   "--cluster-token", token, "--kv-transfer-config", cfg]
+            if dev == "cuda":
+                cmd += ["--gpu-memory-utilization", "0.05"]
+            log = open(os.path.join(work, f"mixed-{role}.log"), "w")
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            procs.append(p)
+            if not wait_file(pf, p):
+                row(f"mixed: {role} ({dev}) starts", False, open(log.name).read()[-300:])
+                return
+            urls[role] = f"http://127.0.0.1:{int(open(pf).read().strip())}"
+        pf = os.path.join(work, "mixed-proxy.port")
+        px = subprocess.Popen([a.kvbridge, "proxy", "--port", "0", "--port-file", pf, "--cluster-token", token,
+                               "--prefill", urls["prefill"], "--decode", urls["decode"]],
+                              stdout=open(os.path.join(work, "mixed-proxy.log"), "w"), stderr=subprocess.STDOUT)
+        procs.append(px)
+        wait_file(pf, px)
+        proxy = f"http://127.0.0.1:{int(open(pf).read().strip())}"
+        for _ in range(100):
+            try:
+                if sum(i["healthy"] for i in json.loads(get(proxy + "/instances"))["instances"]) == 2:
+                    break
+            except Exception:
+                pass
+            time.sleep(0.2)
+        try:
+            r = post(proxy + "/v1/completions", {"prompt": "hello there", "max_tokens": 4}, timeout=60)
+            outcome = f"answered ({len(r.get('choices', []))} choice)"
+        except Exception as e:
+            outcome = f"failed: {str(e)[:80]}"
+        time.sleep(0.5)
+        lines = [ln.strip()[-220:] for ln in open(os.path.join(work, "mixed-decode.log"))
+                 if "CPU engine and a GPU engine" in ln]
+        row("mixed: a CPU prefill and a GPU decode refuse each other with a clear error", bool(lines),
+            f"request {outcome}; decode log: {lines[:1]}")
     finally:
         for p in reversed(procs):
             stop(p)
@@ -329,6 +477,8 @@ def main():
     ap.add_argument("--modes", default="read,write")
     ap.add_argument("--share", type=float, default=0.1, help="each engine's --gpu-memory-utilization")
     ap.add_argument("--kill", action="store_true")
+    ap.add_argument("--mixed", action="store_true", help="a CPU prefill + a GPU decode: refused")
+    ap.add_argument("--corrupt", action="store_true", help="a corrupted READ block changes logprobs")
     ap.add_argument("--lease-s", type=float, default=10, help="the kill test's prefill lease")
     ap.add_argument("--kill-after-s", type=float, default=0.5)
     a = ap.parse_args()
@@ -341,6 +491,16 @@ def main():
                          capture_output=True, text=True, timeout=120)
     row("GPU engine with transport tcp refused", bad.returncode != 0 and "device memory" in bad.stderr,
         bad.stderr.strip().splitlines()[-1][:200] if bad.stderr.strip() else f"rc {bad.returncode}")
+    if a.corrupt:
+        try:
+            corrupt_test(a, a.work)
+        except Exception as e:
+            row("corrupt: run", False, repr(e)[:300])
+    if a.mixed:
+        try:
+            mixed_test(a, a.work)
+        except Exception as e:
+            row("mixed: run", False, repr(e)[:300])
     for kv in a.kv.split(","):
         for mode in a.modes.split(","):
             try:
@@ -348,10 +508,11 @@ def main():
             except Exception as e:  # a crash of one pair is a failed check, the rest still run
                 row(f"{kv} {mode}: run", False, repr(e)[:300])
         if a.kill:
-            try:
-                kill_test(a, kv, a.work)
-            except Exception as e:
-                row(f"{kv} kill: run", False, repr(e)[:300])
+            for victim in ("decode", "prefill"):
+                try:
+                    kill_test(a, kv, a.work, victim)
+                except Exception as e:
+                    row(f"{kv} kill {victim}: run", False, repr(e)[:300])
     if a.md:
         with open(a.md, "a") as f:
             f.write("\n".join(ROWS) + "\n")

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -240,6 +241,12 @@ int RunServe(const ServeOptions& o) {
     // The engines of one P/D cluster all serve https or all http: peers are called as we serve.
     ko.peer_https = !o.ssl_certfile.empty();
     ko.peer_tls = peer_tls;
+    // Test-only (the GPU P/D check's "a corrupted block changes the logprobs"): never in use.
+    if (const char* v = std::getenv("KVBRIDGE_DEBUG_CORRUPT_FIRST_READ_BLOCK"); v && v[0] == '1') {
+      KVB_LOG_WARN(
+          "serve: test-only: the first block of every KV READ is corrupted after it lands");
+      ko.debug_corrupt_first_read_block = true;
+    }
     auto created = KvBridgeRuntime::Create(ko);
     if (!created.ok()) return Fail(created.status());
     kv = *created;
