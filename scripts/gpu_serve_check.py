@@ -6,7 +6,8 @@
 Makes a `small` qwen2 model, then checks: `generate --device cuda` (greedy) against the served
 greedy completion; n=8 sampled siblings; streaming (SSE deltas concatenate to the non-streamed
 text of the same seed); the engine's GPU memory (nvidia-smi, per process) after 10 and after
-1000 requests; `--device cuda:99` and P/D with --device cuda refused with a clear error.
+1000 requests; `--device cuda:99` and P/D over a host transport with --device cuda refused with a
+clear error.
 One markdown row per check to --md; exit 1 when a check fails.
 """
 import argparse
@@ -81,10 +82,12 @@ def main():
                          capture_output=True, text=True)
     row("generate --device cuda:99 refused", bad.returncode != 0 and "no CUDA device" in bad.stderr,
         bad.stderr.strip()[:160])
+    # P/D between GPU engines is scripts/gpu_pd_check.py's; a host transport is refused here.
     pd = subprocess.run([kvb, "serve", model, "--device", "cuda", "--port", "0", "--kv-transfer-config",
-                         '{"kv_connector":"KVBridgeConnector","kv_role":"kv_both"}'],
+                         '{"kv_connector":"KVBridgeConnector","kv_role":"kv_both",'
+                         '"kv_connector_extra_config":{"transport":"tcp"}}'],
                         capture_output=True, text=True, timeout=60)
-    row("serve --device cuda with P/D refused", pd.returncode != 0 and "not supported" in pd.stderr,
+    row("serve --device cuda with P/D over tcp refused", pd.returncode != 0 and "device memory" in pd.stderr,
         pd.stderr.strip().splitlines()[-1][:160] if pd.stderr.strip() else f"rc {pd.returncode}")
 
     port_file = os.path.join(a.work, "port")
