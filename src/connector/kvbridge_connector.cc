@@ -159,7 +159,11 @@ struct EvPeer {
   std::string key;  // engine_id + "/rank" + r
   Result<std::string> agent_name;
 };
-using Event = std::variant<EvTransferEnded, EvMessage, EvPeer>;
+// A local agent saw its connection to or from peer agent `agent_name` close (issue 21).
+struct EvPeerLost {
+  std::string agent_name;
+};
+using Event = std::variant<EvTransferEnded, EvMessage, EvPeer, EvPeerLost>;
 
 }  // namespace
 
@@ -443,6 +447,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     watcher_.reset();
     if (agent_) {
       agent_->SetNotificationHandler(nullptr);
+      agent_->SetPeerLostHandler(nullptr);
       agent_->SetHoldCheck(nullptr);
     }
     StopRankAgents();
@@ -632,6 +637,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         OnTransferEnded(*t, now);
       } else if (auto* m = std::get_if<EvMessage>(&e)) {
         OnMessage(*m, now);
+      } else if (auto* l = std::get_if<EvPeerLost>(&e)) {
+        OnPeerLost(*l, now);
       } else {
         OnPeer(std::get<EvPeer>(e), now);
       }
@@ -690,6 +697,23 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       // A reply path the cores did not use (e.g. a message that needs none): forget it.
       unused_tokens_.push_back(e.reply_token);
     }
+  }
+
+  // A peer's connection closed: its incarnation is gone (DESIGN.md "Peer loss is observed, not
+  // waited out"). Told to the logic once per engine incarnation, whichever rank's agent saw it.
+  void OnPeerLost(const EvPeerLost& e, TimePoint now) {
+    const size_t cut = e.agent_name.rfind("/rank");
+    const std::string engine = e.agent_name.substr(0, cut);
+    if (engine.empty() || engine == impl_->engine_id) return;
+    if (lost_engines_.size() > 4096) lost_engines_.clear();
+    if (!lost_engines_.insert(engine).second) return;
+    const int64_t n = logic_.OnPeerLost(engine, PeerLoss::kGone, now);
+    if (m_peer_lost_) m_peer_lost_->Inc();
+    if (m_peer_lost_released_) m_peer_lost_released_->Inc(static_cast<double>(n));
+    KVB_LOG_INFO("kv connector: peer {} lost (connection closed): {} released or failed", engine,
+                 n);
+    SyncState();
+    Wake();
   }
 
   void OnPeer(const EvPeer& e, TimePoint now) {
@@ -795,6 +819,9 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     agent_->SetNotificationHandler([weak](xfer::Notification n) {
       if (auto impl = weak.lock()) impl->OnNotification(std::move(n), /*rank=*/0);
     });
+    agent_->SetPeerLostHandler([weak](const std::string& peer) {
+      if (auto impl = weak.lock()) impl->Push(EvPeerLost{peer});
+    });
     worker_ = std::make_unique<Worker>();
     watcher_ = std::make_unique<TransferWatcher>(impl_);
     if (debug_delay_ms > 0) {
@@ -848,6 +875,16 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
         "READ mode, decode side: time from a READ's end to the prefill's hold reply (the ack "
         "that lets the decode use the bytes).",
         Histogram::FineLatencyBucketsSeconds());
+    m_peer_lost_ = &reg.AddCounter(
+        "kvbridge_kv_peer_lost_total",
+        "Transfer peers (engine incarnations) whose connection closed (issue 21: what was bound "
+        "to them is released or failed at once).");
+    m_peer_lost_released_ = &reg.AddCounter(
+        "kvbridge_kv_peer_lost_released_total",
+        "Holds, remote loads and WRITE targets released or failed because their peer was lost.");
+    m_claim_ = &reg.AddCounter("kvbridge_kv_claim_expired_total",
+                               "READ holds no decode claimed, freed by the claim lease (0 in "
+                               "fault-free runs; the proxy died between the legs).");
     m_lease_ = &reg.AddCounter("kvbridge_kv_lease_expired_total",
                                "Transfer holds freed by lease expiry (0 in fault-free runs).");
     m_load_fail_ = &reg.AddCounter("kvbridge_kv_load_failures_total",
@@ -1146,6 +1183,9 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       agent->SetNotificationHandler([weak, r](xfer::Notification n) {
         if (auto impl = weak.lock()) impl->OnNotification(std::move(n), r);
       });
+      agent->SetPeerLostHandler([weak](const std::string& peer) {
+        if (auto impl = weak.lock()) impl->Push(EvPeerLost{peer});
+      });
       rank_agents_.push_back(std::move(agent));
     }
     MutexLock l(&impl_->mu);
@@ -1156,6 +1196,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   void StopRankAgents() {
     for (auto& a : rank_agents_) {
       a->SetNotificationHandler(nullptr);
+      a->SetPeerLostHandler(nullptr);
       a->SetHoldCheck(nullptr);
     }
     rank_agents_.clear();
@@ -1194,6 +1235,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     const int64_t ignored = pc.notifications_ignored + dc.notifications_ignored +
                             wpc.notifications_ignored + wdc.notifications_ignored;
     const int64_t lease = pc.lease_expired + wpc.lease_expired;
+    if (m_claim_) m_claim_->Inc(static_cast<double>(pc.claims_expired - synced_claim_));
+    synced_claim_ = pc.claims_expired;
     const int64_t fails = dc.load_failures + wdc.load_failures;
     if (m_lease_) m_lease_->Inc(static_cast<double>(lease - synced_lease_));
     if (m_ignored_) m_ignored_->Inc(static_cast<double>(ignored - synced_ignored_));
@@ -1284,6 +1327,11 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   Histogram* m_ack_ = nullptr;
   Histogram* m_write_overlap_ = nullptr;
   Counter* m_lease_ = nullptr;
+  Counter* m_peer_lost_ = nullptr;
+  Counter* m_peer_lost_released_ = nullptr;
+  Counter* m_claim_ = nullptr;
+  int64_t synced_claim_ = 0;
+  std::set<std::string> lost_engines_;  // engine incarnations told lost (engine thread)
   Counter* m_load_fail_ = nullptr;
   Counter* m_ignored_ = nullptr;
   Counter* m_refused_read_ = nullptr;

@@ -445,6 +445,11 @@ class TransferAgent::Impl {
     handler_ = std::move(h);
   }
 
+  void SetPeerLostHandler(std::function<void(const std::string&)> h) {
+    std::lock_guard<std::mutex> l(mu_);
+    peer_lost_handler_ = std::move(h);
+  }
+
   void SetHoldCheck(HoldCheck h) {
     std::lock_guard<std::mutex> l(mu_);
     hold_check_ = std::move(h);
@@ -544,10 +549,12 @@ class TransferAgent::Impl {
   }
 
   void OnPeerLost(const std::string& peer) {
+    std::function<void(const std::string&)> lost;
     {
       std::lock_guard<std::mutex> l(mu_);
       auto in = inbound_.find(peer);
       if (in != inbound_.end() && !in->second->alive()) inbound_.erase(in);
+      lost = peer_lost_handler_;
     }
     FailReplies(
         [&](const PendingReply& r) {
@@ -555,6 +562,7 @@ class TransferAgent::Impl {
           return r.peer == peer && (!p || !p->alive());
         },
         "peer '" + peer + "' lost");
+    if (lost) lost(peer);
   }
 
   template <typename Pred>
@@ -608,6 +616,7 @@ class TransferAgent::Impl {
   std::map<std::string, std::shared_ptr<BackendPeer>> inbound_;
   NotificationHandler handler_;
   HoldCheck hold_check_;
+  std::function<void(const std::string&)> peer_lost_handler_;
 
   std::atomic<uint64_t> next_id_{1};
   std::mutex timer_mu_;
@@ -647,6 +656,10 @@ Result<TransferHandle> TransferAgent::Post(std::shared_ptr<const PreparedTransfe
                                            PostOptions o) {
   return impl_->Post(std::move(p), std::move(o));
 }
+void TransferAgent::SetPeerLostHandler(std::function<void(const std::string&)> h) {
+  impl_->SetPeerLostHandler(std::move(h));
+}
+
 void TransferAgent::SetNotificationHandler(NotificationHandler h) {
   impl_->SetNotificationHandler(std::move(h));
 }

@@ -1,7 +1,7 @@
 // READ-mode release paths with `kvbridge serve` processes (DESIGN.md "Failures, aborts,
 // security"): the test plays the proxy over HTTP on 127.0.0.1 and kills, aborts or rejects at
-// the moments the issue names, then checks from /metrics that every block came back — through
-// the lease only where the decode died after its READ began (the one path allowed to use it).
+// the moments the issue names, then checks from /metrics that every block came back — never
+// through the lease: a decode that died after its READ began is observed (its connection closed).
 //
 // "After its READ began" is made deterministic with the decode's test-only switch
 // KVBRIDGE_DEBUG_READ_DONE_DELAY_MS (refused unless KVBRIDGE_DEBUG=1; docs/protocol.md): the
@@ -110,18 +110,16 @@ json ClientBody(const std::string& prompt, int max_tokens) {
 class PdFailure : public ::testing::TestWithParam<std::string> {};
 
 // (a) The decode is SIGKILLed after its READ began (landed, not yet reported): nobody will ever
-// notify the prefill, so its lease — and only its lease — frees the blocks, at lease end.
-TEST_P(PdFailure, DecodeKilledAfterReadBeganPrefillFreesAtLeaseEnd) {
-  constexpr int kLeaseMs = 1500;
+// notify the prefill, but its agent sees the decode's connection close (issue 21: peer loss is
+// observed, not waited out) and frees the hold within 2 s of the kill — far inside the lease.
+TEST_P(PdFailure, DecodeKilledAfterReadBeganPrefillFreesWithinTwoSeconds) {
+  constexpr int kLeaseMs = 30000;
   Engine p = Serve("prefill", "kv_producer", GetParam(), {{"lease_ms", kLeaseMs}});
-  // No heartbeat during the test (so the prefill's lease is exactly hold + lease_ms).
   Engine d =
       Serve("decode", "kv_consumer", GetParam(), {{"lease_ms", 3600000}, {"heartbeat_ms", 3000000}},
             {{"KVBRIDGE_DEBUG", "1"}, {"KVBRIDGE_DEBUG_READ_DONE_DELAY_MS", "60000"}});
   const std::string prompt = Prompt(1);
-  const auto t_sent = Clock::now();
   json params = PrefillLeg(p, prompt, "kill-decode-1");
-  const auto t_answered = Clock::now();
   ASSERT_TRUE(params.is_object());
   // The engine's stats snapshot trails its final output by up to one step.
   EXPECT_TRUE(
@@ -143,23 +141,25 @@ TEST_P(PdFailure, DecodeKilledAfterReadBeganPrefillFreesAtLeaseEnd) {
       << d.proc->ReadLog();
   EXPECT_TRUE(WaitFor(
       [&] { return Scrape(d.port, "kvbridge_requests_waiting_for_remote_kv") == 1; }, 1000));
+  EXPECT_GT(Scrape(p.port, "kvbridge_kv_blocks_held_for_transfer"), 0);
+  const auto t_kill = Clock::now();
   d.proc->Signal(SIGKILL);
   EXPECT_EQ(d.proc->Wait(5000), 128 + SIGKILL);
+
+  // Freed within 2 s of the kill, by the loss (the lease has 30 s to go).
+  ASSERT_TRUE(
+      WaitFor([&] { return Scrape(p.port, "kvbridge_kv_blocks_held_for_transfer") == 0; }, 2000))
+      << p.proc->ReadLog();
+  const int64_t freed_after_kill = MsSince(t_kill);
+  std::printf("[pd_failure] %s: decode SIGKILLed, prefill hold freed %lld ms later\n",
+              GetParam().c_str(), static_cast<long long>(freed_after_kill));
+  EXPECT_LE(freed_after_kill, 2000);
   leg.join();
   EXPECT_TRUE(leg_ended);
-
-  // Held until the lease ends — never before hold + lease (the hold began after t_sent) ...
-  const double held = Scrape(p.port, "kvbridge_kv_blocks_held_for_transfer");
-  EXPECT_GT(held, 0);
-  ASSERT_TRUE(WaitFor([&] { return Scrape(p.port, "kvbridge_kv_blocks_held_for_transfer") == 0; },
-                      kLeaseMs + 3000));
-  const int64_t freed_after_sent = MsSince(t_sent);
-  EXPECT_GE(freed_after_sent, kLeaseMs) << "freed before the lease ended";
-  // ... and freed promptly once it ended (the hold began before t_answered).
-  EXPECT_LE(
-      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t_answered).count(),
-      kLeaseMs + 1000);
-  EXPECT_EQ(Scrape(p.port, "kvbridge_kv_lease_expired_total"), 1);
+  EXPECT_EQ(Scrape(p.port, "kvbridge_kv_peer_lost_total"), 1);
+  EXPECT_EQ(Scrape(p.port, "kvbridge_kv_peer_lost_released_total"), 1);
+  EXPECT_EQ(Scrape(p.port, "kvbridge_kv_lease_expired_total"), 0);
+  EXPECT_EQ(Scrape(p.port, "kvbridge_kv_claim_expired_total"), 0);
   EXPECT_EQ(Scrape(p.port, "kvbridge_kv_notifications_ignored_total"), 0);
   EXPECT_TRUE(WaitFor([&] { return Drained(p.port); }, 2000)) << p.proc->ReadLog();
 }

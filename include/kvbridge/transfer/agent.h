@@ -205,6 +205,10 @@ class TransferAgent {
   Status Reply(const Notification& n, std::string payload);
   /// Replaces the hold check (see AgentConfig::hold_check).
   void SetHoldCheck(HoldCheck check);
+  /// Called with a peer's agent_name when a connection to or from it was lost (the peer died or
+  /// closed it — shm: its control socket closed; not when we removed it), on a backend thread,
+  /// after its pending replies failed. Replaces the previous one; nullptr: none.
+  void SetPeerLostHandler(std::function<void(const std::string& peer_name)> handler);
 
   /// Handshakes refused since Create (monotonic; for metrics).
   struct HandshakeRefusals {
