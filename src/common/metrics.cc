@@ -65,6 +65,11 @@ std::vector<double> Histogram::FineLatencyBucketsSeconds() {
   return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5};
 }
 
+std::vector<double> Histogram::PhaseBucketsSeconds() {
+  return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+          0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30,    60};
+}
+
 uint64_t Histogram::Count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return count_;

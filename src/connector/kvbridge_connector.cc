@@ -375,6 +375,18 @@ class PhaseTimeline {
     if (recs.size() > kMaxRecords) recs.clear();  // bounded: aborted requests never end theirs
     recs[tid].emplace(phase, SteadyNow());
   }
+  // Adds `value` to the numeric attribute `key` of transfer `tid` (bytes, reads), or keeps the
+  // largest (`max`: blocks, the same for every rank's READ); attributes end up in the record.
+  void Add(bool prefill, const std::string& tid, const char* key, double value, bool max = false) {
+    auto& attrs = prefill ? prefill_attrs_ : decode_attrs_;
+    if (attrs.size() > kMaxRecords) attrs.clear();
+    double& v = attrs[tid][key];
+    v = max ? std::max(v, value) : v + value;
+  }
+  void SetBackend(const std::string& tid, const std::string& backend) {
+    if (backends_.size() > kMaxRecords) backends_.clear();
+    backends_[tid] = backend;
+  }
   void MapRequest(bool prefill, const std::string& request_id, const std::string& tid) {
     auto& m = prefill ? prefill_req_ : decode_req_;
     if (m.size() > kMaxRecords) m.clear();
@@ -393,6 +405,15 @@ class PhaseTimeline {
     json out = {{"side", prefill ? "prefill" : "decode"}, {"transfer_id", tid}};
     for (const auto& [k, v] : recs[tid]) out[k + "_us"] = v;
     recs.erase(tid);
+    auto& attrs = prefill ? prefill_attrs_ : decode_attrs_;
+    if (auto a = attrs.find(tid); a != attrs.end()) {
+      for (const auto& [k, v] : a->second) out[k] = static_cast<int64_t>(v);
+      attrs.erase(a);
+    }
+    if (auto b = backends_.find(tid); !prefill && b != backends_.end()) {
+      out["backend"] = b->second;
+      backends_.erase(b);
+    }
     return out;
   }
   void Drop(const std::string& request_id) {
@@ -400,6 +421,7 @@ class PhaseTimeline {
       auto r = m->find(request_id);
       if (r == m->end()) continue;
       (m == &prefill_req_ ? prefill_ : decode_).erase(r->second);
+      (m == &prefill_req_ ? prefill_attrs_ : decode_attrs_).erase(r->second);
       m->erase(r);
     }
   }
@@ -415,6 +437,8 @@ class PhaseTimeline {
   // transfer id -> phase -> µs; request id -> transfer id
   std::map<std::string, std::map<std::string, TimePoint>> prefill_, decode_;
   std::map<std::string, std::string> prefill_req_, decode_req_;
+  std::map<std::string, std::map<std::string, double>> prefill_attrs_, decode_attrs_;
+  std::map<std::string, std::string> backends_;  // transfer id -> backend of its READs
 };
 
 // The runtime's I/O shell around ConnectorLogic (connector_logic.h): it performs the logic's
@@ -559,7 +583,16 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   Status PostTransfer(const TransferAction& t) override {
     PeerState* peer = Ready(t.peer);
     if (peer == nullptr) return QueueBehindPeer(t.peer, t);
-    if (t.op == KvTransferMode::kRead) timeline_.Mark(false, t.transfer_id, "read_posted");
+    if (t.op == KvTransferMode::kRead) {
+      timeline_.Mark(false, t.transfer_id, "read_posted");
+      timeline_.Add(false, t.transfer_id, "blocks", static_cast<double>(t.local_block_ids.size()),
+                    /*max=*/true);
+      timeline_.Add(false, t.transfer_id, "reads", 1);
+      MutexLock l(&impl_->mu);
+      if (auto b = impl_->peer_backends.find(peer->agent_name); b != impl_->peer_backends.end()) {
+        timeline_.SetBackend(t.transfer_id, b->second);
+      }
+    }
     return Post(t, peer->agent_name);
   }
 
@@ -656,6 +689,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     if (e.op == KvTransferMode::kRead) {
       timeline_.Mark(false, p.handle.transfer_id(), "read_ended");
       if (e.status.ok()) {
+        timeline_.Add(false, p.handle.transfer_id(), "bytes", static_cast<double>(p.bytes));
         if (m_bytes_) m_bytes_->Inc(static_cast<double>(p.bytes));
         bytes_read_ += static_cast<double>(p.bytes);
         if (m_seconds_) m_seconds_->Observe(e.seconds);
@@ -984,6 +1018,20 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     rec["request_id"] = request_id;
     // spdlog's runtime level (KVB_LOG_DEBUG is compiled out of release builds).
     spdlog::debug("kv timeline {}", rec.dump());
+    if (!prefill) {
+      // Kept for the engine to take with the request's final output (TakeLoadRecord); bounded:
+      // a request that fails before its output never takes its record.
+      if (load_records_.size() >= kMaxLoadRecords) load_records_.erase(load_records_.begin());
+      load_records_[request_id] = std::move(rec);
+    }
+  }
+
+  json TakeLoadRecord(const std::string& request_id) override {
+    auto it = load_records_.find(request_id);
+    if (it == load_records_.end()) return nullptr;
+    json rec = std::move(it->second);
+    load_records_.erase(it);
+    return rec;
   }
 
   PeerState* Ready(const PeerEndpoint& p) {
@@ -1321,6 +1369,8 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   int64_t synced_refused_r_ = 0, synced_refused_w_ = 0;
   int64_t synced_hs_serve_ = 0, synced_hs_connect_ = 0;
   PhaseTimeline timeline_;
+  static constexpr size_t kMaxLoadRecords = 4096;
+  std::map<std::string, json> load_records_;  // decode: ended load records by request id
   Counter* m_bytes_ = nullptr;
   Histogram* m_seconds_ = nullptr;
   Histogram* m_hold_ = nullptr;

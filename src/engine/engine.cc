@@ -30,6 +30,7 @@ class EngineImpl final : public Engine {
     config_ = config;
     ASSIGN_OR_RETURN(core_,
                      EngineCore::Create(config, std::move(model), &metrics_, [this] { Wake(); }));
+    core_->set_clock(SteadyNow);
     m_running_ = &metrics_.AddGauge("kvbridge_requests_running", "Sequences running.");
     m_waiting_ = &metrics_.AddGauge("kvbridge_requests_waiting", "Sequences waiting or preempted.");
     m_waiting_remote_ =

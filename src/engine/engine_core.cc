@@ -287,7 +287,7 @@ Result<EngineCore::StepResult> EngineCore::Step(TimePoint now) {
     return st;
   }
   if (logits_observer_) logits_observer_(batch, logits_);
-  RETURN_IF_ERROR(scheduler_->UpdateFromOutput(batch, logits_, now));
+  RETURN_IF_ERROR(scheduler_->UpdateFromOutput(batch, logits_, clock_ ? clock_() : now));
   r.num_tokens = batch.num_tokens;
   r.num_sequences = static_cast<int>(batch.chunks.size());
   r.made_progress = true;

@@ -43,6 +43,7 @@
 #include "kvbridge/proxy/kv_routing.h"
 #include "proxy/stream.h"
 #include "proxy/tls.h"
+#include "kvbridge/proxy/timeline.h"
 #include "proxy/upstream_pool.h"
 
 namespace kvbridge::proxy {
@@ -372,6 +373,22 @@ struct ProxyServer::Impl {
     return json{{"mode", KvTransferModeName(options.mode)}, {"instances", list}};
   }
 
+  // Prometheus HTTP service discovery (docs/metrics.md "Prometheus"): this proxy (as the scraper
+  // reached it: its Host header) and every instance it knows, healthy or not, labelled by role.
+  json PrometheusTargets(std::string_view self) {
+    json groups = json::array();
+    groups.push_back({{"targets", {self}}, {"labels", {{"role", "proxy"}}}});
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& st : registry.List()) {
+      std::string target = st.info.url;
+      if (target.rfind("http://", 0) == 0) target = target.substr(7);
+      groups.push_back(
+          {{"targets", {target}},
+           {"labels", {{"role", RoleName(st.info.role)}, {"instance_id", st.info.id}}}});
+    }
+    return groups;
+  }
+
   bool TokenOk(const http::request<http::string_body>& req) {
     if (options.cluster_token.empty()) return true;
     auto it = req.find(kClusterTokenHeader);
@@ -388,7 +405,7 @@ struct ProxyServer::Impl {
   void FollowNewEngines();
   awaitable<void> FollowKvEvents(std::string id, std::string url);
   awaitable<std::optional<std::vector<int32_t>>> PromptIds(std::string path, std::string body);
-  awaitable<void> Release(ReleaseHold rel);
+  awaitable<void> Release(ReleaseHold rel, std::string request_id);
 
   ProxyOptions options;
   std::mutex mu;  // guards registry
@@ -415,6 +432,7 @@ struct ProxyServer::Impl {
   Counter* m_kv_route_no_ids = nullptr;       // no prompt ids: the registry's pick
   Histogram* m_kv_route_seconds = nullptr;    // the decision (hashes + index + scores)
   Histogram* m_prompt_ids_seconds = nullptr;  // tokenizing/templating (or /tokenize)
+  TimelineRing timelines{1024};  // GET /v1/requests/{id}/timeline
   // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -436,7 +454,7 @@ using Request = http::request<http::string_body>;
 // Beast's message + serializer would send (status line, Server, Content-Type, Content-Length,
 // Connection as keep_alive() sets it), without allocating each field and running a serializer.
 awaitable<bool> WriteWhole(Stream& sock, const Request& req, int status, std::string content_type,
-                           std::string body) {
+                           std::string body, std::string extra_head = {}) {
   const auto code = static_cast<http::status>(status);
   // 1xx, 204 and 304 carry no body and no Content-Length (RFC 9110 8.6).
   const bool bodyless = (status >= 100 && status < 200) || status == 204 || status == 304;
@@ -455,6 +473,7 @@ awaitable<bool> WriteWhole(Stream& sock, const Request& req, int status, std::st
     head += std::to_string(body.size());
     head += "\r\n";
   }
+  head += extra_head;  // whole "Name: value\r\n" lines
   const bool keep = req.keep_alive();
   if (req.version() >= 11 && !keep) head += "Connection: close\r\n";
   if (req.version() == 10 && keep) head += "Connection: keep-alive\r\n";
@@ -498,6 +517,8 @@ struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
     if (socket != nullptr) leg_sockets.emplace_back(leg_id, socket);
   }
   void CountOutcome();
+  // The request's timeline (timeline.h) into the ring and the phase histograms; once, at its end.
+  void RecordTimeline();
   // Starts watching the client for a disconnect, once per flow. Called when a leg's request is on
   // its way (or RunFlow is about to sleep), not at the start: the watch costs a system call, and
   // there it runs while the engine works instead of before the leg is sent.
@@ -525,6 +546,13 @@ struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
   std::optional<net::steady_timer> tls_watch;  // WatchClient's hang-up poll, TLS clients only
   std::optional<http::response<http::empty_body>> stream_head;
   std::optional<http::response_serializer<http::empty_body>> serializer;
+  // The timeline: the X-Request-Id (client-supplied or the transfer_id), and per leg its engine
+  // timing (header, or the stream's comment) and whether it streamed.
+  std::string request_id;
+  std::map<int, std::string> leg_timing;
+  std::map<int, bool> leg_stream;
+  std::map<int, SseTimingFilter> sse_filters;
+  bool timeline_recorded = false;
 };
 
 void FlowCtx::Push(std::vector<Action> actions) {
@@ -538,7 +566,7 @@ void FlowCtx::Push(std::vector<Action> actions) {
         }
       }
     } else if (auto* r = std::get_if<ReleaseHold>(&a)) {
-      net::co_spawn(ex, impl->Release(std::move(*r)), net::detached);
+      net::co_spawn(ex, impl->Release(std::move(*r), request_id), net::detached);
     } else {
       pending.push_back(std::move(a));
     }
@@ -552,6 +580,36 @@ void FlowCtx::CountOutcome() {
   counted = true;
   impl->outcome_counters[flow.outcome()]->Inc();
   impl->request_seconds.Observe(static_cast<double>(SteadyNow() - t0) / kSecond);
+}
+
+void FlowCtx::RecordTimeline() {
+  if (timeline_recorded) return;
+  timeline_recorded = true;
+  TimelineInput in;
+  in.request_id = request_id;
+  in.transfer_id = flow.transfer_id();
+  in.mode = impl->options.mode;
+  in.path = std::string(req->target());
+  in.stream = flow.client_stream();
+  in.outcome = flow.outcome();
+  in.received = t0;
+  in.responded = SteadyNow();
+  for (const LegRecord& r : flow.legs()) {
+    LegTiming l;
+    l.record = r;
+    l.stream = leg_stream[r.leg_id];
+    l.engine_timing = leg_timing[r.leg_id];
+    in.legs.push_back(std::move(l));
+  }
+  // No prefill leg: --colocated, or KV-aware routing sent the request to a decode alone.
+  in.colocated = impl->options.colocated ||
+                 std::none_of(in.legs.begin(), in.legs.end(),
+                              [](const LegTiming& l) { return l.record.role == Role::kPrefill; });
+  nlohmann::json tl = BuildTimeline(in);
+  ObserveTimeline(tl, &impl->metrics);
+  KVB_LOG_DEBUG("request {} transfer {}: {} in {} ms", request_id, flow.transfer_id(),
+                OutcomeName(flow.outcome()), tl["latency_ms"].get<double>());
+  impl->timelines.Put(std::move(tl));
 }
 
 awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg,
@@ -593,7 +651,8 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
     if (auto* w = std::get_if<Respond>(&a)) {
       ctx->CountOutcome();
       ctx->client_ok =
-          co_await WriteWhole(sock, *ctx->req, w->status, w->content_type, std::move(w->body));
+          co_await WriteWhole(sock, *ctx->req, w->status, w->content_type, std::move(w->body),
+                              "X-Request-Id: " + ctx->request_id + "\r\n");
     } else if (auto* st = std::get_if<StartStream>(&a)) {
       auto& head = ctx->stream_head.emplace();
       head.version(ctx->req->version());
@@ -601,6 +660,7 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
       head.set(http::field::server, "kvbridge-proxy");
       head.set(http::field::content_type, st->content_type);
       head.set(http::field::cache_control, "no-cache");
+      head.set("X-Request-Id", ctx->request_id);
       head.keep_alive(ctx->req->keep_alive());
       head.chunked(true);
       ctx->serializer.emplace(head);
@@ -619,7 +679,7 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
 // The request head of a leg, written by hand: the fields are few and fixed, and a Beast message
 // would allocate each one and run a serializer per leg.
 std::string LegHead(const SendLeg& leg, const std::string& host_port, const std::string& token,
-                    const std::string& transfer_id, bool keep_alive) {
+                    const std::string& request_id, bool keep_alive) {
   std::string head;
   head.reserve(200 + leg.path.size() + token.size());
   head += "POST ";
@@ -635,8 +695,10 @@ std::string LegHead(const SendLeg& leg, const std::string& host_port, const std:
     head += "\r\n";
   }
   head += "X-Request-Id: ";
-  head += transfer_id;
+  head += request_id;
   head += "\r\n";
+  head += kTimingHeader;  // the engine's phase times come back with its answer (timeline.h)
+  head += ": 1\r\n";
   if (!keep_alive) head += "Connection: close\r\n";
   head += "Content-Length: ";
   head += std::to_string(leg.body.size());
@@ -682,8 +744,9 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
   // A TLS connection is never handed to a plain leg or the other way round.
   const std::string pool_key = hp->tls ? "https://" + host_port : host_port;
   const bool pooling = impl->pool.enabled();
-  const std::string head = LegHead(leg, host_port, impl->options.cluster_token,
-                                   ctx->flow.transfer_id(), /*keep_alive=*/pooling);
+  const std::string head = LegHead(leg, host_port, impl->options.cluster_token, ctx->request_id,
+                                   /*keep_alive=*/pooling);
+  ctx->leg_stream[leg.leg_id] = leg.stream;
   const std::array<net::const_buffer, 2> request{net::buffer(head), net::buffer(leg.body)};
   beast::error_code ec;
   // Attempt 0 takes a pooled connection when there is one; attempt 1 exists only to redo a
@@ -759,6 +822,9 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
     }
     const TimePoint t1 = SteadyNow();
     impl->m_leg_first_byte_seconds[role]->Observe(static_cast<double>(t1 - t0) / kSecond);
+    if (auto timing = parser.get().find(kTimingHeader); timing != parser.get().end()) {
+      ctx->leg_timing[leg.leg_id] = std::string(ToStd(timing->value()));
+    }
     ctx->Push(ctx->flow.OnLegStatus(leg.leg_id, static_cast<int>(parser.get().result_int()),
                                     ToStd(parser.get()[http::field::content_type]), t1));
     if (!co_await drain()) co_return;
@@ -782,7 +848,12 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
         if (ec == http::error::need_buffer) ec = {};
         got = sizeof(chunk) - parser.get().body().size;
       }
-      if (got > 0) {
+      if (got > 0 && leg.stream) {
+        // The engine's timing comment stays out of the client's stream.
+        const std::string pass = ctx->sse_filters[leg.leg_id].Feed(std::string_view(chunk, got));
+        if (!pass.empty()) ctx->Push(ctx->flow.OnLegData(leg.leg_id, pass, SteadyNow()));
+        if (!co_await drain()) co_return;
+      } else if (got > 0) {
         ctx->Push(ctx->flow.OnLegData(leg.leg_id, std::string_view(chunk, got), SteadyNow()));
         if (!co_await drain()) co_return;
       }
@@ -801,6 +872,13 @@ awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, Se
       sock->lowest_layer().shutdown(tcp::socket::shutdown_both, ignore);
     }
     impl->m_leg_seconds[role]->Observe(static_cast<double>(t2 - t0) / kSecond);
+    if (leg.stream) {
+      SseTimingFilter& f = ctx->sse_filters[leg.leg_id];
+      if (std::string rest = f.Finish(); !rest.empty()) {
+        ctx->Push(ctx->flow.OnLegData(leg.leg_id, rest, t2));
+      }
+      if (!f.timing().empty()) ctx->leg_timing[leg.leg_id] = f.timing();
+    }
     ctx->Push(ctx->flow.OnLegDone(leg.leg_id, t2));
     co_return;
   }
@@ -847,7 +925,7 @@ void WatchClient(std::shared_ptr<FlowCtx> ctx, Stream* sock) {
 
 }  // namespace
 
-awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel) {
+awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel, std::string request_id) {
   json body = {{"transfer_id", rel.transfer_id}};
   auto r = co_await HttpCall(http::verb::post, rel.prefill.url, "/v1/kv/release", body.dump(),
                              options.cluster_token, options.connect_timeout, client_tls.get());
@@ -856,7 +934,8 @@ awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel) {
   } else {
     m_releases_failed->Inc();
     KVB_LOG_WARN(
-        "release of transfer {} at {} failed: {}", rel.transfer_id, rel.prefill.url,
+        "request {}: release of transfer {} at {} failed: {}", request_id, rel.transfer_id,
+        rel.prefill.url,
         r.ok() ? "HTTP " + std::to_string(r->status) + " " + r->body : r.status().ToString());
   }
 }
@@ -893,6 +972,8 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
     }
   }
   auto ctx = std::make_shared<FlowCtx>(this, ex, fo, std::move(picker), &sock, &req, t0);
+  ctx->request_id = SanitizeRequestId(ToStd(req["X-Request-Id"]));
+  if (ctx->request_id.empty()) ctx->request_id = ctx->flow.transfer_id();
   in_flight.Add(1);
   ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
   if (std::optional<TimePoint> deadline = ctx->flow.deadline()) {
@@ -922,6 +1003,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   }
   in_flight.Add(-1);
   ctx->CountOutcome();
+  ctx->RecordTimeline();
   co_return ctx->client_ok && ctx->flow.outcome() != Outcome::kClientDisconnected;
 }
 
@@ -942,6 +1024,22 @@ awaitable<bool> ProxyServer::Impl::Handle(Stream& sock, Request& req) {
   }
   if (get && path == "/metrics") {
     co_return co_await WriteWhole(sock, req, 200, "text/plain; version=0.0.4", RenderMetrics());
+  }
+  if (get && path.rfind("/v1/requests/", 0) == 0 && path.size() > 22 &&
+      path.compare(path.size() - 9, 9, "/timeline") == 0) {
+    const std::string id = path.substr(13, path.size() - 13 - 9);
+    if (std::optional<json> tl = timelines.Get(id)) {
+      co_return co_await WriteWhole(sock, req, 200, "application/json", tl->dump());
+    }
+    co_return co_await WriteWhole(
+        sock, req, 404, "application/json",
+        ErrorJson(404, "not_found", "no recent request with id or transfer_id '" + id + "'"));
+  }
+  if (get && path == "/v1/prometheus/targets") {
+    std::string self(ToStd(req[http::field::host]));
+    if (self.empty()) self = options.host + ":" + std::to_string(bound_port);
+    co_return co_await WriteWhole(sock, req, 200, "application/json",
+                                  PrometheusTargets(self).dump());
   }
   if (get && path == "/instances") {
     co_return co_await WriteWhole(sock, req, 200, "application/json", InstancesJson().dump());

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -243,7 +244,67 @@ struct Job {
   uint64_t version GUARDED_BY(mu) = 0;   // bumps on every engine output
   std::vector<std::string> request_ids;  // set before the first AddRequest returns; then const
   std::atomic<bool> aborted{false};
+  // The leg's timing (docs/metrics.md "Per-request P/D timeline"); set before the first
+  // AddRequest, then const, except `times` (one per prompt, from its final output).
+  TimePoint received = 0;  // the HTTP handler started
+  TimePoint added = 0;     // parsed and tokenized: the engine requests are queued
+  bool want_timing = false;
+  nlohmann::json kv_transfer_params;
+  std::vector<RequestTimes> times GUARDED_BY(mu);
 };
+
+// A client's X-Request-Id as this engine uses it inside its request ids (so every log line that
+// names the request names it too): at most 64 characters of [A-Za-z0-9.:-], others as '-'
+// ('_' splits sibling ids). Empty when absent.
+std::string SanitizedRequestId(const std::string& header) {
+  std::string out;
+  for (char c : header.substr(0, 64)) {
+    const bool ok = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == ':' || c == '-';
+    out += ok ? c : '-';
+  }
+  return out;
+}
+
+// "prefill" | "decode" | "colocated", and "read" | "write" | "colocated", from the request's
+// kv_transfer_params.
+std::pair<const char*, const char*> RoleAndMode(const json& kv) {
+  if (!kv.is_object()) return {"colocated", "colocated"};
+  const char* mode = kv.value("mode", std::string("read")) == "write" ? "write" : "read";
+  if (kv.value("do_remote_decode", false)) return {"prefill", mode};
+  if (kv.value("do_remote_prefill", false)) return {"decode", mode};
+  return {"colocated", "colocated"};
+}
+
+// One leg's timing as the proxy reads it (X-KVBridge-Timing, or the stream's
+// ": kvbridge-timing" comment): times in µs after the HTTP handler started, absent when the
+// event did not happen; "kv" is the decode's READ record (phases, bytes, blocks, backend).
+json TimingJson(const Job& job, const RequestTimes& t, TimePoint responded) {
+  auto [role, mode] = RoleAndMode(job.kv_transfer_params);
+  json at = json::object();
+  auto put = [&](json& j, const char* key, TimePoint v) {
+    if (v >= 0) j[key] = v - job.received;
+  };
+  put(at, "added", job.added);
+  put(at, "scheduled", t.scheduled);
+  put(at, "kv_wait_start", t.remote_kv_wait_start);
+  put(at, "kv_wait_end", t.remote_kv_wait_end);
+  put(at, "first_token", t.first_token);
+  put(at, "finished", t.finished);
+  put(at, "responded", responded);
+  json out = {{"role", role}, {"mode", mode}, {"request_id", job.request_ids[0]}, {"t", at}};
+  if (t.kv_load.is_object()) {
+    json kv = json::object();
+    for (const auto& [k, v] : t.kv_load.items()) {
+      if (k.size() > 3 && k.compare(k.size() - 3, 3, "_us") == 0 && v.is_number_integer()) {
+        put(kv, k.substr(0, k.size() - 3).c_str(), v.get<TimePoint>());
+      } else if (k == "bytes" || k == "blocks" || k == "reads" || k == "backend") {
+        kv[k] = v;
+      }
+    }
+    out["kv"] = std::move(kv);
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -268,6 +329,39 @@ struct ApiServer::Impl {
   std::set<std::shared_ptr<Job>> live_jobs GUARDED_BY(jobs_mu);
 
   MetricsRegistry metrics;
+  // kvbridge_request_phase_seconds{phase,mode,backend}: one request's phases on this engine.
+  void ObservePhases(const Job& job, const RequestTimes& t) {
+    auto [role, mode] = RoleAndMode(job.kv_transfer_params);
+    (void)role;
+    std::string backend = "none";
+    TimePoint read_posted = -1, read_ended = -1, ack = -1;
+    if (t.kv_load.is_object()) {
+      backend = t.kv_load.value("backend", std::string("none"));
+      read_posted = t.kv_load.value("read_posted_us", TimePoint{-1});
+      read_ended = t.kv_load.value("read_ended_us", TimePoint{-1});
+      ack = t.kv_load.value("ack_us", TimePoint{-1});
+    }
+    const TimePoint queue_end = t.remote_kv_wait_start >= 0 ? t.remote_kv_wait_start : t.scheduled;
+    const TimePoint ready = t.remote_kv_wait_end >= 0 ? t.remote_kv_wait_end : t.scheduled;
+    const std::pair<const char*, std::pair<TimePoint, TimePoint>> phases[] = {
+        {"tokenize", {job.received, job.added}},
+        {"queue", {job.added, queue_end}},
+        {"kv_wait", {t.remote_kv_wait_start, t.remote_kv_wait_end}},
+        {"transfer", {read_posted, read_ended}},
+        {"hold_valid_reply", {read_ended, ack}},
+        {"first_token", {ready, t.first_token}},
+        {"decode", {t.first_token, t.finished}},
+    };
+    for (const auto& [phase, span] : phases) {
+      if (span.first < 0 || span.second < span.first) continue;
+      metrics
+          .AddHistogram("kvbridge_request_phase_seconds",
+                        "One request's phases on this engine (docs/metrics.md).",
+                        Histogram::PhaseBucketsSeconds(),
+                        PrometheusLabels({{"phase", phase}, {"mode", mode}, {"backend", backend}}))
+          .Observe(static_cast<double>(span.second - span.first) / kSecond);
+    }
+  }
   Gauge* m_in_flight = nullptr;
   Counter* m_disconnects = nullptr;
   Counter* m_engine_rejections = nullptr;
@@ -354,14 +448,25 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
     if (!s.ok()) return SetError(res, HttpStatusFromStatus(s), s.message(), "kv_transfer_params");
   }
 
-  const std::string id =
-      (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") + RandomHex(24);
+  // A client's (or the proxy's) X-Request-Id is part of the engine's ids, as vLLM makes
+  // "cmpl-{X-Request-Id}"; a random tail keeps a repeated header from clashing.
+  const std::string xrid = SanitizedRequestId(req.get_header_value("X-Request-Id"));
+  const std::string id = (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") +
+                         (xrid.empty() ? RandomHex(24) : xrid + "-" + RandomHex(8));
   auto job = std::make_shared<Job>(parsed, tokenizer, id, config.served_model_name);
+  job->received = received;
+  job->want_timing = req.has_header("X-KVBridge-Timing");
+  job->kv_transfer_params = parsed.kv_transfer_params;
   const size_t num_prompts = parsed.prompts.size();
   for (size_t p = 0; p < num_prompts; ++p) {
     job->request_ids.push_back(num_prompts == 1 ? id : id + "-" + std::to_string(p));
   }
+  {
+    MutexLock l(&job->mu);
+    job->times.resize(num_prompts);
+  }
   Track(job);
+  job->added = SteadyNow();
   for (size_t p = 0; p < num_prompts; ++p) {
     EngineRequest er;
     er.request_id = job->request_ids[p];
@@ -373,6 +478,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
       {
         MutexLock l(&job->mu);
         job->builder.Apply(p, out);
+        if (out.finished) job->times[p] = out.times;
         ++job->version;
       }
       job->cv.notify_all();
@@ -402,11 +508,16 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
     }
     Status s = job->builder.FirstError();
     json out = job->builder.FinalBody();
+    const std::vector<RequestTimes> times = job->times;
     l.Unlock();
     Untrack(job);
     if (!s.ok()) return SetError(res, HttpStatusFromStatus(s), s.message());
+    for (const RequestTimes& t : times) ObservePhases(*job, t);
     res.status = 200;
     res.set_content(DumpJson(out), "application/json");
+    if (job->want_timing) {
+      res.set_header("X-KVBridge-Timing", TimingJson(*job, times[0], SteadyNow()).dump());
+    }
     return;
   }
 
@@ -417,6 +528,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
       [this, job, fd, seen](size_t, httplib::DataSink& sink) -> bool {
         std::string frames;
         bool done = false;
+        std::vector<RequestTimes> times;
         {
           MutexLock l(&job->mu);
           job->cv.wait_for(l.native(), kPollInterval,
@@ -424,6 +536,20 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
           *seen = job->version;
           frames = job->builder.TakeStreamFrames();
           done = job->builder.StreamDone();
+          if (done) times = job->times;
+        }
+        if (done && !times.empty()) {
+          for (const RequestTimes& t : times) ObservePhases(*job, t);
+          if (job->want_timing) {
+            // An SSE comment (ignored by SSE clients) before [DONE]; the proxy strips it.
+            const std::string comment =
+                ": kvbridge-timing " + TimingJson(*job, times[0], SteadyNow()).dump() + "\n\n";
+            static constexpr std::string_view kDone = "data: [DONE]\n\n";
+            const bool ends_done =
+                frames.size() >= kDone.size() &&
+                frames.compare(frames.size() - kDone.size(), kDone.size(), kDone) == 0;
+            frames.insert(ends_done ? frames.size() - kDone.size() : frames.size(), comment);
+          }
         }
         if (!frames.empty() && !sink.write(frames.data(), frames.size())) return false;
         if (done) {

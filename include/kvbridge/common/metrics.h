@@ -59,6 +59,8 @@ class Histogram {
   static std::vector<double> LatencyBucketsSeconds();
   /// Bounds from 100 us to 2.5 s: for inter-token latency and transfer times.
   static std::vector<double> FineLatencyBucketsSeconds();
+  /// Bounds from 100 us to 60 s: for the phases of one request (docs/metrics.md timelines).
+  static std::vector<double> PhaseBucketsSeconds();
   uint64_t Count() const;
   double Sum() const;
   /// Cumulative count of observations <= bounds()[i]; index bounds().size() is +Inf.

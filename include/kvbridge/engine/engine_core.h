@@ -107,6 +107,10 @@ class EngineCore {
   const Model& model() const { return *model_; }
   const EngineConfig& config() const { return config_; }
   int max_model_len() const { return max_model_len_; }
+  /// The clock Step reads once the forward pass is done, so a token's time (TTFT, ITL, the
+  /// request's first_token / finished) is when it exists, not when its step began. Unset (the
+  /// default, for deterministic drivers): the step's `now`. The threaded Engine sets SteadyNow.
+  void set_clock(std::function<TimePoint()> clock) { clock_ = std::move(clock); }
 
  private:
   EngineCore() = default;
@@ -127,6 +131,7 @@ class EngineCore {
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<float> logits_;
   LogitsObserver logits_observer_;
+  std::function<TimePoint()> clock_;
 };
 
 }  // namespace kvbridge

@@ -15,6 +15,8 @@
 //   GET  /metrics                                 Prometheus text: kvbridge_proxy_* families
 //                                                  (leg_connections_total{kind=new|reused},
 //                                                  leg_retries_total, upstream_idle_connections)
+//   GET  /v1/prometheus/targets                   Prometheus HTTP service discovery: this proxy
+//                                                  and every known instance, label role
 //   GET  /instances                               {"mode":..,"instances":[{id,role,url,mode,
 //                                                  healthy,static,load{running,waiting,kv_usage},
 //                                                  in_flight,engine_id,transfer_endpoints}]}
