@@ -15,6 +15,7 @@
 #include <toml++/toml.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -64,7 +65,27 @@ struct UpOptions {
   std::string device = "cpu";
   /// Each GPU engine's --gpu-memory-utilization; 0 = 0.9 / (engines on that GPU).
   double gpu_memory_utilization = 0;
+  std::string prometheus_config;     ///< write a Prometheus config for the topology here
+  double prometheus_interval_s = 5;  ///< its scrape (and discovery refresh) interval
 };
+
+// A Prometheus config that scrapes the proxy and every engine it knows, found through the
+// proxy's HTTP service discovery (GET /v1/prometheus/targets), so engines that restart on other
+// ports or register later are followed (docs/metrics.md "Prometheus").
+bool WritePrometheusConfig(const std::string& path, const std::string& proxy_addr,
+                           double interval_s) {
+  const std::string iv = std::to_string(std::max(1, static_cast<int>(interval_s * 1000))) + "ms";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return false;
+  std::fprintf(f,
+               "# Written by kvbridge up: scrapes the proxy and every engine it knows.\n"
+               "global:\n  scrape_interval: %s\n  scrape_timeout: %s\n"
+               "  evaluation_interval: %s\n"
+               "scrape_configs:\n  - job_name: kvbridge\n    http_sd_configs:\n"
+               "      - url: http://%s/v1/prometheus/targets\n        refresh_interval: %s\n",
+               iv.c_str(), iv.c_str(), iv.c_str(), proxy_addr.c_str(), iv.c_str());
+  return std::fclose(f) == 0;
+}
 
 // The --device list: "cpu" -> {"cpu"}; "cuda:0,cuda:1" -> {"cuda:0", "cuda:1"}. Empty on a bad
 // entry (every entry cuda[:N], or the single word cpu).
@@ -579,6 +600,15 @@ int RunUp(UpOptions o) {
   }
   std::printf("OpenAI API: http://%s/v1/completions  (instances: http://%s/instances)\n",
               proxy_addr.c_str(), proxy_addr.c_str());
+  if (!o.prometheus_config.empty()) {
+    if (!WritePrometheusConfig(o.prometheus_config, proxy_addr, o.prometheus_interval_s)) {
+      std::fprintf(stderr, "kvbridge up: cannot write %s\n", o.prometheus_config.c_str());
+      StopAll(children);
+      return 1;
+    }
+    std::printf("Prometheus config: %s (prometheus --config.file=%s)\n",
+                o.prometheus_config.c_str(), o.prometheus_config.c_str());
+  }
   std::printf("Ctrl-C or SIGTERM stops everything.\n");
   std::fflush(stdout);
 
@@ -655,6 +685,11 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto* gmu = sub.add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
                                  "Each GPU engine's share of its GPU (default 0.9 / engines on "
                                  "that GPU)");
+      auto* prom = sub.add_option("--prometheus-config", o->prometheus_config,
+                                  "Write a Prometheus config scraping the topology to FILE");
+      auto* prom_iv = sub.add_option("--prometheus-scrape-interval", o->prometheus_interval_s,
+                                     "Its scrape interval, seconds")
+                          ->capture_default_str();
       return [=]() -> int {
         UpOptions eff;
         if (!cfg->empty() && !LoadConfig(*cfg, eff)) return 2;
@@ -675,6 +710,8 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
         if (dtp->count()) eff.decode_tp = o->decode_tp;
         if (dev->count()) eff.device = o->device;
         if (gmu->count()) eff.gpu_memory_utilization = o->gpu_memory_utilization;
+        if (prom->count()) eff.prometheus_config = o->prometheus_config;
+        if (prom_iv->count()) eff.prometheus_interval_s = o->prometheus_interval_s;
         for (const auto& a : o->engine_args) eff.engine_args.push_back(a);
         for (const auto& a : o->prefill_args) eff.prefill_args.push_back(a);
         for (const auto& a : o->decode_args) eff.decode_args.push_back(a);
