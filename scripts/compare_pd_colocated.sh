@@ -123,6 +123,11 @@ run_topology() {  # name: pd | colocated
 rc=0
 run_topology pd || rc=1
 run_topology colocated || rc=1
+# JSON_OUT=DIR keeps both bench reports (pd.json, colocated.json) for scripts/plot_bench.py.
+if [[ -n ${JSON_OUT:-} ]]; then
+  mkdir -p "$JSON_OUT"
+  cp "$WORK/pd.json" "$WORK/colocated.json" "$JSON_OUT/" 2>/dev/null || true
+fi
 
 python3 - "$WORK/pd.json" "$WORK/colocated.json" <<'EOF'
 import json, sys

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -64,8 +65,12 @@ int RunBenchCommand(BenchCli& cli, bool check_drain) {
                  std::max(1, cli.o.synthetic_prompts), static_cast<unsigned long long>(cli.o.seed));
   }
   const bool tty = ::isatty(2);
-  auto progress = [tty](const std::string& line) {
-    std::fprintf(stderr, tty ? "\r%-78s" : "%s\n", line.c_str());
+  // On a terminal one line redrawn in place; into a file or pipe a line every 5 s (and one per
+  // batch), not the 5 per second RunBench reports.
+  auto throttle = std::make_shared<kvbridge::bench::ProgressThrottle>(tty);
+  auto progress = [throttle](const std::string& line) {
+    const std::string out = throttle->Format(line, std::chrono::steady_clock::now());
+    if (!out.empty()) std::fputs(out.c_str(), stderr);
   };
   auto report = kvbridge::bench::RunBench(cli.o, progress);
   if (tty) std::fprintf(stderr, "\n");

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -291,6 +292,41 @@ std::vector<std::string> MakeSyntheticPrompts(int count, uint64_t seed) {
   return out;
 }
 
+std::map<std::string, std::pair<double, double>> ParsePhaseTotals(const std::string& metrics) {
+  std::map<std::string, std::pair<double, double>> out;
+  std::istringstream is(metrics);
+  std::string line;
+  static const std::string kSum = "kvbridge_proxy_phase_seconds_sum{";
+  static const std::string kCount = "kvbridge_proxy_phase_seconds_count{";
+  while (std::getline(is, line)) {
+    const bool sum = line.rfind(kSum, 0) == 0;
+    if (!sum && line.rfind(kCount, 0) != 0) continue;
+    const size_t at = line.find("phase=\"");
+    const size_t sp = line.rfind(' ');
+    if (at == std::string::npos || sp == std::string::npos) continue;
+    const size_t end = line.find('"', at + 7);
+    const std::string phase = line.substr(at + 7, end - at - 7);
+    const double v = std::strtod(line.c_str() + sp + 1, nullptr);
+    (sum ? out[phase].first : out[phase].second) += v;
+  }
+  return out;
+}
+
+std::string ProgressThrottle::Format(const std::string& line,
+                                     std::chrono::steady_clock::time_point now) {
+  if (tty_) {
+    std::string out = "\r" + line;
+    if (out.size() < 79) out.append(79 - out.size(), ' ');
+    return out;
+  }
+  const std::string batch = line.substr(0, line.find(':'));
+  if (printed_ && batch == last_batch_ && now - last_ < interval_) return "";
+  printed_ = true;
+  last_ = now;
+  last_batch_ = batch;
+  return line + "\n";
+}
+
 Result<BenchReport> RunBench(const BenchOptions& o,
                              const std::function<void(const std::string&)>& progress) {
   if (o.samples < 1) return InvalidArgumentError("--samples must be >= 1");
@@ -339,6 +375,14 @@ Result<BenchReport> RunBench(const BenchOptions& o,
     }
     std::vector<Sample> samples(bodies.size());
     std::atomic<int> next{0}, done{0}, errors{0};
+    // The proxy's phase totals before and after the batch (none from an engine).
+    auto phase_totals = [&] {
+      auto c = MakeClient(hp, 5);
+      auto res = c->Get("/metrics");
+      return res && res->status == 200 ? ParsePhaseTotals(res->body)
+                                       : std::map<std::string, std::pair<double, double>>{};
+    };
+    const auto phases_before = phase_totals();
     const auto t0 = Clock::now();
     std::vector<std::thread> workers;
     for (int w = 0; w < conc; ++w) {
@@ -466,6 +510,18 @@ Result<BenchReport> RunBench(const BenchOptions& o,
       br.mean_output_tokens = completion / ok;
     }
     br.cache_hit_rate = prompt > 0 ? cached / prompt : 0;
+    std::sort(lat.begin(), lat.end());
+    std::sort(ttft.begin(), ttft.end());
+    br.latencies_s = lat;
+    br.ttfts_s = ttft;
+    // The proxy counts a request's phases just after its last byte: give it a moment.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (const auto& [phase, after] : phase_totals()) {
+      auto b = phases_before.find(phase);
+      const double sum = after.first - (b != phases_before.end() ? b->second.first : 0);
+      const double count = after.second - (b != phases_before.end() ? b->second.second : 0);
+      if (count > 0) br.phase_mean_s[phase] = sum / count;
+    }
     if (br.errors > 0) report.ok = false;
     if (o.check_drain) {
       br.drains = CheckDrain(drain_urls, t_end, o.drain_timeout_s);
@@ -573,7 +629,10 @@ std::string ReportJson(const BenchReport& r) {
                        {"mean_output_tokens", b.mean_output_tokens},
                        {"cache_hit_rate", b.cache_hit_rate},
                        {"error_samples", b.error_samples},
-                       {"drains", drains}});
+                       {"drains", drains},
+                       {"latencies_s", b.latencies_s},
+                       {"ttfts_s", b.ttfts_s},
+                       {"phase_mean_s", b.phase_mean_s}});
   }
   return json{{"ok", r.ok}, {"stop_reason", r.stop_reason}, {"batches", batches}}.dump(2);
 }

@@ -71,3 +71,49 @@ TEST(Bench, BadOptionsAreInvalidArgument) {
 
 }  // namespace
 }  // namespace kvbridge::bench
+
+namespace kvbridge::bench {
+namespace {
+
+TEST(ProgressThrottle, RedrawsOnATerminal) {
+  ProgressThrottle t(/*tty=*/true);
+  const auto now = std::chrono::steady_clock::now();
+  EXPECT_EQ(t.Format("batch c=1: 1/4 done", now),
+            "\r" + std::string("batch c=1: 1/4 done") + std::string(79 - 20, ' '));
+  EXPECT_EQ(t.Format("batch c=1: 2/4 done", now).substr(0, 20), "\rbatch c=1: 2/4 done");
+}
+
+TEST(ProgressThrottle, WritesALineEveryIntervalIntoAFile) {
+  using std::chrono::milliseconds;
+  ProgressThrottle t(/*tty=*/false, milliseconds(5000));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(t.Format("batch c=1: 0/8 done", t0), "batch c=1: 0/8 done\n");
+  // 200 ms apart, as RunBench reports: nothing until 5 s passed.
+  for (int i = 1; i < 25; ++i) EXPECT_EQ(t.Format("batch c=1: x", t0 + milliseconds(200 * i)), "");
+  EXPECT_EQ(t.Format("batch c=1: 5/8 done", t0 + milliseconds(5000)), "batch c=1: 5/8 done\n");
+  // A new batch is shown at once.
+  EXPECT_EQ(t.Format("batch c=4: 0/8 done", t0 + milliseconds(5200)), "batch c=4: 0/8 done\n");
+}
+
+TEST(ParsePhaseTotals, SumsOverModeAndBackend) {
+  const std::string text =
+      "# TYPE kvbridge_proxy_phase_seconds histogram\n"
+      "kvbridge_proxy_phase_seconds_bucket{phase=\"decode\",mode=\"read\",backend=\"shm\",le=\"1\"}"
+      " 2\n"
+      "kvbridge_proxy_phase_seconds_sum{phase=\"decode\",mode=\"read\",backend=\"shm\"} 0.5\n"
+      "kvbridge_proxy_phase_seconds_count{phase=\"decode\",mode=\"read\",backend=\"shm\"} 2\n"
+      "kvbridge_proxy_phase_seconds_sum{phase=\"decode\",mode=\"read\",backend=\"tcp\"} 0.25\n"
+      "kvbridge_proxy_phase_seconds_count{phase=\"decode\",mode=\"read\",backend=\"tcp\"} 1\n"
+      "kvbridge_proxy_phase_seconds_sum{phase=\"transfer\",mode=\"read\",backend=\"shm\"} 0.01\n"
+      "kvbridge_proxy_phase_seconds_count{phase=\"transfer\",mode=\"read\",backend=\"shm\"} 2\n"
+      "kvbridge_proxy_request_seconds_sum 9\n";
+  const auto t = ParsePhaseTotals(text);
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_DOUBLE_EQ(t.at("decode").first, 0.75);
+  EXPECT_DOUBLE_EQ(t.at("decode").second, 3);
+  EXPECT_DOUBLE_EQ(t.at("transfer").first, 0.01);
+  EXPECT_TRUE(ParsePhaseTotals("").empty());
+}
+
+}  // namespace
+}  // namespace kvbridge::bench

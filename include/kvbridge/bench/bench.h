@@ -23,9 +23,12 @@
 // Thread-safety: RunBench is reentrant (it starts and joins its own worker threads).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvbridge/common/status.h"
@@ -86,6 +89,35 @@ struct BatchReport {
   double cache_hit_rate = 0;               // sum cached_tokens / sum prompt_tokens
   std::vector<std::string> error_samples;  // the first few errors, "HTTP 400: body"
   std::vector<DrainReport> drains;
+  // Raw per-request figures of the successful requests, ascending (for CDFs and plots):
+  // latencies, and TTFTs when streaming.
+  std::vector<double> latencies_s, ttfts_s;
+  // Mean seconds per request of each P/D phase during the batch, from the proxy's
+  // kvbridge_proxy_phase_seconds (docs/metrics.md "Per-request P/D timeline"): the change of
+  // each phase's _sum over the change of its _count. Empty when --host does not export them.
+  std::map<std::string, double> phase_mean_s;
+};
+
+/// Per phase label, the (sum, count) totals of kvbridge_proxy_phase_seconds in a /metrics text
+/// (summed over the other labels).
+std::map<std::string, std::pair<double, double>> ParsePhaseTotals(const std::string& metrics);
+
+/// How `kvbridge bench` shows RunBench's progress lines. On a terminal every line redraws in
+/// place ("\r" + the line padded); otherwise (a file, a pipe) a line ends in "\n" and is written
+/// at most every `interval`, and at once when the batch changes (the text before ':').
+/// Returns what to write for `line` at `now` (empty: nothing).
+class ProgressThrottle {
+ public:
+  explicit ProgressThrottle(bool tty, std::chrono::milliseconds interval = std::chrono::seconds(5))
+      : tty_(tty), interval_(interval) {}
+  std::string Format(const std::string& line, std::chrono::steady_clock::time_point now);
+
+ private:
+  bool tty_;
+  std::chrono::milliseconds interval_;
+  bool printed_ = false;
+  std::chrono::steady_clock::time_point last_{};
+  std::string last_batch_;
 };
 
 struct BenchReport {
