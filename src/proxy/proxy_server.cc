@@ -41,9 +41,9 @@
 #include "kvbridge/common/logging.h"
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/proxy/kv_routing.h"
+#include "kvbridge/proxy/timeline.h"
 #include "proxy/stream.h"
 #include "proxy/tls.h"
-#include "kvbridge/proxy/timeline.h"
 #include "proxy/upstream_pool.h"
 
 namespace kvbridge::proxy {
@@ -432,7 +432,7 @@ struct ProxyServer::Impl {
   Counter* m_kv_route_no_ids = nullptr;       // no prompt ids: the registry's pick
   Histogram* m_kv_route_seconds = nullptr;    // the decision (hashes + index + scores)
   Histogram* m_prompt_ids_seconds = nullptr;  // tokenizing/templating (or /tokenize)
-  TimelineRing timelines{1024};  // GET /v1/requests/{id}/timeline
+  TimelineRing timelines{1024};               // GET /v1/requests/{id}/timeline
   // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -552,6 +552,7 @@ struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
   std::map<int, std::string> leg_timing;
   std::map<int, bool> leg_stream;
   std::map<int, SseTimingFilter> sse_filters;
+  TimePoint responded_at = -1;  // the client's response's last byte was written
   bool timeline_recorded = false;
 };
 
@@ -593,7 +594,7 @@ void FlowCtx::RecordTimeline() {
   in.stream = flow.client_stream();
   in.outcome = flow.outcome();
   in.received = t0;
-  in.responded = SteadyNow();
+  in.responded = responded_at >= 0 ? responded_at : SteadyNow();
   for (const LegRecord& r : flow.legs()) {
     LegTiming l;
     l.record = r;
@@ -653,6 +654,7 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
       ctx->client_ok =
           co_await WriteWhole(sock, *ctx->req, w->status, w->content_type, std::move(w->body),
                               "X-Request-Id: " + ctx->request_id + "\r\n");
+      ctx->responded_at = SteadyNow();
     } else if (auto* st = std::get_if<StartStream>(&a)) {
       auto& head = ctx->stream_head.emplace();
       head.version(ctx->req->version());
@@ -671,6 +673,7 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
     } else if (std::holds_alternative<EndStream>(a)) {
       ctx->CountOutcome();
       ctx->client_ok = !co_await WriteNow(sock, http::make_chunk_last());
+      ctx->responded_at = SteadyNow();
     }
     if (!ctx->client_ok) ctx->Push(ctx->flow.OnClientDisconnect(SteadyNow()));
   }
