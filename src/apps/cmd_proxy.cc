@@ -132,6 +132,18 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
           ->capture_default_str();
       sub.add_option("--request-timeout-s", o->request_timeout_s, "Bound on one client request")
           ->capture_default_str();
+      sub.add_option("--max-pending", o->proxy.max_pending,
+                     "Client requests in flight past which new ones get 429 with Retry-After "
+                     "(0 = no bound)")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 1 << 20));
+      sub.add_option("--retry-after-s", o->proxy.retry_after_s,
+                     "Seconds a 429 (overload) tells the client to wait (Retry-After)")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 3600));
+      sub.add_option("--restart-count", o->proxy.restart_count,
+                     "Times this proxy was restarted (set by kvbridge up; shown in /metrics)")
+          ->check(CLI::Range(0, 1000000));
       sub.add_option("--threads", o->proxy.threads, "Event-loop threads")->capture_default_str();
       sub.add_option("--upstream-max-idle", o->proxy.upstream_max_idle,
                      "Idle keep-alive connections kept per engine (0 = a new one per leg)")

@@ -2,6 +2,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -63,8 +64,11 @@ struct ServeOptions {
   std::string cluster_token;
   bool insecure_no_cluster_token = false;  // P/D on a non-loopback host without a token
   std::string advertise_host;
-  std::string proxy;      // HOST:PORT of a `kvbridge proxy` to register with; empty = none
-  std::string port_file;  // where to write the bound port once listening; empty = nowhere
+  std::string proxy;          // HOST:PORT of a `kvbridge proxy` to register with; empty = none
+  std::string port_file;      // where to write the bound port once listening; empty = nowhere
+  std::string instance_name;  // stable name across restarts, in the proxy registration
+  int restart_count = 0;      // times `kvbridge up` restarted this engine
+  double drain_timeout_s = 30;
 };
 
 Result<KvDtype> ParseKvDtype(const std::string& s) {
@@ -276,6 +280,18 @@ int RunServe(const ServeOptions& o) {
       if (!s.ok()) return Fail(s);
     }
   }
+  // POST /drain (docs/proxy.md "Drain"): the watcher below sees draining() and drains. With a
+  // cluster token, only its holders may drain the engine.
+  Status drain_route = (*srv)->RegisterRoute(
+      "POST", "/drain", [srv_ptr = srv->get(), token = o.cluster_token](const HttpRequest& req) {
+        if (!ClusterTokenMatches(req, token)) {
+          return OpenAiErrorResponse(403, "POST /drain needs the cluster token");
+        }
+        srv_ptr->BeginDrain();
+        return HttpResponse{.status = 200, .body = R"({"status":"draining"})"};
+      });
+  if (!drain_route.ok()) return Fail(drain_route);
+  bool drain_timed_out = false;
   Status started = (*srv)->Start();
   if (!started.ok()) return Fail(started);
   if (!o.port_file.empty()) {
@@ -303,6 +319,8 @@ int RunServe(const ServeOptions& o) {
     ro.info.transfer_endpoints = {ro.info.url};
     // WRITE mode: the proxy names this to decodes as the prefill's tp_size (they pair ranks).
     ro.info.tp_size = std::max(1, o.tensor_parallel_size);
+    ro.info.name = o.instance_name;
+    ro.info.restarts = o.restart_count;
     Engine* eng = engine->get();
     registration = proxy::RegistrationClient::Start(ro, [eng] {
       const EngineStats st = eng->Stats();
@@ -317,10 +335,56 @@ int RunServe(const ServeOptions& o) {
     KVB_LOG_INFO("registering with proxy {} as {}", o.proxy, ro.info.url);
   }
 
+  // Graceful drain on SIGTERM/SIGINT or POST /drain: new requests get 503, the proxy is told
+  // (deregister) and routes around this engine, what was admitted finishes — holds for decodes
+  // included — within --drain-timeout, then the server stops and serve exits 0. A second
+  // signal stops at once.
   std::thread watcher([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    KVB_LOG_INFO("kvbridge serve: signal {}, shutting down", sig);
+    using WatchClock = std::chrono::steady_clock;
+    auto wait_signal = [&](int ms) {
+      timespec ts{ms / 1000, (ms % 1000) * 1'000'000L};
+      return sigtimedwait(&signals, nullptr, &ts);
+    };
+    for (;;) {
+      const int sig = wait_signal(100);
+      if (sig > 0) {
+        KVB_LOG_INFO("kvbridge serve: signal {}, draining (a second signal stops at once)", sig);
+        break;
+      }
+      if ((*srv)->draining()) break;  // POST /drain
+    }
+    (*srv)->BeginDrain();
+    if (registration) registration->Stop();  // deregisters: the proxy stops routing here
+    const auto t0 = WatchClock::now();
+    const auto deadline =
+        t0 + std::chrono::milliseconds(static_cast<int64_t>(o.drain_timeout_s * 1000));
+    int idle_polls = 0;
+    for (;;) {
+      const EngineStats st = (*engine)->Stats();
+      const bool idle = (*srv)->in_flight() == 0 && st.running == 0 && st.waiting == 0 &&
+                        st.waiting_for_remote_kv == 0 && st.kv_blocks_active == 0;
+      // Idle twice in a row, 50 ms apart: a hold released as a response is written is seen.
+      idle_polls = idle ? idle_polls + 1 : 0;
+      if (idle_polls >= 2) {
+        KVB_LOG_INFO(
+            "kvbridge serve: drained in {} ms",
+            std::chrono::duration_cast<std::chrono::milliseconds>(WatchClock::now() - t0).count());
+        break;
+      }
+      if (WatchClock::now() >= deadline) {
+        drain_timed_out = true;
+        KVB_LOG_WARN(
+            "kvbridge serve: drain timed out after {} s ({} HTTP requests, {} running, {} "
+            "waiting, {} KV blocks in use); stopping",
+            o.drain_timeout_s, (*srv)->in_flight(), st.running,
+            st.waiting + st.waiting_for_remote_kv, st.kv_blocks_active);
+        break;
+      }
+      if (wait_signal(50) > 0) {
+        KVB_LOG_WARN("kvbridge serve: second signal, stopping without waiting");
+        break;
+      }
+    }
     kv_events->Close();  // long polls answer now, not at their timeout
     (*srv)->Stop();
   });
@@ -330,7 +394,7 @@ int RunServe(const ServeOptions& o) {
   (*engine)->Shutdown();
   srv->reset();
   KVB_LOG_INFO("kvbridge serve: stopped");
-  return 0;
+  return drain_timed_out ? 3 : 0;
 }
 
 const bool kRegistered = RegisterCommand(
@@ -449,6 +513,17 @@ const bool kRegistered = RegisterCommand(
                      "HOST:PORT of a kvbridge proxy to register with and heartbeat to (role and "
                      "mode from --kv-transfer-config; kv_producer registers as prefill, else "
                      "decode)");
+      sub.add_option("--drain-timeout", o->drain_timeout_s,
+                     "Seconds a drain (SIGTERM, SIGINT or POST /drain) waits for admitted "
+                     "requests and held KV to finish before stopping anyway (exit code 3)")
+          ->capture_default_str()
+          ->check(CLI::Range(0.0, 86400.0));
+      sub.add_option("--instance-name", o->instance_name,
+                     "Stable name sent with the --proxy registration (kvbridge up: prefill-0, "
+                     "decode-1, ...); a new registration under it replaces the old one");
+      sub.add_option("--restart-count", o->restart_count,
+                     "Times this engine was restarted (set by kvbridge up; in the registration)")
+          ->check(CLI::Range(0, 1000000));
       sub.add_option("--advertise-host", o->advertise_host,
                      "Host that prefill answers give decodes as remote_host (default: --host)");
       // vLLM flags that mean nothing on this engine or device: accepted (a vLLM command line

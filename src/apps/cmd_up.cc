@@ -2,8 +2,11 @@
 //
 // Makes the default model when absent, starts the engines and the proxy (this same binary, via
 // /proc/self/exe) with their logs in --log-dir, waits until every instance is healthy and known
-// to the proxy, prints the endpoints, and on SIGINT/SIGTERM stops every child and exits 0. A child
-// that dies is reported with the tail of its log, the rest are stopped, and the exit code is 1.
+// to the proxy, prints the endpoints, and then supervises: a child that dies is reported (exit
+// status, the tail of its log) and restarted with backoff while the others keep serving
+// (--restart, --restart-budget; the decisions are proxy::Supervisor's, supervisor.h). On
+// SIGINT/SIGTERM it stops every child and exits 0; when a child's restart budget is spent it stops
+// every child and exits 1. A child that dies before the topology is ready stops it (exit 1).
 // Every engine binds a free port itself (`serve --port 0 --port-file F`) and up reads the port
 // back from F, so no other process can take it between a choice and a bind; the proxy does the
 // same with --port 0. See docs/proxy.md.
@@ -27,12 +30,15 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "apps/command_registry.h"
 #include "apps/port_file.h"
 #include "kvbridge/model/random_model.h"
 #include "kvbridge/proxy/flow.h"
+#include "kvbridge/proxy/proxy_server.h"
+#include "kvbridge/proxy/supervisor.h"
 
 namespace {
 
@@ -65,8 +71,10 @@ struct UpOptions {
   std::string device = "cpu";
   /// Each GPU engine's --gpu-memory-utilization; 0 = 0.9 / (engines on that GPU).
   double gpu_memory_utilization = 0;
-  std::string prometheus_config;     ///< write a Prometheus config for the topology here
-  double prometheus_interval_s = 5;  ///< its scrape (and discovery refresh) interval
+  std::string prometheus_config;       ///< write a Prometheus config for the topology here
+  double prometheus_interval_s = 5;    ///< its scrape (and discovery refresh) interval
+  std::string restart = "on-failure";  ///< on-failure|always|never (supervisor.h)
+  int restart_budget = 5;              ///< restarts per child per minute
 };
 
 // A Prometheus config that scrapes the proxy and every engine it knows, found through the
@@ -114,6 +122,9 @@ struct Child {
   int port = 0;           ///< 0 until read from port_file
   pid_t pid = -1;
   bool exited = false;
+  bool prefill = false;   ///< an engine's role (the proxy is neither)
+  int engine_index = -1;  ///< its place among the engines (prefills first), for --device
+  int restarts = 0;       ///< times up restarted it
 };
 
 std::string SelfExe() {
@@ -237,7 +248,7 @@ bool ParseTopology(const std::string& t, int* p, int* d) {
 // Loads FILE.toml into `o` (keys: topology, model, port, mode, transport, log_dir,
 // prefill_forward_n, prefix_caching, prefill_kv_blocks, engine_args, prefill_args, decode_args,
 // cluster_token, routing, ready_timeout_s, prefill_tp, decode_tp, device,
-// gpu_memory_utilization). Unknown keys are an error.
+// gpu_memory_utilization, restart, restart_budget). Unknown keys are an error.
 bool LoadConfig(const std::string& path, UpOptions& o) {
   toml::table t;
   try {
@@ -265,7 +276,9 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
                                                  "prefill_tp",
                                                  "decode_tp",
                                                  "device",
-                                                 "gpu_memory_utilization"};
+                                                 "gpu_memory_utilization",
+                                                 "restart",
+                                                 "restart_budget"};
   for (auto&& [k, v] : t) {
     if (std::find(kKeys.begin(), kKeys.end(), std::string(k.str())) == kKeys.end()) {
       Usage("--config " + path + ": unknown key '" + std::string(k.str()) + "'");
@@ -297,6 +310,9 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
   o.decode_tp = static_cast<int>(t["decode_tp"].value_or(static_cast<int64_t>(o.decode_tp)));
   o.device = t["device"].value_or(o.device);
   o.gpu_memory_utilization = t["gpu_memory_utilization"].value_or(o.gpu_memory_utilization);
+  o.restart = t["restart"].value_or(o.restart);
+  o.restart_budget =
+      static_cast<int>(t["restart_budget"].value_or(static_cast<int64_t>(o.restart_budget)));
   strs("engine_args", o.engine_args);
   strs("prefill_args", o.prefill_args);
   strs("decode_args", o.decode_args);
@@ -335,6 +351,15 @@ int RunUp(UpOptions o) {
   const bool gpu = devices[0] != "cpu";
   if (gpu && (o.prefill_tp > 1 || o.decode_tp > 1)) {
     Usage("--device cuda runs engines at tensor-parallel size 1 (--prefill-tp/--decode-tp 1)");
+    return 2;
+  }
+  auto restart_policy = kvbridge::proxy::ParseRestartPolicy(o.restart);
+  if (!restart_policy.ok()) {
+    Usage(restart_policy.status().message());
+    return 2;
+  }
+  if (o.restart_budget < 0 || o.restart_budget > 1000) {
+    Usage("--restart-budget must be in [0, 1000] (restarts per child per minute)");
     return 2;
   }
   const std::string exe = SelfExe();
@@ -396,7 +421,8 @@ int RunUp(UpOptions o) {
     for (int i = 0; i < engines; ++i) on_it += devices[i % devices.size()] == mine ? 1 : 0;
     return 0.9 / std::max(1, on_it);
   };
-  auto engine_argv = [&](bool prefill, int engine_index, const std::string& port_file) {
+  auto engine_argv = [&](bool prefill, int engine_index, const std::string& port_file,
+                         const std::string& name, int restarts) {
     nlohmann::json cfg = {
         {"kv_connector", "KVBridgeConnector"},
         {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
@@ -426,6 +452,11 @@ int RunUp(UpOptions o) {
     if (registration) {
       a.push_back("--proxy");
       a.push_back(proxy_addr);
+      // The proxy shows the restarts and replaces the old incarnation registered under the name.
+      a.push_back("--instance-name");
+      a.push_back(name);
+      a.push_back("--restart-count");
+      a.push_back(std::to_string(restarts));
     }
     if (gpu) {
       a.push_back("--device");
@@ -537,7 +568,9 @@ int RunUp(UpOptions o) {
         prefill ? "prefill-" + std::to_string(i) : "decode-" + std::to_string(i - o.num_prefill);
     c.log = o.log_dir + "/" + c.name + ".log";
     c.port_file = o.log_dir + "/" + c.name + ".port";
-    start(c, engine_argv(prefill, i, c.port_file));
+    c.prefill = prefill;
+    c.engine_index = i;
+    start(c, engine_argv(prefill, i, c.port_file, c.name, 0));
   }
   if (int rc = await_ports(); rc >= 0) return rc;
   if (!registration) {
@@ -612,23 +645,122 @@ int RunUp(UpOptions o) {
   std::printf("Ctrl-C or SIGTERM stops everything.\n");
   std::fflush(stdout);
 
-  for (;;) {
-    timespec ts{0, 200'000'000};
+  std::printf("Supervising: --restart %s, --restart-budget %d per child per minute.\n",
+              o.restart.c_str(), o.restart_budget);
+  std::fflush(stdout);
+
+  // Supervision (supervisor.h decides; this loop spawns, reaps and reports).
+  kvbridge::proxy::SupervisorOptions so;
+  so.policy = *restart_policy;
+  so.restart_budget = o.restart_budget;
+  kvbridge::proxy::Supervisor sup(so, static_cast<int>(children.size()));
+  auto now_us = [&] {
+    return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+  };
+  for (size_t i = 0; i < children.size(); ++i) sup.OnStarted(static_cast<int>(i), now_us());
+  // The proxy keeps its bound port across restarts: the engines' --proxy names it.
+  for (size_t i = 0; i < proxy_argv.size(); ++i) {
+    if (proxy_argv[i] == "--port" && i + 1 < proxy_argv.size()) {
+      proxy_argv[i + 1] = std::to_string(proxy_port);
+    }
+  }
+  // Tells the proxy a dead engine is gone (its heartbeats would stop only after the timeout).
+  auto deregister = [&](const Child& c) {
+    if (!registration || c.url.empty()) return;
+    httplib::Client cli("127.0.0.1", proxy_port);
+    cli.set_connection_timeout(1, 0);
+    cli.set_read_timeout(1, 0);
+    httplib::Headers h = {{kvbridge::proxy::kClusterTokenHeader, o.cluster_token}};
+    cli.Post("/v1/instances/deregister", h, nlohmann::json{{"instance_id", c.url}}.dump(),
+             "application/json");
+  };
+  auto respawn = [&](int index, int restarts) {
+    Child& c = children[static_cast<size_t>(index)];
+    c.restarts = restarts;
+    fs::remove(c.port_file, ec);
+    {
+      std::ofstream log(c.log, std::ios::app);
+      log << "\n---- kvbridge up: restart " << restarts << " of " << c.name << " ----\n";
+    }
+    std::vector<std::string> argv;
+    if (c.name == "proxy") {
+      argv = proxy_argv;
+      argv.push_back("--restart-count");
+      argv.push_back(std::to_string(restarts));
+    } else {
+      argv = engine_argv(c.prefill, c.engine_index, c.port_file, c.name, restarts);
+      if (!registration) {  // static lists: the proxy knows this engine by its old port
+        for (size_t i = 0; i + 1 < argv.size(); ++i) {
+          if (argv[i] == "--port") argv[i + 1] = std::to_string(c.port);
+        }
+      }
+    }
+    c.pid = Spawn(argv, c.log);
+    c.exited = false;
+    c.port = 0;  // until its port file says
+    sup.OnStarted(index, now_us());
+    std::printf("kvbridge up: %s restarted (restart %d, pid %d)\n", c.name.c_str(), restarts,
+                c.pid);
+    std::fflush(stdout);
+  };
+  int exit_code = -1;
+  auto run_actions = [&](std::vector<kvbridge::proxy::SupervisorAction> actions) {
+    for (auto& a : actions) {
+      if (auto* r = std::get_if<kvbridge::proxy::RestartScheduled>(&a)) {
+        std::printf("kvbridge up: restarting %s in %.1f s (restart %d)\n",
+                    children[static_cast<size_t>(r->child)].name.c_str(),
+                    static_cast<double>(r->at - now_us()) / 1e6, r->restart);
+      } else if (auto* st = std::get_if<kvbridge::proxy::StartChild>(&a)) {
+        respawn(st->child, st->restarts);
+      } else if (auto* d = std::get_if<kvbridge::proxy::LeaveDown>(&a)) {
+        std::printf("kvbridge up: %s stays down: %s\n",
+                    children[static_cast<size_t>(d->child)].name.c_str(), d->reason.c_str());
+      } else if (auto* stop = std::get_if<kvbridge::proxy::StopAll>(&a)) {
+        std::fprintf(stderr, "kvbridge up: %s; stopping %zu processes\n", stop->reason.c_str(),
+                     children.size());
+        exit_code = stop->exit_code;
+      }
+    }
+    std::fflush(stdout);
+  };
+  while (exit_code < 0) {
+    timespec ts{0, 100'000'000};
     int sig = sigtimedwait(&sigs, nullptr, &ts);
     if (sig == SIGINT || sig == SIGTERM) {
       std::printf("kvbridge up: signal %d; stopping %zu processes\n", sig, children.size());
       std::fflush(stdout);
+      sup.OnStopRequested();
       StopAll(children);
-      std::printf("kvbridge up: stopped\n");
+      std::printf("kvbridge up: stopped (%d restarts)\n", sup.total_restarts());
       return 0;
     }
     int status = 0;
-    if (Child* dead = ReapDead(children, &status)) {
+    while (Child* dead = ReapDead(children, &status)) {
       report_death(dead, status);
-      StopAll(children);
-      return 1;
+      if (dead->name != "proxy") deregister(*dead);
+      const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      run_actions(
+          sup.OnExit(static_cast<int>(dead - children.data()),
+                     clean ? kvbridge::proxy::ExitKind::kClean : kvbridge::proxy::ExitKind::kFailed,
+                     now_us()));
+      if (exit_code >= 0) break;
+    }
+    if (exit_code >= 0) break;
+    if (auto due = sup.deadline(); due && now_us() >= *due) run_actions(sup.OnTick(now_us()));
+    // A restarted child's port, once it has bound one.
+    for (Child& c : children) {
+      if (c.exited || c.port != 0) continue;
+      kvbridge::Result<int> port = kvbridge::apps::ReadPortFile(c.port_file);
+      if (!port.ok()) continue;
+      c.port = *port;
+      c.url = "http://127.0.0.1:" + std::to_string(c.port);
+      std::printf("kvbridge up: %s listening again at %s\n", c.name.c_str(), c.url.c_str());
+      std::fflush(stdout);
     }
   }
+  StopAll(children);
+  std::printf("kvbridge up: stopped (%d restarts)\n", sup.total_restarts());
+  return exit_code;
 }
 
 const bool kRegistered = kvbridge::apps::RegisterCommand(
@@ -690,6 +822,14 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       auto* prom_iv = sub.add_option("--prometheus-scrape-interval", o->prometheus_interval_s,
                                      "Its scrape interval, seconds")
                           ->capture_default_str();
+      auto* restart = sub.add_option("--restart", o->restart,
+                                     "Restart a child that dies: on-failure (a signal or a "
+                                     "non-zero exit) | always | never (any death stops all)")
+                          ->capture_default_str();
+      auto* budget = sub.add_option("--restart-budget", o->restart_budget,
+                                    "Restarts allowed per child per minute; past them up stops "
+                                    "everything and exits 1")
+                         ->capture_default_str();
       return [=]() -> int {
         UpOptions eff;
         if (!cfg->empty() && !LoadConfig(*cfg, eff)) return 2;
@@ -712,6 +852,8 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
         if (gmu->count()) eff.gpu_memory_utilization = o->gpu_memory_utilization;
         if (prom->count()) eff.prometheus_config = o->prometheus_config;
         if (prom_iv->count()) eff.prometheus_interval_s = o->prometheus_interval_s;
+        if (restart->count()) eff.restart = o->restart;
+        if (budget->count()) eff.restart_budget = o->restart_budget;
         for (const auto& a : o->engine_args) eff.engine_args.push_back(a);
         for (const auto& a : o->prefill_args) eff.prefill_args.push_back(a);
         for (const auto& a : o->decode_args) eff.decode_args.push_back(a);

@@ -2,7 +2,10 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -12,6 +15,9 @@ namespace {
 using nlohmann::json;
 
 bool Is2xx(int status) { return status >= 200 && status < 300; }
+// An engine answers 503 when it admits nothing (draining, shutting down, queue full): the request
+// can go to another instance as it is.
+bool IsRefusal(int status) { return status == 503; }
 
 std::string ErrorBody(int status, std::string_view type, std::string_view message) {
   json j = {{"error", {{"message", message}, {"type", type}, {"code", status}}}};
@@ -152,8 +158,36 @@ std::string MintTransferId() {
   return id;
 }
 
+Result<DurationUs> ParseRequestTimeout(std::string_view value) {
+  while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+  while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+  auto bad = [&] {
+    return InvalidArgumentError(std::string(kRequestTimeoutHeader) +
+                                " must be a number of seconds in (0, 86400], got '" +
+                                std::string(value) + "'");
+  };
+  // Digits, at most one '.', at least one digit: no sign, exponent, inf or nan.
+  int digits = 0, dots = 0;
+  for (char c : value) {
+    if (c >= '0' && c <= '9') {
+      ++digits;
+    } else if (c == '.') {
+      ++dots;
+    } else {
+      return bad();
+    }
+  }
+  if (digits == 0 || dots > 1 || value.size() > 32) return bad();
+  const double seconds = std::strtod(std::string(value).c_str(), nullptr);
+  if (!(seconds > 0) || seconds > 86400) return bad();
+  return std::max<DurationUs>(1, static_cast<DurationUs>(seconds * kSecond));
+}
+
 PdFlow::PdFlow(FlowOptions options, std::string transfer_id, InstancePicker picker)
-    : options_(options), transfer_id_(std::move(transfer_id)), picker_(std::move(picker)) {
+    : options_(std::move(options)),
+      transfer_id_(std::move(transfer_id)),
+      picker_(std::move(picker)),
+      first_transfer_id_(transfer_id_) {
   if (options_.max_attempts < 1) options_.max_attempts = 1;
 }
 
@@ -271,13 +305,65 @@ void PdFlow::Release(std::vector<Action>& out) {
   out.emplace_back(ReleaseHold{*hold_prefill_, transfer_id_});
 }
 
+void PdFlow::Cancel(Leg& leg, std::vector<Action>& out) {
+  if (!leg.open) return;
+  leg.open = false;
+  leg.record.cancelled = true;
+  out.emplace_back(CancelLeg{leg.record.leg_id});
+}
+
 void PdFlow::CancelAll(std::vector<Action>& out) {
-  for (Leg& leg : legs_) {
-    if (!leg.open) continue;
-    leg.open = false;
-    leg.record.cancelled = true;
-    out.emplace_back(CancelLeg{leg.record.leg_id});
+  for (Leg& leg : legs_) Cancel(leg, out);
+}
+
+bool PdFlow::RetryRefused(Leg& leg, TimePoint now, std::vector<Action>& out) {
+  if (ClientHasBytes()) return false;
+  if (leg.record.role == Role::kPrefill && options_.mode == KvTransferMode::kWrite) {
+    // Cancels the refused leg with the pair's decode leg.
+    return RetryWritePair(/*prefill_may_hold=*/false, now, out);
   }
+  // The leg admitted nothing (a prefill holds nothing, a decode offered no block and read
+  // nothing): the same body goes to another instance; the refused leg is cancelled after.
+  std::vector<Action> sent;
+  const bool prefill = leg.record.role == Role::kPrefill;
+  if (!(prefill ? SendPrefill(now, sent) : SendDecode(now, sent))) return false;
+  Cancel(leg, out);
+  out.insert(out.end(), std::make_move_iterator(sent.begin()), std::make_move_iterator(sent.end()));
+  return true;
+}
+
+bool PdFlow::RetryWritePair(bool prefill_may_hold, TimePoint now, std::vector<Action>& out) {
+  if (ClientHasBytes() || pair_attempts_ >= options_.max_attempts) return false;
+  std::optional<Endpoint> prefill = picker_(Role::kPrefill, tried_prefill_);
+  if (!prefill) return false;
+  CancelAll(out);  // the decode leg named the failed prefill
+  if (prefill_may_hold) {
+    Release(out);
+  } else {
+    hold_prefill_.reset();
+  }
+  // The decode was not at fault: it may serve the new pair too.
+  if (!tried_decode_.empty()) tried_decode_.pop_back();
+  ++pair_attempts_;
+  transfer_id_ = options_.mint_transfer_id
+                     ? options_.mint_transfer_id()
+                     : first_transfer_id_ + "-" + std::to_string(pair_attempts_);
+  released_ = false;
+  json j = json::parse(client_body_, nullptr, false);
+  json prefill_params = {
+      {"do_remote_decode", true}, {"transfer_id", transfer_id_}, {"mode", "write"}};
+  prefill_body_ =
+      ShapePrefillJson(std::move(j), options_.prefill_forward_n, std::move(prefill_params)).dump();
+  tried_prefill_.push_back(prefill->id);
+  hold_prefill_ = *prefill;
+  if (!SendDecode(now, out)) {
+    hold_prefill_.reset();  // nothing was sent to it
+    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no decode instance available",
+                  out);
+    return true;
+  }
+  prefill_leg_ = StartLeg(Role::kPrefill, *prefill, prefill_body_, /*stream=*/false, now, out);
+  return true;
 }
 
 std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePoint now) {
@@ -285,7 +371,9 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
   if (started_) return out;
   started_ = true;
   path_ = request.path;
-  if (options_.timeout > 0) deadline_ = now + options_.timeout;
+  DurationUs timeout = options_.timeout;
+  if (request.timeout > 0 && (timeout <= 0 || request.timeout < timeout)) timeout = request.timeout;
+  if (timeout > 0) deadline_ = now + timeout;
   json j = json::parse(request.body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     FailWithError(Outcome::kBadRequest, 400, "invalid_request_error",
@@ -362,17 +450,20 @@ std::vector<Action> PdFlow::OnLegStatus(int leg_id, int status, std::string_view
   leg->record.first_byte_at = now;
   leg->record.status = status;
   leg->content_type = std::string(content_type);
-  if (leg->record.role != Role::kDecode || client_done_) return out;
+  if (client_done_) return out;
+  if (IsRefusal(status) && RetryRefused(*leg, now, out)) return out;
+  if (leg->record.role != Role::kDecode) return out;
   if (!Is2xx(status)) {
     // The decode refused: the prefill's hold is released now, not when the body arrives.
     Release(out);
     return out;
   }
   if (client_stream_) {
+    // The stream starts with the first bytes (OnLegData): until then a failed pair is retried.
     leg->passthrough = true;
-    stream_started_ = true;
-    out.emplace_back(StartStream{
-        status, leg->content_type.empty() ? std::string("text/event-stream") : leg->content_type});
+    stream_status_ = status;
+    stream_content_type_ =
+        leg->content_type.empty() ? std::string("text/event-stream") : leg->content_type;
   }
   return out;
 }
@@ -382,7 +473,12 @@ std::vector<Action> PdFlow::OnLegData(int leg_id, std::string_view data, TimePoi
   Leg* leg = FindOpenLeg(leg_id);
   if (leg == nullptr || data.empty()) return out;
   if (leg->passthrough) {
-    if (!client_done_) out.emplace_back(StreamChunk{std::string(data)});
+    if (client_done_) return out;
+    if (!stream_started_) {
+      stream_started_ = true;
+      out.emplace_back(StartStream{stream_status_, stream_content_type_});
+    }
+    out.emplace_back(StreamChunk{std::string(data)});
   } else {
     leg->body.append(data);
   }
@@ -414,7 +510,12 @@ void PdFlow::OnPrefillDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
   int status = leg.record.status;
   if (options_.mode == KvTransferMode::kWrite) {
     if (Is2xx(status)) return;  // the decode leg carries the answer
+    // A 5xx may come from the pair (the decode's blocks never came): the pair goes again. A 4xx
+    // is the request's own fault and goes to the client.
+    const bool may_hold = status >= 500 && !IsRefusal(status);
+    if (status >= 500 && RetryWritePair(may_hold, now, out)) return;
     CancelAll(out);
+    if (may_hold) Release(out);
     Fail(Outcome::kPrefillError, status, leg.content_type, std::move(leg.body), out);
     return;
   }
@@ -462,6 +563,10 @@ void PdFlow::OnDecodeDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
     decode_succeeded_ = true;
     client_done_ = true;
     outcome_ = Outcome::kOk;
+    if (!stream_started_) {  // a stream without one byte: still a (empty) stream
+      stream_started_ = true;
+      out.emplace_back(StartStream{stream_status_, stream_content_type_});
+    }
     out.emplace_back(EndStream{});
     return;
   }
@@ -502,7 +607,10 @@ std::vector<Action> PdFlow::OnLegError(int leg_id, LegFailure failure, const Sta
                     out);
       return out;
     }
-    if (failure == LegFailure::kUnreachable) hold_prefill_.reset();
+    // WRITE: the decode leg names this prefill; the pair goes again elsewhere. READ: broken.
+    const bool may_hold = failure != LegFailure::kUnreachable;
+    if (options_.mode == KvTransferMode::kWrite && RetryWritePair(may_hold, now, out)) return out;
+    if (!may_hold) hold_prefill_.reset();
     CancelAll(out);
     Release(out);
     FailWithError(

@@ -150,12 +150,14 @@ TEST(PdFlowRead, StreamingPassesDecodeBytesThrough) {
   const SendLeg d = As<SendLeg>(a[0]);
   EXPECT_TRUE(d.stream);
   EXPECT_EQ(d.path, "/v1/chat/completions");
-  a = h.flow.OnLegStatus(d.leg_id, 200, "text/event-stream", 5);
-  ASSERT_EQ(a.size(), 1u);
-  EXPECT_EQ(As<StartStream>(a[0]).content_type, "text/event-stream");
+  // The stream starts with the decode's first bytes, not its status line (until then a failed
+  // pair can still be retried).
+  EXPECT_TRUE(h.flow.OnLegStatus(d.leg_id, 200, "text/event-stream", 5).empty());
   a = h.flow.OnLegData(d.leg_id, "data: {\"a\":1}\n\n", 6);
-  ASSERT_EQ(a.size(), 1u);
-  EXPECT_EQ(As<StreamChunk>(a[0]).data, "data: {\"a\":1}\n\n");
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<StartStream>(a[0]).content_type, "text/event-stream");
+  EXPECT_EQ(As<StartStream>(a[0]).status, 200);
+  EXPECT_EQ(As<StreamChunk>(a[1]).data, "data: {\"a\":1}\n\n");
   a = h.flow.OnLegData(d.leg_id, "data: [DONE]\n\n", 7);
   EXPECT_EQ(As<StreamChunk>(a[0]).data, "data: [DONE]\n\n");
   a = h.flow.OnLegDone(d.leg_id, 8);
@@ -332,12 +334,119 @@ TEST(PdFlowRead, DecodeBreaksMidStreamEndsWithErrorEventAndReleases) {
   a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
   int dleg = As<SendLeg>(a[0]).leg_id;
   h.flow.OnLegStatus(dleg, 200, "text/event-stream", 4);
-  a = h.flow.OnLegError(dleg, LegFailure::kBroken, InternalError("eof"), 5);
+  EXPECT_EQ(h.flow.OnLegData(dleg, "data: 1\n\n", 5).size(), 2u);  // StartStream, the chunk
+  a = h.flow.OnLegError(dleg, LegFailure::kBroken, InternalError("eof"), 6);
   ASSERT_EQ(a.size(), 3u);
   As<ReleaseHold>(a[0]);
   EXPECT_EQ(As<StreamChunk>(a[1]).data.rfind("data: {\"error\"", 0), 0u);
   As<EndStream>(a[2]);
   EXPECT_EQ(h.flow.outcome(), Outcome::kDecodeError);
+}
+
+TEST(PdFlowRead, DecodeBreaksBeforeItsFirstByteIsAWhole502) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":true})"}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  int dleg = As<SendLeg>(a[0]).leg_id;
+  EXPECT_TRUE(h.flow.OnLegStatus(dleg, 200, "text/event-stream", 4).empty());
+  a = h.flow.OnLegError(dleg, LegFailure::kBroken, InternalError("eof"), 5);
+  ASSERT_EQ(a.size(), 2u);
+  As<ReleaseHold>(a[0]);
+  EXPECT_EQ(As<Respond>(a[1]).status, 502);
+}
+
+TEST(PdFlowRead, EmptyStreamStillStartsAndEnds) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":true})"}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  int dleg = As<SendLeg>(a[0]).leg_id;
+  h.flow.OnLegStatus(dleg, 200, "", 4);
+  a = h.flow.OnLegDone(dleg, 5);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<StartStream>(a[0]).content_type, "text/event-stream");
+  As<EndStream>(a[1]);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+}
+
+TEST(PdFlowRead, PrefillRefusal503GoesToAnotherPrefill) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  const SendLeg first = As<SendLeg>(a[0]);
+  // A draining (or full) engine answers 503 at admission: it holds nothing, so no release.
+  a = h.flow.OnLegStatus(first.leg_id, 503, "application/json", 1);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, first.leg_id);
+  const SendLeg retry = As<SendLeg>(a[1]);
+  EXPECT_EQ(retry.instance.id, "p2");
+  EXPECT_EQ(retry.body, first.body);  // same transfer_id: p1 admitted nothing
+  EXPECT_TRUE(h.flow.OnLegData(first.leg_id, "busy", 2).empty());
+  a = h.Answer(retry.leg_id, 200, PrefillAnswer());
+  ASSERT_EQ(a.size(), 1u);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, "{}");
+  EXPECT_EQ(As<Respond>(a[0]).status, 200);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowRead, DecodeRefusal503GoesToAnotherDecodeThenIsForwarded) {
+  Harness h;
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  const SendLeg d1 = As<SendLeg>(a[0]);
+  a = h.flow.OnLegStatus(d1.leg_id, 503, "application/json", 10);
+  ASSERT_EQ(a.size(), 2u);  // the hold stays for the next decode: no release
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, d1.leg_id);
+  const SendLeg d2 = As<SendLeg>(a[1]);
+  EXPECT_EQ(d2.instance.id, "d2");
+  EXPECT_EQ(d2.body, d1.body);
+  // d2 refuses too and no decode is left: released at its status line, its answer forwarded.
+  a = h.flow.OnLegStatus(d2.leg_id, 503, "application/json", 11);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).transfer_id, kTid);
+  EXPECT_TRUE(h.flow.OnLegData(d2.leg_id, R"({"error":"full"})", 12).empty());
+  a = h.flow.OnLegDone(d2.leg_id, 13);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 503);
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"error":"full"})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kDecodeError);
+}
+
+TEST(PdFlowRead, ClientTimeoutShorterThanTheProxysBoundsTheRequest) {
+  FlowOptions o;
+  o.timeout = 1000;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody, /*timeout=*/250}, 50);
+  EXPECT_EQ(h.flow.deadline(), std::optional<TimePoint>(300));
+  a = h.Answer(As<SendLeg>(a[0]).leg_id, 200, PrefillAnswer());
+  const int dleg = As<SendLeg>(a[0]).leg_id;
+  a = h.flow.OnTick(300);
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  EXPECT_EQ(As<ReleaseHold>(a[1]).transfer_id, kTid);
+  EXPECT_EQ(As<Respond>(a[2]).status, 504);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kTimeout);
+  // A longer client timeout does not extend the proxy's; none at all leaves it.
+  Harness l(o);
+  l.flow.OnClientRequest({"/v1/completions", kClientBody, 5000}, 0);
+  EXPECT_EQ(l.flow.deadline(), std::optional<TimePoint>(1000));
+  Harness c;  // no proxy bound: the client's alone
+  c.flow.OnClientRequest({"/v1/completions", kClientBody, 70}, 5);
+  EXPECT_EQ(c.flow.deadline(), std::optional<TimePoint>(75));
+}
+
+TEST(ParseRequestTimeout, SecondsAsADecimal) {
+  EXPECT_EQ(*ParseRequestTimeout("2.5"), 2'500'000);
+  EXPECT_EQ(*ParseRequestTimeout(" 30 "), 30 * kSecond);
+  EXPECT_EQ(*ParseRequestTimeout("0.000001"), 1);
+  EXPECT_EQ(*ParseRequestTimeout("86400"), 86400 * kSecond);
+  for (const char* bad :
+       {"", "0", "0.0", "-1", "1e3", "inf", "nan", "1.2.3", "5s", "86400.5", ".", "+3"}) {
+    auto r = ParseRequestTimeout(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    }
+  }
 }
 
 TEST(PdFlowRead, NoReleaseAfterSuccessEvenOnDisconnect) {
@@ -543,16 +652,150 @@ TEST(PdFlowWrite, DecodeErrorReleasesPrefill) {
   Harness h(o);
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   int dleg = As<SendLeg>(a[0]).leg_id;
-  a = h.Answer(dleg, 503, "busy");
+  a = h.Answer(dleg, 500, "boom");
   ASSERT_EQ(a.size(), 2u);
   EXPECT_EQ(As<ReleaseHold>(a[0]).prefill.id, "p1");
-  EXPECT_EQ(As<Respond>(a[1]).status, 503);
+  EXPECT_EQ(As<Respond>(a[1]).status, 500);
 }
 
-TEST(PdFlowWrite, PrefillUnreachableIsNotRetried) {
+TEST(PdFlowWrite, DecodeRefusal503GoesToAnotherDecodeNamingTheSamePrefill) {
   FlowOptions o;
   o.mode = KvTransferMode::kWrite;
   Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  const SendLeg d1 = As<SendLeg>(a[0]);
+  const int pleg = As<SendLeg>(a[1]).leg_id;
+  a = h.flow.OnLegStatus(d1.leg_id, 503, "application/json", 1);
+  ASSERT_EQ(a.size(), 2u);  // the prefill leg goes on: the next decode offers its blocks
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, d1.leg_id);
+  const SendLeg d2 = As<SendLeg>(a[1]);
+  EXPECT_EQ(d2.instance.id, "d2");
+  EXPECT_EQ(d2.body, d1.body);
+  EXPECT_TRUE(h.Answer(pleg, 200, "{}").empty());
+  a = h.Answer(d2.leg_id, 200, R"({"ok":1})");
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"ok":1})");
+  EXPECT_TRUE(h.flow.done());
+}
+
+// Issue 21: WRITE fails over like READ. The decode leg names its prefill, so a failed prefill
+// takes the pair with it: the decode leg is cancelled at once and the pair goes again, to another
+// prefill, with a fresh transfer_id.
+TEST(PdFlowWrite, PrefillUnreachableRetriesThePairWithAFreshTransferId) {
+  FlowOptions o;
+  o.mode = KvTransferMode::kWrite;
+  int minted = 0;
+  o.mint_transfer_id = [&minted] { return "fresh" + std::to_string(++minted); };
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
+  a = h.flow.OnLegError(pleg, LegFailure::kUnreachable, UnavailableError("refused"), 1);
+  ASSERT_EQ(a.size(), 3u);  // nothing reached p1: nothing to release there
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  const SendLeg d = As<SendLeg>(a[1]);
+  const SendLeg p = As<SendLeg>(a[2]);
+  EXPECT_EQ(d.instance.id, "d1");  // the decode was not at fault
+  EXPECT_EQ(p.instance.id, "p2");
+  json expected = {{"do_remote_prefill", true},
+                   {"transfer_id", "fresh1"},
+                   {"mode", "write"},
+                   {"remote_engine_id", "engine-p2"},
+                   {"remote_host", "10.0.0.1"},
+                   {"remote_port", 7000},
+                   {"tp_size", 1}};
+  EXPECT_EQ(json::parse(d.body)["kv_transfer_params"], expected);
+  EXPECT_EQ(json::parse(p.body)["kv_transfer_params"],
+            json({{"do_remote_decode", true}, {"transfer_id", "fresh1"}, {"mode", "write"}}));
+  EXPECT_EQ(json::parse(p.body)["max_tokens"], 1);
+  EXPECT_EQ(h.flow.transfer_id(), "fresh1");
+  EXPECT_EQ(h.flow.pair_attempts(), 2);
+  // Late events of the first pair change nothing.
+  EXPECT_TRUE(h.Answer(dleg, 200, R"({"old":1})").empty());
+  EXPECT_TRUE(h.Answer(p.leg_id, 200, "{}").empty());
+  a = h.Answer(d.leg_id, 200, R"({"ok":1})");
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).body, R"({"ok":1})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kOk);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, PrefillBrokenAfterDecodeStartedCancelsReleasesAndRetries) {
+  FlowOptions o;
+  o.mode = KvTransferMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", R"({"prompt":"x","stream":true})"}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
+  // The decode admitted the request (its SSE status line came) but sent no byte yet.
+  EXPECT_TRUE(h.flow.OnLegStatus(dleg, 200, "text/event-stream", 1).empty());
+  a = h.flow.OnLegError(pleg, LegFailure::kBroken, UnavailableError("reset"), 2);
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  const ReleaseHold& rel = As<ReleaseHold>(a[1]);  // p1 may hold KV for the first transfer
+  EXPECT_EQ(rel.prefill.id, "p1");
+  EXPECT_EQ(rel.transfer_id, kTid);
+  const SendLeg d = As<SendLeg>(a[2]);
+  const SendLeg p = As<SendLeg>(a[3]);
+  const std::string fresh = std::string(kTid) + "-2";  // no minter: deterministic
+  EXPECT_EQ(json::parse(d.body)["kv_transfer_params"]["transfer_id"], fresh);
+  EXPECT_EQ(json::parse(d.body)["kv_transfer_params"]["remote_engine_id"], "engine-p2");
+  EXPECT_EQ(json::parse(p.body)["kv_transfer_params"]["transfer_id"], fresh);
+  EXPECT_TRUE(d.stream);
+  h.flow.OnLegStatus(d.leg_id, 200, "text/event-stream", 3);
+  a = h.flow.OnLegData(d.leg_id, "data: 1\n\n", 4);
+  ASSERT_EQ(a.size(), 2u);
+  As<StartStream>(a[0]);
+  // p2 breaks after the client got bytes: no retry; the stream ends with the error, the new
+  // transfer is released at p2.
+  a = h.flow.OnLegError(p.leg_id, LegFailure::kBroken, UnavailableError("reset"), 5);
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, d.leg_id);
+  EXPECT_EQ(As<ReleaseHold>(a[1]).transfer_id, fresh);
+  EXPECT_EQ(As<ReleaseHold>(a[1]).prefill.id, "p2");
+  EXPECT_EQ(As<StreamChunk>(a[2]).data.rfind("data: {\"error\"", 0), 0u);
+  As<EndStream>(a[3]);
+  EXPECT_EQ(h.flow.outcome(), Outcome::kPrefillError);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, PrefillRefusal503RetriesThePairWithoutRelease) {
+  FlowOptions o;
+  o.mode = KvTransferMode::kWrite;
+  Harness h(o);
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
+  a = h.flow.OnLegStatus(pleg, 503, "application/json", 1);
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, dleg);
+  EXPECT_EQ(As<CancelLeg>(a[1]).leg_id, pleg);
+  EXPECT_EQ(As<SendLeg>(a[2]).role, Role::kDecode);
+  EXPECT_EQ(As<SendLeg>(a[3]).instance.id, "p2");
+}
+
+TEST(PdFlowWrite, PairRetriesAreBoundedThenTheFailingLegsAnswerGoesToTheClient) {
+  FlowOptions o;
+  o.mode = KvTransferMode::kWrite;
+  o.max_attempts = 2;
+  Harness h(o, {Ep("p1"), Ep("p2"), Ep("p3")}, {Ep("d1")});
+  auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  a = h.Answer(As<SendLeg>(a[1]).leg_id, 500, R"({"error":"boom1"})");
+  ASSERT_EQ(a.size(), 4u);  // cancel d, release at p1, the new pair
+  As<ReleaseHold>(a[1]);
+  const SendLeg d = As<SendLeg>(a[2]);
+  EXPECT_EQ(d.instance.id, "d1");
+  a = h.Answer(As<SendLeg>(a[3]).leg_id, 500, R"({"error":"boom2"})");
+  ASSERT_EQ(a.size(), 3u);  // second pair of two: no third
+  EXPECT_EQ(As<CancelLeg>(a[0]).leg_id, d.leg_id);
+  EXPECT_EQ(As<ReleaseHold>(a[1]).prefill.id, "p2");
+  EXPECT_EQ(As<Respond>(a[2]).status, 500);
+  EXPECT_EQ(As<Respond>(a[2]).body, R"({"error":"boom2"})");
+  EXPECT_EQ(h.flow.outcome(), Outcome::kPrefillError);
+  EXPECT_EQ(h.flow.pair_attempts(), 2);
+  EXPECT_TRUE(h.flow.done());
+}
+
+TEST(PdFlowWrite, PrefillUnreachableWithNoOtherPrefillIs502) {
+  FlowOptions o;
+  o.mode = KvTransferMode::kWrite;
+  Harness h(o, {Ep("p1")});
   auto a = h.flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
   int dleg = As<SendLeg>(a[0]).leg_id, pleg = As<SendLeg>(a[1]).leg_id;
   a = h.flow.OnLegError(pleg, LegFailure::kUnreachable, UnavailableError("refused"), 1);

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
@@ -306,6 +307,8 @@ struct ProxyServer::Impl {
           "kvbridge_proxy_instances_healthy", "Instances routable now.",
           [this, r] { return CountInstances(r, true); }, label);
     }
+    m_overloaded = &metrics.AddCounter("kvbridge_proxy_requests_total",
+                                       "Client requests by outcome.", "outcome=\"overloaded\"");
     m_releases_ok =
         &metrics.AddCounter("kvbridge_proxy_releases_total",
                             "Holds released at a prefill by transfer_id.", "result=\"ok\"");
@@ -348,6 +351,17 @@ struct ProxyServer::Impl {
       text += "kvbridge_proxy_instance_in_flight{role=\"" + std::string(RoleName(st.info.role)) +
               "\",instance=\"" + st.info.url + "\"} " + std::to_string(st.in_flight) + "\n";
     }
+    // `kvbridge up`'s restarts: the proxy's own (--restart-count) and each named instance's, as
+    // its registration says (names are [A-Za-z0-9._-]: safe in a label).
+    text += "# HELP kvbridge_up_restarts_total Restarts by kvbridge up, per process.\n";
+    text += "# TYPE kvbridge_up_restarts_total counter\n";
+    text += "kvbridge_up_restarts_total{role=\"proxy\",name=\"proxy\"} " +
+            std::to_string(options.restart_count) + "\n";
+    for (const auto& st : registry.List()) {
+      if (st.info.name.empty()) continue;
+      text += "kvbridge_up_restarts_total{role=\"" + std::string(RoleName(st.info.role)) +
+              "\",name=\"" + st.info.name + "\"} " + std::to_string(st.info.restarts) + "\n";
+    }
     return text;
   }
 
@@ -364,13 +378,18 @@ struct ProxyServer::Impl {
                       {"engine_id", st.info.engine_id},
                       {"transfer_endpoints", st.info.transfer_endpoints},
                       {"tp_size", st.info.tp_size},
+                      {"name", st.info.name},
+                      {"restarts", st.info.restarts},
+                      {"draining", st.draining},
                       {"in_flight", st.in_flight},
                       {"load",
                        {{"running", st.load.running},
                         {"waiting", st.load.waiting},
                         {"kv_usage", st.load.kv_usage}}}});
     }
-    return json{{"mode", KvTransferModeName(options.mode)}, {"instances", list}};
+    return json{{"mode", KvTransferModeName(options.mode)},
+                {"proxy_restarts", options.restart_count},
+                {"instances", list}};
   }
 
   // Prometheus HTTP service discovery (docs/metrics.md "Prometheus"): this proxy (as the scraper
@@ -406,6 +425,7 @@ struct ProxyServer::Impl {
   awaitable<void> FollowKvEvents(std::string id, std::string url);
   awaitable<std::optional<std::vector<int32_t>>> PromptIds(std::string path, std::string body);
   awaitable<void> Release(ReleaseHold rel, std::string request_id);
+  awaitable<HttpReply> DrainInstance(std::string key);
 
   ProxyOptions options;
   std::mutex mu;  // guards registry
@@ -433,6 +453,8 @@ struct ProxyServer::Impl {
   Histogram* m_kv_route_seconds = nullptr;    // the decision (hashes + index + scores)
   Histogram* m_prompt_ids_seconds = nullptr;  // tokenizing/templating (or /tokenize)
   TimelineRing timelines{1024};               // GET /v1/requests/{id}/timeline
+  Counter* m_overloaded = nullptr;
+  std::atomic<int> pending{0};  // client requests in flight (RunFlow), for max_pending
   // Destroyed before the members above, which its coroutine frames still point at.
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -943,7 +965,73 @@ awaitable<void> ProxyServer::Impl::Release(ReleaseHold rel, std::string request_
   }
 }
 
+// POST /v1/instances/drain: route around the instance from now on, then tell the engine to drain
+// (POST /drain: it refuses new requests, finishes what it has, deregisters and exits 0).
+awaitable<HttpReply> ProxyServer::Impl::DrainInstance(std::string key) {
+  std::optional<InstanceState> st;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    st = registry.Find(key);
+    if (st) registry.SetDraining(st->info.id).IgnoreError();
+  }
+  HttpReply reply;
+  reply.content_type = "application/json";
+  if (!st) {
+    reply.status = 404;
+    reply.body = ErrorJson(404, "instance_error", "instance " + key + " is not known (id or name)");
+    co_return reply;
+  }
+  KVB_LOG_INFO("draining {} ({})", st->info.id, st->info.url);
+  std::string url = st->info.url;
+  std::string target = "/drain";
+  std::string body = "{}";
+  std::string token = options.cluster_token;
+  Result<HttpReply> r =
+      co_await HttpCall(http::verb::post, std::move(url), std::move(target), std::move(body),
+                        std::move(token), options.connect_timeout, client_tls.get());
+  if (r.ok() && r->status / 100 == 2) {
+    json j = {{"status", "draining"}, {"instance_id", st->info.id}, {"url", st->info.url}};
+    reply.status = 200;
+    reply.body = j.dump();
+    co_return reply;
+  }
+  std::string why = r.ok() ? "answered " + std::to_string(r->status) + " " + r->body
+                           : "failed: " + r.status().ToString();
+  reply.status = 502;
+  reply.body =
+      ErrorJson(502, "bad_gateway",
+                "instance " + st->info.id + " is routed around, but its POST /drain " + why);
+  co_return reply;
+}
+
 awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
+  struct Pending {  // counted while this request is in flight, however it ends
+    std::atomic<int>& n;
+    int value;
+    explicit Pending(std::atomic<int>& c) : n(c), value(n.fetch_add(1) + 1) {}
+    ~Pending() { n.fetch_sub(1); }
+  } counted_pending(pending);
+  // Overload: past max_pending requests in flight, refuse at once (the client retries later)
+  // rather than queue without bound in front of engines that are full already.
+  if (options.max_pending > 0 && counted_pending.value > options.max_pending) {
+    m_overloaded->Inc();
+    std::string body = ErrorJson(429, "too_many_requests",
+                                 "the proxy has " + std::to_string(options.max_pending) +
+                                     " requests in flight (--max-pending); retry later");
+    const std::string retry_after =
+        "Retry-After: " + std::to_string(options.retry_after_s) + "\r\n";
+    co_return co_await WriteWhole(sock, req, 429, "application/json", std::move(body), retry_after);
+  }
+  DurationUs client_timeout = 0;
+  if (auto it = req.find(kRequestTimeoutHeader); it != req.end()) {
+    Result<DurationUs> t = ParseRequestTimeout(ToStd(it->value()));
+    if (!t.ok()) {
+      outcome_counters[Outcome::kBadRequest]->Inc();
+      std::string body = ErrorJson(400, "invalid_request_error", t.status().message());
+      co_return co_await WriteWhole(sock, req, 400, "application/json", std::move(body));
+    }
+    client_timeout = *t;
+  }
   auto ex = co_await net::this_coro::executor;
   const TimePoint t0 = SteadyNow();
   FlowOptions fo;
@@ -952,6 +1040,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   fo.colocated = options.colocated;
   fo.max_attempts = options.max_attempts;
   fo.timeout = options.request_timeout;
+  fo.mint_transfer_id = [] { return MintTransferId(); };
   InstancePicker picker = [this](Role role, const std::vector<std::string>& exclude) {
     std::lock_guard<std::mutex> lock(mu);
     return registry.Pick(role, exclude);
@@ -978,7 +1067,8 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   ctx->request_id = SanitizeRequestId(ToStd(req["X-Request-Id"]));
   if (ctx->request_id.empty()) ctx->request_id = ctx->flow.transfer_id();
   in_flight.Add(1);
-  ctx->Push(ctx->flow.OnClientRequest({std::string(req.target()), std::move(req.body())}, t0));
+  ctx->Push(ctx->flow.OnClientRequest(
+      {std::string(req.target()), std::move(req.body()), client_timeout}, t0));
   if (std::optional<TimePoint> deadline = ctx->flow.deadline()) {
     ctx->deadline_timer.expires_after(
         std::chrono::microseconds(std::max<DurationUs>(0, *deadline - t0)));
@@ -1086,9 +1176,14 @@ awaitable<bool> ProxyServer::Impl::Handle(Stream& sock, Request& req) {
     if (path == "/v1/instances/register") {
       auto parsed = ParseRegistration(req.body());
       Status s = parsed.status();
+      std::vector<std::string> replaced;
       if (parsed.ok()) {
         std::lock_guard<std::mutex> lock(mu);
-        s = registry.Register(parsed->first, parsed->second, now);
+        s = registry.Register(parsed->first, parsed->second, now, &replaced);
+      }
+      for (const std::string& old : replaced) {
+        KVB_LOG_WARN("instance {} replaced by a new incarnation of {} at {}", old,
+                     parsed->first.name, parsed->first.url);
       }
       if (!s.ok()) {
         m_registrations_refused->Inc();
@@ -1128,6 +1223,10 @@ awaitable<bool> ProxyServer::Impl::Handle(Stream& sock, Request& req) {
       std::lock_guard<std::mutex> lock(mu);
       s = registry.Remove(id);
       if (s.ok()) KVB_LOG_INFO("deregistered {}", id);
+    } else if (path == "/v1/instances/drain") {
+      HttpReply reply = co_await DrainInstance(id);
+      co_return co_await WriteWhole(sock, req, reply.status, reply.content_type,
+                                    std::move(reply.body));
     } else {
       co_return co_await WriteWhole(sock, req, 404, "application/json",
                                     ErrorJson(404, "not_found", "no such endpoint"));

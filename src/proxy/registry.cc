@@ -34,6 +34,16 @@ bool ValidUrl(const std::string& url) {
   return colon + 1 < rest.size() && rest.size() - colon - 1 <= 5;
 }
 
+bool ValidName(const std::string& name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-' && c != '_') {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::string TrimSlash(std::string url) {
   while (!url.empty() && url.back() == '/') url.pop_back();
   return url;
@@ -91,8 +101,8 @@ Status InstanceRegistry::AddStatic(Role role, const std::string& raw_url) {
   return OkStatus();
 }
 
-Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& load,
-                                  TimePoint now) {
+Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& load, TimePoint now,
+                                  std::vector<std::string>* replaced) {
   InstanceInfo info = raw;
   info.url = TrimSlash(info.url);
   if (!ValidUrl(info.url)) {
@@ -101,6 +111,11 @@ Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& l
         "'");
   }
   if (info.id.empty()) info.id = info.url;
+  if (!info.name.empty() && !ValidName(info.name)) {
+    return InvalidArgumentError("registration name must be 1-64 of [A-Za-z0-9._-], got '" +
+                                info.name + "'");
+  }
+  if (info.restarts < 0) return InvalidArgumentError("registration restarts must be >= 0");
   if (info.mode != options_.mode) {
     return FailedPreconditionError(
         "instance " + info.id + " runs KV mode " + std::string(KvTransferModeName(info.mode)) +
@@ -115,7 +130,22 @@ Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& l
   st.info = std::move(info);
   st.load = load;
   st.last_heartbeat = now;
-  if (it != instances_.end()) st.in_flight = it->second.in_flight;
+  if (it != instances_.end()) {
+    st.in_flight = it->second.in_flight;
+    st.draining = it->second.draining;
+  }
+  if (!st.info.name.empty()) {
+    // The same name at another id is an earlier incarnation (restarted at a new url): gone.
+    for (auto old = instances_.begin(); old != instances_.end();) {
+      if (!old->second.is_static && old->first != st.info.id &&
+          old->second.info.name == st.info.name) {
+        if (replaced != nullptr) replaced->push_back(old->first);
+        old = instances_.erase(old);
+      } else {
+        ++old;
+      }
+    }
+  }
   instances_[st.info.id] = std::move(st);
   return OkStatus();
 }
@@ -154,10 +184,25 @@ void InstanceRegistry::SetHealthy(const std::string& id, bool healthy) {
   if (it != instances_.end()) it->second.healthy = healthy;
 }
 
+Status InstanceRegistry::SetDraining(const std::string& id) {
+  auto it = instances_.find(id);
+  if (it == instances_.end()) return NotFoundError("instance " + id + " is not known");
+  it->second.draining = true;
+  return OkStatus();
+}
+
+std::optional<InstanceState> InstanceRegistry::Find(const std::string& key) const {
+  if (auto st = Get(key)) return st;
+  for (const auto& [id, st] : instances_) {
+    if (!st.info.name.empty() && st.info.name == key) return st;
+  }
+  return std::nullopt;
+}
+
 std::optional<Endpoint> InstanceRegistry::Pick(Role role, const std::vector<std::string>& exclude) {
   std::vector<const InstanceState*> candidates;
   for (const auto& [id, st] : instances_) {
-    if (st.info.role != role || !st.healthy) continue;
+    if (st.info.role != role || !st.healthy || st.draining) continue;
     if (std::find(exclude.begin(), exclude.end(), id) != exclude.end()) continue;
     candidates.push_back(&st);
   }
@@ -265,7 +310,14 @@ Result<std::pair<InstanceInfo, InstanceLoad>> ParseRegistration(std::string_view
   RETURN_IF_ERROR(str("url", true, info.url));
   RETURN_IF_ERROR(str("mode", false, mode));
   RETURN_IF_ERROR(str("engine_id", false, info.engine_id));
+  RETURN_IF_ERROR(str("name", false, info.name));
   ASSIGN_OR_RETURN(info.role, ParseRole(role));
+  if (auto it = j.find("restarts"); it != j.end() && !it->is_null()) {
+    if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > 1'000'000) {
+      return InvalidArgumentError("'restarts' must be an integer >= 0");
+    }
+    info.restarts = static_cast<int>(it->get<int64_t>());
+  }
   ASSIGN_OR_RETURN(info.mode, ParseKvTransferMode(mode));
   if (auto it = j.find("transfer_endpoints"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return InvalidArgumentError("'transfer_endpoints' must be an array");
@@ -296,6 +348,8 @@ std::string RegistrationJson(const InstanceInfo& info, const InstanceLoad& load)
             {"engine_id", info.engine_id},
             {"transfer_endpoints", info.transfer_endpoints},
             {"tp_size", info.tp_size},
+            {"name", info.name},
+            {"restarts", info.restarts},
             {"load",
              {{"running", load.running}, {"waiting", load.waiting}, {"kv_usage", load.kv_usage}}}};
   return j.dump();

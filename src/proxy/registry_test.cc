@@ -145,5 +145,72 @@ TEST(Registration, TpSizeIsRegisteredAndReachesTheEndpoint) {
       ParseRegistration(R"({"url":"http://a:1","role":"decode","tp_size":64})")->first.tp_size, 64);
 }
 
+// Issue 21: `up` restarts an engine at a new url under the same name; the new incarnation's
+// registration replaces the old one, and restarts reach GET /instances.
+TEST(InstanceRegistry, ANameRegisteredAgainReplacesTheEarlierIncarnation) {
+  InstanceRegistry reg({});
+  InstanceInfo old_one = Info("http://127.0.0.1:9001", Role::kDecode);
+  old_one.url = "http://127.0.0.1:9001";
+  old_one.name = "decode-0";
+  InstanceInfo other = Info("http://127.0.0.1:9002", Role::kDecode);
+  other.url = "http://127.0.0.1:9002";
+  other.name = "decode-1";
+  ASSERT_TRUE(reg.Register(old_one, {}, 0).ok());
+  ASSERT_TRUE(reg.Register(other, {}, 0).ok());
+  InstanceInfo fresh = old_one;
+  fresh.id = fresh.url = "http://127.0.0.1:9003";
+  fresh.restarts = 1;
+  std::vector<std::string> replaced;
+  ASSERT_TRUE(reg.Register(fresh, {}, 1, &replaced).ok());
+  EXPECT_EQ(replaced, std::vector<std::string>{"http://127.0.0.1:9001"});
+  ASSERT_EQ(reg.List().size(), 2u);
+  EXPECT_FALSE(reg.Get("http://127.0.0.1:9001").has_value());
+  EXPECT_EQ(reg.Find("decode-0")->info.url, "http://127.0.0.1:9003");
+  EXPECT_EQ(reg.Find("decode-0")->info.restarts, 1);
+  EXPECT_EQ(reg.Find("http://127.0.0.1:9002")->info.name, "decode-1");
+  EXPECT_FALSE(reg.Find("decode-7").has_value());
+  // Re-registering the same id (a heartbeat 404) replaces nothing else.
+  replaced.clear();
+  ASSERT_TRUE(reg.Register(fresh, {}, 2, &replaced).ok());
+  EXPECT_TRUE(replaced.empty());
+  InstanceInfo bad = fresh;
+  bad.name = "no spaces";
+  EXPECT_EQ(reg.Register(bad, {}, 3).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(InstanceRegistry, DrainingInstanceIsNeverPicked) {
+  InstanceRegistry reg({.policy = RoutingPolicy::kRoundRobin});
+  ASSERT_TRUE(reg.Register(Info("a", Role::kDecode), {}, 0).ok());
+  ASSERT_TRUE(reg.Register(Info("b", Role::kDecode), {}, 0).ok());
+  ASSERT_TRUE(reg.SetDraining("a").ok());
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(reg.Pick(Role::kDecode, {})->id, "b");
+  // A heartbeat does not undo it.
+  ASSERT_TRUE(reg.Heartbeat("a", {}, 1).ok());
+  EXPECT_TRUE(reg.Get("a")->draining);
+  EXPECT_EQ(reg.Pick(Role::kDecode, {})->id, "b");
+  ASSERT_TRUE(reg.SetDraining("b").ok());
+  EXPECT_FALSE(reg.Pick(Role::kDecode, {}).has_value());
+  EXPECT_EQ(reg.SetDraining("zz").code(), StatusCode::kNotFound);
+}
+
+TEST(Registration, NameAndRestartsRoundTrip) {
+  InstanceInfo info = Info("x", Role::kPrefill);
+  info.name = "prefill-0";
+  info.restarts = 3;
+  auto parsed = ParseRegistration(RegistrationJson(info, {}));
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->first.name, "prefill-0");
+  EXPECT_EQ(parsed->first.restarts, 3);
+  EXPECT_EQ(
+      ParseRegistration(R"({"role":"decode","url":"http://h:1","restarts":-1})").status().code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseRegistration(R"({"role":"decode","url":"http://h:1","name":7})").status().code(),
+            StatusCode::kInvalidArgument);
+  auto plain = ParseRegistration(R"({"role":"decode","url":"http://h:1"})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->first.name, "");
+  EXPECT_EQ(plain->first.restarts, 0);
+}
+
 }  // namespace
 }  // namespace kvbridge::proxy

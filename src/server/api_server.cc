@@ -320,6 +320,7 @@ struct ApiServer::Impl {
   int bound_port = -1;
   bool started = false;
   std::atomic<bool> stopping{false};
+  std::atomic<bool> draining{false};
   Mutex stop_call_mu;  // serializes Stop()
   Mutex stop_mu;
   std::condition_variable stop_cv;
@@ -404,6 +405,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
   // e2e latency count from here.
   const TimePoint received = SteadyNow();
   if (stopping.load()) return SetError(res, 503, "the server is shutting down");
+  if (draining.load()) return SetError(res, 503, "the server is draining");
   json body;
   if (auto err = ParseBody(req.body, &body)) {
     return SetError(res, err->status, err->message, err->param);
@@ -610,6 +612,11 @@ void ApiServer::Impl::InstallRoutes() {
            }));
   svr->Get("/health", Counted([this](const httplib::Request&, httplib::Response& res) {
              if (stopping.load()) return SetError(res, 503, "the server is shutting down");
+             if (draining.load()) {
+               res.status = 503;
+               res.set_content(R"({"status":"draining"})", "application/json");
+               return;
+             }
              res.set_content("{}", "application/json");
            }));
   svr->Get("/metrics", Counted([this](const httplib::Request&, httplib::Response& res) {
@@ -826,6 +833,17 @@ void ApiServer::Stop() {
 void ApiServer::Wait() {
   MutexLock l(&impl_->stop_mu);
   impl_->stop_cv.wait(l.native(), [this]() REQUIRES(impl_->stop_mu) { return impl_->stopped; });
+}
+
+void ApiServer::BeginDrain() {
+  if (!impl_->draining.exchange(true)) KVB_LOG_INFO("kvbridge serve: draining");
+}
+
+bool ApiServer::draining() const { return impl_->draining.load(); }
+
+int ApiServer::in_flight() const {
+  MutexLock l(&impl_->jobs_mu);
+  return static_cast<int>(impl_->live_jobs.size());
 }
 
 bool ApiServer::CheckClusterToken(const HttpRequest& req) const {

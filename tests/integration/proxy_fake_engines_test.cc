@@ -14,6 +14,7 @@
 #include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "kvbridge/common/metrics.h"
@@ -44,6 +45,17 @@ class FakeEngine {
     server_.set_keep_alive_max_count(keep_alive_max);
     auto handler = [this](const httplib::Request& req, httplib::Response& res) {
       Record(req);
+      struct Active {  // requests being answered now, and the most at once
+        FakeEngine* e;
+        explicit Active(FakeEngine* f) : e(f) {
+          const int now = ++e->active_;
+          int seen = e->max_active_.load();
+          while (now > seen && !e->max_active_.compare_exchange_weak(seen, now)) {
+          }
+        }
+        ~Active() { --e->active_; }
+      } active(this);
+      if (answer_delay_ms_ > 0) std::this_thread::sleep_for(answer_delay_ms_ * 1ms);
       json body = json::parse(req.body, nullptr, false);
       if (fail_status_ != 0) {
         res.status = fail_status_;
@@ -156,7 +168,10 @@ class FakeEngine {
   int fail_body_delay_ms_ = 0;
   int sse_events_ = 3;
   int sse_delay_ms_ = 1;
+  int answer_delay_ms_ = 0;  // before any answer
   std::atomic<bool> stream_broken_{false};
+  std::atomic<int> active_{0};
+  std::atomic<int> max_active_{0};
 
  private:
   void Record(const httplib::Request& req) {
@@ -407,6 +422,133 @@ TEST(ProxyFakeEngines, UnreachablePrefillRetriedOnAnother) {
   httplib::Client cli("127.0.0.1", proxy->port());
   PostOk(cli, 4);
   EXPECT_EQ(p.Calls("/v1/completions").size(), 4u);
+}
+
+// A draining (or full) engine refuses with 503 at admission: the proxy sends the leg elsewhere.
+TEST(ProxyFakeEngines, Refusing503PrefillRetriedOnAnother) {
+  FakeEngine busy(true), p(true), d(false);
+  busy.fail_status_ = 503;
+  busy.fail_body_ = R"({"error":{"message":"draining"}})";
+  ProxyOptions o;
+  o.prefill_urls = {busy.url(), p.url()};
+  o.decode_urls = {d.url()};
+  o.routing = RoutingPolicy::kRoundRobin;
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  PostOk(cli, 4);
+  EXPECT_EQ(p.Calls("/v1/completions").size(), 4u);
+  EXPECT_EQ(busy.Calls("/v1/kv/release").size(), 0u);  // it admitted nothing
+}
+
+// Issue 21: WRITE fails over like READ. Half the pairs first name a dead prefill; each is sent
+// again to the live one with a fresh transfer_id, its first decode leg cancelled.
+TEST(ProxyFakeEngines, WriteUnreachablePrefillRetriesThePair) {
+  FakeEngine p(true), d(false);
+  ProxyOptions o;
+  o.mode = KvTransferMode::kWrite;
+  o.prefill_urls = {"http://127.0.0.1:" + std::to_string(testing::FreePort()), p.url()};
+  o.decode_urls = {d.url()};
+  o.routing = RoutingPolicy::kRoundRobin;
+  o.health_probe_interval = 3600 * kSecond;  // keep the dead one "healthy" so it gets picked
+  auto proxy = StartProxy(o);
+  httplib::Client cli("127.0.0.1", proxy->port());
+  PostOk(cli, 4);
+  auto pre = p.Calls("/v1/completions");
+  ASSERT_EQ(pre.size(), 4u);
+  std::set<std::string> decode_tids;
+  for (const auto& c : d.Calls("/v1/completions")) {
+    decode_tids.insert(c.body["kv_transfer_params"]["transfer_id"].get<std::string>());
+  }
+  std::set<std::string> prefill_tids;
+  for (const auto& c : pre) {
+    const std::string tid = c.body["kv_transfer_params"]["transfer_id"];
+    EXPECT_EQ(tid.size(), 32u) << tid;  // minted afresh, not derived
+    prefill_tids.insert(tid);
+    EXPECT_TRUE(decode_tids.count(tid)) << "no decode leg for transfer " << tid;
+  }
+  EXPECT_EQ(prefill_tids.size(), 4u);
+  EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"ok\"", 4), 4.0);
+  EXPECT_EQ(p.Calls("/v1/kv/release").size(), 0u);
+}
+
+// Overload: past --max-pending requests in flight the proxy answers 429 with Retry-After at
+// once; every request it accepted completes; nothing stays in flight after.
+TEST(ProxyFakeEngines, BurstAboveMaxPendingGets429WithRetryAfter) {
+  FakeEngine p(true), d(false);
+  d.answer_delay_ms_ = 400;
+  auto proxy = StartProxy(p.url(), d.url(), [](ProxyOptions& o) {
+    o.max_pending = 3;
+    o.retry_after_s = 2;
+  });
+  constexpr int kClients = 12;
+  std::atomic<int> ok{0}, rejected{0}, other{0}, ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&] {
+      httplib::Client cli("127.0.0.1", proxy->port());
+      cli.set_read_timeout(30, 0);
+      ++ready;
+      for (int w = 0; w < 2000 && !go; ++w) std::this_thread::sleep_for(1ms);
+      auto res = cli.Post("/v1/completions", kBody, "application/json");
+      if (res && res->status == 200) {
+        ++ok;
+      } else if (res && res->status == 429 && res->get_header_value("Retry-After") == "2" &&
+                 res->body.find("too_many_requests") != std::string::npos) {
+        ++rejected;
+      } else {
+        ++other;
+      }
+    });
+  }
+  for (int w = 0; w < 2000 && ready < kClients; ++w) std::this_thread::sleep_for(1ms);
+  go = true;
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(ok + rejected, kClients);
+  EXPECT_GE(ok.load(), 3);  // the first three at least were accepted
+  EXPECT_GE(rejected.load(), 1);
+  EXPECT_LE(d.max_active_.load(), 3);  // never more than the bound reached an engine
+  EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"overloaded\"", rejected),
+            static_cast<double>(rejected));
+  EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"ok\"", ok),
+            static_cast<double>(ok));
+  EXPECT_EQ(ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_in_flight"), 0.0);
+  EXPECT_EQ(d.active_.load(), 0);
+  EXPECT_EQ(p.Calls("/v1/kv/release").size(), 0u);
+}
+
+// The client's X-Request-Timeout bounds the request end to end: past it the proxy cancels the
+// decode leg and releases the prefill's hold.
+TEST(ProxyFakeEngines, ClientTimeoutHeaderCancelsTheLegsAndReleases) {
+  FakeEngine p(true), d(false);
+  d.sse_events_ = 400;
+  d.sse_delay_ms_ = 10;  // 4 s of stream unless cancelled
+  auto proxy = StartProxy(p.url(), d.url());
+  httplib::Client cli("127.0.0.1", proxy->port());
+  std::string got;
+  httplib::Request req = StreamRequest(R"({"prompt":"hi","stream":true})", &got);
+  req.set_header(kRequestTimeoutHeader, "0.3");
+  const auto start = std::chrono::steady_clock::now();
+  auto res = cli.send(req);
+  ASSERT_TRUE(res);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  EXPECT_EQ(res->status, 200);  // the stream had started: the timeout is its last event
+  EXPECT_NE(got.find("request timed out"), std::string::npos) << got;
+  for (int i = 0; i < 200 && !d.stream_broken_; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(d.stream_broken_.load()) << "the decode leg was not cancelled";
+  auto rel = p.WaitCalls("/v1/kv/release", 1);
+  ASSERT_EQ(rel.size(), 1u);
+  EXPECT_EQ(rel[0].body["transfer_id"],
+            p.Calls("/v1/completions").at(0).body["kv_transfer_params"]["transfer_id"]);
+  EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"timeout\"", 1), 1.0);
+  // A bad value is the client's error, before any leg.
+  httplib::Headers bad = {{kRequestTimeoutHeader, "soon"}};
+  auto r400 = cli.Post("/v1/completions", bad, kBody, "application/json");
+  ASSERT_TRUE(r400);
+  EXPECT_EQ(r400->status, 400);
+  EXPECT_NE(r400->body.find("X-Request-Timeout"), std::string::npos) << r400->body;
+  EXPECT_EQ(p.Calls("/v1/completions").size(), 1u);
 }
 
 TEST(ProxyFakeEngines, StreamingPassThrough) {

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -245,6 +246,180 @@ bool WaitReady(Subprocess& up) {
     usleep(100'000);
   }
   return false;
+}
+
+// The pids `up` printed when ready, by child name ("  decode-0   http://...  pid 123  log ...").
+std::map<std::string, int> UpPids(const std::string& log) {
+  std::map<std::string, int> pids;
+  static const std::regex re(R"((\S+)\s+http://127\.0\.0\.1:\d+\s+pid (\d+))");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator();
+       ++it) {
+    pids.emplace((*it)[1].str(), std::stoi((*it)[2].str()));
+  }
+  return pids;
+}
+
+// GET /instances' entry named `name` (null when absent).
+json InstanceNamed(const std::string& host, const std::string& name) {
+  json inst = json::parse(GetBody(host, "/instances"), nullptr, false);
+  if (!inst.is_object() || !inst.contains("instances")) return nullptr;
+  for (const auto& i : inst["instances"]) {
+    if (i.value("name", "") == name) return i;
+  }
+  return nullptr;
+}
+
+// Waits (bounded, 120 s) until the proxy lists `name` healthy with `restarts` restarts.
+bool WaitRestarted(const std::string& host, const std::string& name, int restarts) {
+  for (int i = 0; i < 1200; ++i) {
+    json i_ = InstanceNamed(host, name);
+    if (!i_.is_null() && i_.value("restarts", -1) == restarts && i_.value("healthy", false) &&
+        !i_.value("draining", true)) {
+      return true;
+    }
+    usleep(100'000);
+  }
+  return false;
+}
+
+const json kSmallRequest = {
+    {"prompt", "The quick brown fox"}, {"max_tokens", 6}, {"temperature", 0}};
+
+// Issue 21: one crash is not an outage. SIGKILL of the decode of `up 1p1d`: up reports it, restarts
+// it (a new incarnation registering under the same name), the prefill and the proxy are never
+// restarted, and requests sent after the restart succeed.
+TEST(UpSupervision, KilledDecodeIsRestartedTheOthersKeepRunning) {
+  std::string why = SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string bin = KvbridgeBin();
+  const std::string dir = testing::MakeTempDir("kvb-upsup-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  const int port = testing::FreePort();
+  Subprocess up(
+      {bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
+       model, "--no-prefix-caching", "--ready-timeout", "240", "--restart-budget", "3"},
+      dir + "/up.log");
+  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+  const std::string host = "http://127.0.0.1:" + std::to_string(port);
+  std::map<std::string, int> pids = UpPids(up.ReadLog());
+  ASSERT_EQ(pids.size(), 3u) << up.ReadLog();
+  json first = Post(port, "/v1/completions", kSmallRequest);
+  ASSERT_EQ(first["_status"], 200) << first.dump();
+  const std::string old_url = InstanceNamed(host, "decode-0").value("url", "");
+
+  ASSERT_EQ(::kill(pids["decode-0"], SIGKILL), 0);
+  ASSERT_TRUE(WaitRestarted(host, "decode-0", 1)) << up.ReadLog();
+  // A new incarnation at a new url; the old one is gone from the registry.
+  EXPECT_NE(InstanceNamed(host, "decode-0").value("url", ""), old_url);
+  json inst = json::parse(GetBody(host, "/instances"));
+  EXPECT_EQ(inst["instances"].size(), 2u) << inst.dump();
+  for (int i = 0; i < 4; ++i) {
+    json got = Post(port, "/v1/completions", kSmallRequest);
+    EXPECT_EQ(got["_status"], 200) << got.dump();
+    EXPECT_EQ(got["choices"][0]["text"], first["choices"][0]["text"]);
+  }
+  const std::string log = up.ReadLog();
+  EXPECT_NE(log.find("decode-0 (pid " + std::to_string(pids["decode-0"]) + ") killed by signal 9"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("decode-0 restarted (restart 1"), std::string::npos) << log;
+  // The others were never restarted: same processes, alive, 0 restarts.
+  EXPECT_EQ(::kill(pids["prefill-0"], 0), 0);
+  EXPECT_EQ(::kill(pids["proxy"], 0), 0);
+  EXPECT_EQ(log.find("prefill-0 restarted"), std::string::npos) << log;
+  EXPECT_EQ(log.find("proxy restarted"), std::string::npos) << log;
+  const std::string metrics = GetBody(host, "/metrics");
+  EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"decode-0\""), 1.0);
+  EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"prefill-0\""), 0.0);
+  EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"proxy\""), 0.0);
+  EXPECT_EQ(InstanceNamed(host, "prefill-0").value("restarts", -1), 0);
+  ExpectEveryInstanceDrained(host);
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+}
+
+// Issue 21: graceful drain. Under a light load (2 clients in a loop), decode-0 of `up 1p2d` is
+// drained by SIGTERM and decode-1 through the proxy (POST /v1/instances/drain); each finishes what
+// it had, exits 0 and comes back (--restart always) — and no request fails.
+TEST(UpDrain, DrainedDecodesUnderLoadLoseNoRequest) {
+  std::string why = SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string bin = KvbridgeBin();
+  const std::string dir = testing::MakeTempDir("kvb-updrain-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  const std::string token = "drain-test-token";
+  {
+    std::ofstream cfg(dir + "/up.toml");
+    cfg << "cluster_token = \"" << token << "\"\nrestart = \"always\"\n";
+  }
+  const int port = testing::FreePort();
+  Subprocess up(
+      {bin, "up", "1p2d", "--config", dir + "/up.toml", "--port", std::to_string(port), "--log-dir",
+       dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
+      dir + "/up.log");
+  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+  const std::string host = "http://127.0.0.1:" + std::to_string(port);
+  std::map<std::string, int> pids = UpPids(up.ReadLog());
+  ASSERT_EQ(pids.size(), 4u) << up.ReadLog();
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0};
+  std::mutex failures_mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 2; ++c) {
+    clients.emplace_back([&] {
+      for (int i = 0; i < 100000 && !stop; ++i) {
+        json got = Post(port, "/v1/completions", kSmallRequest);
+        if (got["_status"] == 200) {
+          ++ok;
+        } else {
+          std::lock_guard<std::mutex> lock(failures_mu);
+          failures.push_back(got.dump());
+        }
+      }
+    });
+  }
+  auto wait_ok = [&](int n) {
+    for (int i = 0; i < 600 && ok < n; ++i) usleep(100'000);
+  };
+  wait_ok(5);
+  ASSERT_EQ(::kill(pids["decode-0"], SIGTERM), 0);
+  EXPECT_TRUE(WaitRestarted(host, "decode-0", 1)) << up.ReadLog();
+  wait_ok(ok + 5);
+  // Through the proxy, by name: routed around at once, then the engine drains.
+  httplib::Client cli("127.0.0.1", port);
+  httplib::Headers h = {{"X-KVBridge-Cluster-Token", token}};
+  auto res =
+      cli.Post("/v1/instances/drain", h, R"({"instance_id":"decode-1"})", "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_TRUE(WaitRestarted(host, "decode-1", 1)) << up.ReadLog();
+  wait_ok(ok + 5);
+  stop = true;
+  for (auto& t : clients) t.join();
+  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures.front();
+  EXPECT_GE(ok.load(), 15);
+  const std::string log = up.ReadLog();
+  EXPECT_NE(log.find("decode-0 (pid " + std::to_string(pids["decode-0"]) + ") exited with code 0"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("decode-1 (pid " + std::to_string(pids["decode-1"]) + ") exited with code 0"),
+            std::string::npos)
+      << log;
+  std::ifstream decode_log(dir + "/logs/decode-0.log");
+  const std::string decode_text((std::istreambuf_iterator<char>(decode_log)),
+                                std::istreambuf_iterator<char>());
+  EXPECT_NE(decode_text.find("drained in"), std::string::npos) << decode_text;
+  ExpectEveryInstanceDrained(host);
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
 }
 
 // The prefill gets the client's n (its 1:many sibling path) while 16 requests with n=8 are in

@@ -22,11 +22,18 @@
 // decode leg names the prefill (remote_engine_id/host/port, its tp_size, mode "write").
 //
 // Failure rules: client-supplied kv_transfer_params are dropped; a leg that could not be reached
-// (connect failed, nothing sent) is retried on another instance of its role (READ mode); a leg's
-// non-2xx status and body reach the client as they are; once a prefill leg was sent, every path
-// that does not end in a successful decode emits ReleaseHold(transfer_id) at once (the prefill
-// parks a release that arrives before its transfer registers); a client disconnect cancels every
-// leg in flight. The client never gets an empty 200.
+// (connect failed, nothing sent) or that an engine refused with 503 (draining, queue full: it
+// admitted nothing) is sent to another instance of its role. WRITE mode, where the decode leg
+// names the prefill: when the prefill leg fails (unreachable, broken, 503 or any 5xx) before the
+// client got a byte, the pair's decode leg is cancelled at once, what the failed prefill may hold
+// is released, and the pair is sent again to another prefill with a fresh transfer_id
+// (FlowOptions::mint_transfer_id), up to max_attempts pairs. Otherwise a leg's non-2xx status and
+// body reach the client as they are; once a prefill leg was sent, every path that does not end
+// in a successful decode emits ReleaseHold(transfer_id) at once (the prefill parks a release that
+// arrives before its transfer registers); a client disconnect or the deadline (FlowOptions::
+// timeout, or the client's own ClientRequest::timeout when shorter) cancels every leg in flight.
+// A streamed answer starts (StartStream) with the decode's first body bytes, not its status line,
+// so a pair that fails before any token can still be retried. The client never gets an empty 200.
 //
 // Thread-safety: none; one owner drives a flow (the runtime serialises its events).
 #pragma once
@@ -76,9 +83,12 @@ struct FlowOptions {
   /// Send the client's `n` to the prefill leg (exercises the prefill's 1:many sibling path);
   /// default sends n=1 since every sibling shares the prompt's KV.
   bool prefill_forward_n = false;
-  /// Attempts per role when an instance cannot be reached (READ mode; WRITE mode does not retry
-  /// the prefill, since the decode leg already names it).
+  /// Attempts per role when an instance cannot be reached or refuses with 503, and (WRITE mode)
+  /// attempts of the prefill/decode pair when its prefill leg fails.
   int max_attempts = 3;
+  /// Mints the transfer_id of a retried WRITE pair (the runtime: MintTransferId). Null: the
+  /// first transfer_id + "-" + the pair's number ("...-2"), deterministic for the simulator.
+  std::function<std::string()> mint_transfer_id;
   /// Bound on the whole request, from OnClientRequest; past it the flow answers 504 (or ends the
   /// stream with an error event) and cancels the legs. 0 = no bound.
   DurationUs timeout = 0;
@@ -94,10 +104,21 @@ struct FlowOptions {
 enum class LegFailure { kUnreachable, kBroken };
 
 /// The client's request: path ("/v1/completions" or "/v1/chat/completions") and JSON body.
+/// `timeout` is the client's own bound on the whole request (the X-Request-Timeout header, see
+/// ParseRequestTimeout; 0 = none): the flow's deadline is the earlier of it and
+/// FlowOptions::timeout.
 struct ClientRequest {
   std::string path;
   std::string body;
+  DurationUs timeout = 0;
 };
+
+/// The header a client bounds its request with, end to end: seconds, a decimal > 0 and at most
+/// 86400 ("2.5"). Past it the proxy cancels both legs, releases the hold and answers 504.
+inline constexpr const char* kRequestTimeoutHeader = "X-Request-Timeout";
+/// Parses an X-Request-Timeout value into microseconds. InvalidArgument (the message says why)
+/// for anything but a plain decimal number of seconds in (0, 86400].
+Result<DurationUs> ParseRequestTimeout(std::string_view value);
 
 // Actions the runtime executes, in the order returned.
 /// Send a POST of `body` (JSON) to instance.url + path. Report its events under `leg_id`.
@@ -196,9 +217,12 @@ class PdFlow {
   /// client_done() and no leg is in flight: the flow can be destroyed.
   bool done() const;
   Outcome outcome() const { return outcome_; }
+  /// The current transfer_id (a retried WRITE pair has a fresh one).
   const std::string& transfer_id() const { return transfer_id_; }
   /// Every leg this flow started, in order.
   std::vector<LegRecord> legs() const;
+  /// Pairs sent (1, or more after WRITE pair retries).
+  int pair_attempts() const { return pair_attempts_; }
   /// True when the client asked for a streamed response.
   bool client_stream() const { return client_stream_; }
 
@@ -224,7 +248,16 @@ class PdFlow {
   void FailWithError(Outcome outcome, int status, std::string_view type, std::string_view message,
                      std::vector<Action>& out);
   void Release(std::vector<Action>& out);
+  void Cancel(Leg& leg, std::vector<Action>& out);
   void CancelAll(std::vector<Action>& out);
+  // A leg an engine refused with 503 (nothing admitted), before the client got a byte: sent to
+  // another instance of its role (WRITE prefill: the pair again). False when none is left.
+  bool RetryRefused(Leg& leg, TimePoint now, std::vector<Action>& out);
+  // WRITE: the prefill leg failed before the client got a byte; cancels the decode leg, releases
+  // what the failed prefill may hold, and sends a new pair with a fresh transfer_id (or answers
+  // 503 when no decode is left). False, having done nothing, when no attempt or prefill is left.
+  bool RetryWritePair(bool prefill_may_hold, TimePoint now, std::vector<Action>& out);
+  bool ClientHasBytes() const { return stream_started_ || client_done_; }
 
   FlowOptions options_;
   std::string transfer_id_;
@@ -245,6 +278,11 @@ class PdFlow {
   int prefill_leg_ = -1;
   int decode_leg_ = -1;
   int next_leg_id_ = 1;
+  int pair_attempts_ = 1;
+  std::string first_transfer_id_;
+  // The decode's streamed status and Content-Type, sent with its first body bytes.
+  int stream_status_ = 200;
+  std::string stream_content_type_;
   TimePoint deadline_ = -1;
   Outcome outcome_ = Outcome::kPending;
   std::deque<Leg> legs_;  // deque: references stay valid as legs are added

@@ -8,7 +8,10 @@
 // connection before any response byte is sent again, once, on a new connection.
 //
 // Endpoints:
-//   POST /v1/completions, /v1/chat/completions   the P→D flow (streaming or not)
+//   POST /v1/completions, /v1/chat/completions   the P→D flow (streaming or not); 429 with
+//                                                  Retry-After past max_pending requests in
+//                                                  flight; X-Request-Timeout: SECONDS bounds one
+//                                                  (flow.h ParseRequestTimeout; 400 when bad)
 //   GET  /v1/models                               a decode's (else a prefill's) /v1/models
 //   POST /tokenize, /detokenize                   passed to a decode (else a prefill) as they are
 //   GET  /health                                  200 {"status":"ok",...} while serving
@@ -17,8 +20,9 @@
 //                                                  leg_retries_total, upstream_idle_connections)
 //   GET  /v1/prometheus/targets                   Prometheus HTTP service discovery: this proxy
 //                                                  and every known instance, label role
-//   GET  /instances                               {"mode":..,"instances":[{id,role,url,mode,
-//                                                  healthy,static,load{running,waiting,kv_usage},
+//   GET  /instances                               {"mode":..,"proxy_restarts":N,"instances":[{id,
+//                                                  role,url,mode,healthy,static,draining,name,
+//                                                  restarts,load{running,waiting,kv_usage},
 //                                                  in_flight,engine_id,transfer_endpoints}]}
 //   POST /v1/instances/register                  registration JSON (registry.h); 200
 //                                                  {"instance_id","heartbeat_interval_ms",
@@ -26,6 +30,10 @@
 //   POST /v1/instances/heartbeat                 {"instance_id", "load"}; 404 when forgotten
 //   POST /v1/instances/deregister                {"instance_id"}
 // Instance URLs are http://HOST:PORT or https://HOST:PORT (TLS, verified: ProxyOptions::ssl_*).
+//   POST /v1/instances/drain                     {"instance_id": ID or name}: never routed to
+//                                                  again, and its engine gets POST /drain
+//                                                  (200 {"status":"draining",...}; 404 unknown;
+//                                                  502 when the engine's /drain failed)
 // With a cluster token, the /v1/instances/* calls must carry it (header
 // X-KVBridge-Cluster-Token, else 401), and every leg and release sends it.
 //
@@ -75,6 +83,12 @@ struct ProxyOptions {
   DurationUs connect_timeout = 2 * kSecond;
   DurationUs health_probe_interval = 1 * kSecond;  // static instances' GET /health
   int max_attempts = 3;
+  /// Client requests in flight (accepted, not answered) past which new ones get 429 Too Many
+  /// Requests with `Retry-After: retry_after_s` at once instead of queueing (0 = no bound).
+  int max_pending = 1024;
+  int retry_after_s = 1;
+  /// How many times `kvbridge up` restarted this proxy (shown in /metrics and /instances).
+  int restart_count = 0;
   int threads = 1;
   /// Keep-alive connections to engines kept idle per host:port for later legs (0: a new
   /// connection per leg). A connection is reused only after a complete response.

@@ -47,11 +47,15 @@ struct InstanceLoad {
 /// What an engine registers. JSON shape (POST /v1/instances/register):
 ///   {"instance_id": "...", "role": "prefill|decode", "url": "http://127.0.0.1:8100",
 ///    "mode": "read|write", "engine_id": "...", "transfer_endpoints": ["tcp://127.0.0.1:9100"],
-///    "tp_size": 1, "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}}
+///    "tp_size": 1, "name": "decode-0", "restarts": 0,
+///    "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}}
 /// instance_id defaults to the url. transfer_endpoints' first "scheme://host:port" gives the
 /// Endpoint's transfer_host/transfer_port (WRITE mode needs them). tp_size (optional, default 1,
 /// an integer in [1, 64]) is the engine's tensor-parallel size: WRITE mode's decode leg names the
-/// prefill's.
+/// prefill's. name (optional, [A-Za-z0-9._-]{1,64}) is a stable name across restarts (`kvbridge up`
+/// gives "prefill-0", "decode-1", ...): a registration under a name another instance holds
+/// replaces that one (the restarted engine is a new incarnation at a new url). restarts
+/// (optional, integer >= 0) is how many times `up` restarted it.
 struct InstanceInfo {
   std::string id;
   Role role = Role::kPrefill;
@@ -60,6 +64,8 @@ struct InstanceInfo {
   std::string engine_id;
   std::vector<std::string> transfer_endpoints;
   int tp_size = 1;
+  std::string name;
+  int restarts = 0;
 };
 
 /// One instance as GET /instances shows it.
@@ -68,6 +74,7 @@ struct InstanceState {
   InstanceLoad load;
   bool is_static = false;
   bool healthy = true;
+  bool draining = false;  // told to drain: never picked again
   TimePoint last_heartbeat = 0;
   int in_flight = 0;  // legs the proxy has open to it
 };
@@ -85,9 +92,12 @@ class InstanceRegistry {
   /// Adds a static instance at `url` (http://host:port). InvalidArgument for a malformed url;
   /// AlreadyExists when the url is already known.
   Status AddStatic(Role role, const std::string& url);
-  /// Registers (or re-registers, replacing) an instance. InvalidArgument for a missing url;
-  /// FailedPrecondition when its mode differs from the proxy's (mixed READ/WRITE is refused).
-  Status Register(const InstanceInfo& info, const InstanceLoad& load, TimePoint now);
+  /// Registers (or re-registers, replacing) an instance; a registered instance of another id
+  /// with the same non-empty name (an earlier incarnation) is removed and its id appended to
+  /// `replaced`. InvalidArgument for a missing url or a bad name; FailedPrecondition when its
+  /// mode differs from the proxy's (mixed READ/WRITE is refused).
+  Status Register(const InstanceInfo& info, const InstanceLoad& load, TimePoint now,
+                  std::vector<std::string>* replaced = nullptr);
   /// Records a heartbeat. NotFound when `id` is unknown (expired: the engine re-registers).
   Status Heartbeat(const std::string& id, const InstanceLoad& load, TimePoint now);
   /// Drops registered instances whose last heartbeat is older than heartbeat_timeout; returns
@@ -97,6 +107,11 @@ class InstanceRegistry {
   Status Remove(const std::string& id);
   /// Marks an instance healthy or not (runtime probes of static instances).
   void SetHealthy(const std::string& id, bool healthy);
+  /// Marks an instance draining: Pick never returns it again (it stays listed until it
+  /// deregisters or expires). NotFound when unknown.
+  Status SetDraining(const std::string& id);
+  /// The instance whose id or, failing that, name is `key`.
+  std::optional<InstanceState> Find(const std::string& key) const;
   /// Picks an instance of `role` not in `exclude`; nullopt when none is healthy.
   std::optional<Endpoint> Pick(Role role, const std::vector<std::string>& exclude);
   /// The healthy instances of `role`, ordered by id (valid until the registry next changes).

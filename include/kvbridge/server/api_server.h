@@ -132,6 +132,16 @@ class ApiServer {
   /// Blocks until Stop() was called (from another thread).
   void Wait();
 
+  /// Graceful drain, step one: from now on generation requests (/v1/completions,
+  /// /v1/chat/completions) get 503 "the server is draining" (a proxy sends them elsewhere) and
+  /// GET /health answers 503 {"status":"draining"}; requests already admitted go on, and so do
+  /// the other routes (a drained prefill still serves its holds' /v1/kv/* calls). Idempotent;
+  /// thread-safe. The caller waits until in_flight() is 0 and the engine is idle, then Stop()s.
+  void BeginDrain();
+  bool draining() const;
+  /// Generation requests being served now (admitted, response not finished). Thread-safe.
+  int in_flight() const;
+
   /// True when no cluster token is configured or `req` carries the right one.
   bool CheckClusterToken(const HttpRequest& req) const;
   /// The server's own metrics (kvbridge_http_*); /metrics renders the engine's registry then this.
