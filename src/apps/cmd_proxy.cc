@@ -21,6 +21,7 @@ struct ProxyCliOptions {
   int heartbeat_timeout_ms = 3000;
   int request_timeout_s = 600;
   int upstream_idle_timeout_ms = 1000;
+  int instance_wait_ms = 5000;
   std::string port_file;  // where to write the bound port once listening; empty = nowhere
   std::string model_dir;  // tokenizer + chat template for KV-aware routing; empty: /tokenize
   std::string chat_template;
@@ -39,6 +40,7 @@ int RunProxy(ProxyCliOptions& cli) {
   cli.proxy.heartbeat_timeout = cli.heartbeat_timeout_ms * kvbridge::kMillisecond;
   cli.proxy.request_timeout = cli.request_timeout_s * kvbridge::kSecond;
   cli.proxy.upstream_idle_timeout = cli.upstream_idle_timeout_ms * kvbridge::kMillisecond;
+  cli.proxy.instance_wait = cli.instance_wait_ms * kvbridge::kMillisecond;
   if (!cli.model_dir.empty()) {
     auto pt = kvbridge::server::PromptTokenizer::Load(cli.model_dir, cli.chat_template);
     if (!pt.ok()) {
@@ -141,6 +143,11 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                      "Seconds a 429 (overload) tells the client to wait (Retry-After)")
           ->capture_default_str()
           ->check(CLI::Range(1, 3600));
+      sub.add_option("--instance-wait-ms", o->instance_wait_ms,
+                     "How long a request waits for an instance when none of a role is routable "
+                     "(all draining or restarting) before its 503 (0 = at once)")
+          ->capture_default_str()
+          ->check(CLI::Range(0, 3600000));
       sub.add_option("--restart-count", o->proxy.restart_count,
                      "Times this proxy was restarted (set by kvbridge up; shown in /metrics)")
           ->check(CLI::Range(0, 1000000));

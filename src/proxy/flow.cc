@@ -207,8 +207,53 @@ bool PdFlow::done() const {
 }
 
 std::optional<TimePoint> PdFlow::deadline() const {
-  if (deadline_ < 0 || client_done_) return std::nullopt;
-  return deadline_;
+  if (client_done_) return std::nullopt;
+  std::optional<TimePoint> next;
+  if (deadline_ >= 0) next = deadline_;
+  if (waiting_ != Waiting::kNone && (!next || repick_at_ < *next)) next = repick_at_;
+  return next;
+}
+
+bool PdFlow::WaitForInstance(Role role, TimePoint now) {
+  if (options_.instance_wait <= 0) return false;
+  if (waiting_ == Waiting::kNone) wait_until_ = now + options_.instance_wait;
+  if (now >= wait_until_) return false;
+  waiting_role_ = role;
+  repick_at_ = std::min(wait_until_, now + std::max<DurationUs>(1, options_.instance_poll));
+  return true;
+}
+
+void PdFlow::FailNoInstance(Role role, std::vector<Action>& out) {
+  waiting_ = Waiting::kNone;
+  Release(out);
+  FailWithError(Outcome::kNoInstance, 503, "service_unavailable",
+                options_.colocated ? std::string("no instance available")
+                                   : "no " + std::string(RoleName(role)) + " instance available",
+                out);
+}
+
+bool PdFlow::StartFirstLegs(TimePoint now, std::vector<Action>& out, Role* missing) {
+  if (options_.colocated) {
+    *missing = Role::kDecode;
+    return SendDecode(now, out);
+  }
+  if (options_.mode == KvTransferMode::kRead) {
+    *missing = Role::kPrefill;
+    return SendPrefill(now, out);
+  }
+  // WRITE: the decode leg names the prefill, so pick the prefill first, then send both legs.
+  *missing = Role::kPrefill;
+  std::optional<Endpoint> prefill = picker_(Role::kPrefill, tried_prefill_);
+  if (!prefill) return false;
+  hold_prefill_ = *prefill;
+  if (!SendDecode(now, out)) {
+    hold_prefill_.reset();  // nothing was sent to it
+    *missing = Role::kDecode;
+    return false;
+  }
+  tried_prefill_.push_back(prefill->id);
+  prefill_leg_ = StartLeg(Role::kPrefill, *prefill, prefill_body_, /*stream=*/false, now, out);
+  return true;
 }
 
 PdFlow::Leg* PdFlow::FindLeg(int leg_id) {
@@ -409,36 +454,14 @@ std::vector<Action> PdFlow::OnClientRequest(const ClientRequest& request, TimePo
         ShapePrefillJson(std::move(j), options_.prefill_forward_n, std::move(prefill_params))
             .dump();
   }
-  if (options_.colocated) {
-    if (!SendDecode(now, out)) {
-      FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no instance available", out);
+  Role missing = Role::kPrefill;
+  if (!StartFirstLegs(now, out, &missing)) {
+    if (WaitForInstance(missing, now)) {
+      waiting_ = Waiting::kFirstLegs;
+    } else {
+      FailNoInstance(missing, out);
     }
-    return out;
   }
-
-  if (options_.mode == KvTransferMode::kRead) {
-    if (!SendPrefill(now, out)) {
-      FailWithError(Outcome::kNoInstance, 503, "service_unavailable",
-                    "no prefill instance available", out);
-    }
-    return out;
-  }
-  // WRITE: the decode leg names the prefill, so pick the prefill first, then send both legs.
-  std::optional<Endpoint> prefill = picker_(Role::kPrefill, tried_prefill_);
-  if (!prefill) {
-    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no prefill instance available",
-                  out);
-    return out;
-  }
-  tried_prefill_.push_back(prefill->id);
-  hold_prefill_ = *prefill;
-  if (!SendDecode(now, out)) {
-    hold_prefill_.reset();  // nothing was sent to it
-    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no decode instance available",
-                  out);
-    return out;
-  }
-  prefill_leg_ = StartLeg(Role::kPrefill, *prefill, prefill_body_, /*stream=*/false, now, out);
   return out;
 }
 
@@ -550,9 +573,11 @@ void PdFlow::OnPrefillDone(Leg& leg, TimePoint now, std::vector<Action>& out) {
   p["do_remote_prefill"] = true;
   prefill_kv_params_ = p.dump();
   if (!SendDecode(now, out)) {
-    Release(out);
-    FailWithError(Outcome::kNoInstance, 503, "service_unavailable", "no decode instance available",
-                  out);
+    if (WaitForInstance(Role::kDecode, now)) {
+      waiting_ = Waiting::kReadDecode;  // the hold stays for the decode to come
+    } else {
+      FailNoInstance(Role::kDecode, out);
+    }
   }
 }
 
@@ -644,7 +669,21 @@ std::vector<Action> PdFlow::OnClientDisconnect(TimePoint now) {
 
 std::vector<Action> PdFlow::OnTick(TimePoint now) {
   std::vector<Action> out;
-  if (client_done_ || deadline_ < 0 || now < deadline_) return out;
+  if (client_done_) return out;
+  if (waiting_ != Waiting::kNone && now >= repick_at_ && (deadline_ < 0 || now < deadline_)) {
+    const Waiting step = waiting_;
+    Role missing = waiting_role_;
+    const bool sent =
+        step == Waiting::kFirstLegs ? StartFirstLegs(now, out, &missing) : SendDecode(now, out);
+    if (sent) {
+      waiting_ = Waiting::kNone;
+    } else if (!WaitForInstance(missing, now)) {
+      FailNoInstance(missing, out);
+    }
+    return out;
+  }
+  if (deadline_ < 0 || now < deadline_) return out;
+  waiting_ = Waiting::kNone;
   CancelAll(out);
   Release(out);
   FailWithError(Outcome::kTimeout, 504, "timeout", "request timed out in the proxy", out);

@@ -434,6 +434,80 @@ TEST(PdFlowRead, ClientTimeoutShorterThanTheProxysBoundsTheRequest) {
   EXPECT_EQ(c.flow.deadline(), std::optional<TimePoint>(75));
 }
 
+// Issue 21: a rolling restart of the only prefill. With instance_wait the request waits for an
+// instance (picking again every instance_poll, on OnTick) instead of a 503 at once.
+TEST(PdFlowRead, NoPrefillWaitsForOneWithinInstanceWait) {
+  FlowOptions o;
+  o.instance_wait = 1000;
+  o.instance_poll = 100;
+  std::vector<Endpoint> prefills;  // none yet; the picker sees the list as it is now
+  InstancePicker picker =
+      [&prefills](Role role, const std::vector<std::string>& exclude) -> std::optional<Endpoint> {
+    if (role == Role::kDecode) return Ep("d1");
+    for (const Endpoint& e : prefills) {
+      if (std::find(exclude.begin(), exclude.end(), e.id) == exclude.end()) return e;
+    }
+    return std::nullopt;
+  };
+  PdFlow flow(o, kTid, picker);
+  EXPECT_TRUE(flow.OnClientRequest({"/v1/completions", kClientBody}, 0).empty());
+  EXPECT_EQ(flow.deadline(), std::optional<TimePoint>(100));
+  EXPECT_TRUE(flow.OnTick(100).empty());  // still none
+  EXPECT_EQ(flow.deadline(), std::optional<TimePoint>(200));
+  prefills.push_back(Ep("p1"));  // back from its restart
+  auto a = flow.OnTick(200);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<SendLeg>(a[0]).instance.id, "p1");
+  EXPECT_FALSE(flow.deadline().has_value());
+  EXPECT_FALSE(flow.done());
+
+  // Nobody comes back: 503 once instance_wait has passed, nothing to release.
+  PdFlow lonely(o, kTid, ListPicker({}, {Ep("d1")}));
+  EXPECT_TRUE(lonely.OnClientRequest({"/v1/completions", kClientBody}, 0).empty());
+  for (TimePoint t = 100; t < 1000; t += 100) EXPECT_TRUE(lonely.OnTick(t).empty()) << t;
+  a = lonely.OnTick(1000);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<Respond>(a[0]).status, 503);
+  EXPECT_EQ(lonely.outcome(), Outcome::kNoInstance);
+  EXPECT_TRUE(lonely.done());
+}
+
+TEST(PdFlowRead, NoDecodeAfterThePrefillWaitsKeepingTheHold) {
+  FlowOptions o;
+  o.instance_wait = 500;
+  o.instance_poll = 100;
+  std::vector<Endpoint> decodes;
+  InstancePicker picker = [&decodes](Role role,
+                                     const std::vector<std::string>&) -> std::optional<Endpoint> {
+    if (role == Role::kPrefill) return Ep("p1");
+    if (decodes.empty()) return std::nullopt;
+    return decodes.front();
+  };
+  PdFlow flow(o, kTid, picker);
+  auto a = flow.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  const int pleg = As<SendLeg>(a[0]).leg_id;
+  EXPECT_TRUE(flow.OnLegStatus(pleg, 200, "application/json", 1).empty());
+  EXPECT_TRUE(flow.OnLegData(pleg, PrefillAnswer(), 2).empty());
+  EXPECT_TRUE(flow.OnLegDone(pleg, 3).empty());  // no decode: no release, it waits
+  EXPECT_EQ(flow.deadline(), std::optional<TimePoint>(103));
+  decodes.push_back(Ep("d2"));
+  a = flow.OnTick(103);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<SendLeg>(a[0]).instance.id, "d2");
+  EXPECT_EQ(json::parse(As<SendLeg>(a[0]).body)["kv_transfer_params"]["transfer_id"], kTid);
+  // A client that leaves while the flow waits gets its hold released.
+  PdFlow gone(o, kTid, ListPicker({Ep("p1")}, {}));
+  a = gone.OnClientRequest({"/v1/completions", kClientBody}, 0);
+  const int g = As<SendLeg>(a[0]).leg_id;
+  gone.OnLegStatus(g, 200, "application/json", 1);
+  gone.OnLegData(g, PrefillAnswer(), 2);
+  EXPECT_TRUE(gone.OnLegDone(g, 3).empty());
+  a = gone.OnClientDisconnect(50);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(As<ReleaseHold>(a[0]).transfer_id, kTid);
+  EXPECT_TRUE(gone.done());
+}
+
 TEST(ParseRequestTimeout, SecondsAsADecimal) {
   EXPECT_EQ(*ParseRequestTimeout("2.5"), 2'500'000);
   EXPECT_EQ(*ParseRequestTimeout(" 30 "), 30 * kSecond);

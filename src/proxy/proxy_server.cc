@@ -541,6 +541,10 @@ struct FlowCtx : std::enable_shared_from_this<FlowCtx> {
   void CountOutcome();
   // The request's timeline (timeline.h) into the ring and the phase histograms; once, at its end.
   void RecordTimeline();
+  // (Re)arms the timer for the flow's deadline() (its bound, or its next instance re-pick) when
+  // that changed; OnTick runs when it fires.
+  void ArmDeadline();
+  TimePoint armed_at = -1;
   // Starts watching the client for a disconnect, once per flow. Called when a leg's request is on
   // its way (or RunFlow is about to sleep), not at the start: the watch costs a system call, and
   // there it runs while the engine works instead of before the leg is sent.
@@ -594,7 +598,26 @@ void FlowCtx::Push(std::vector<Action> actions) {
       pending.push_back(std::move(a));
     }
   }
+  ArmDeadline();
   if (sleeping) wake.cancel();
+}
+
+void FlowCtx::ArmDeadline() {
+  const std::optional<TimePoint> d = flow.deadline();
+  if (finished || !d) {
+    if (armed_at >= 0) deadline_timer.cancel();
+    armed_at = -1;
+    return;
+  }
+  if (*d == armed_at) return;
+  armed_at = *d;
+  deadline_timer.expires_after(
+      std::chrono::microseconds(std::max<DurationUs>(0, *d - SteadyNow())));
+  deadline_timer.async_wait([self = shared_from_this(), at = *d](beast::error_code ec) {
+    if (ec || self->finished || self->armed_at != at) return;
+    self->armed_at = -1;
+    self->Push(self->flow.OnTick(SteadyNow()));
+  });
 }
 
 // Counted before the answer's last write, so a client that has its answer sees it in /metrics.
@@ -1040,6 +1063,7 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   fo.colocated = options.colocated;
   fo.max_attempts = options.max_attempts;
   fo.timeout = options.request_timeout;
+  fo.instance_wait = options.instance_wait;
   fo.mint_transfer_id = [] { return MintTransferId(); };
   InstancePicker picker = [this](Role role, const std::vector<std::string>& exclude) {
     std::lock_guard<std::mutex> lock(mu);
@@ -1069,13 +1093,6 @@ awaitable<bool> ProxyServer::Impl::RunFlow(Stream& sock, Request& req) {
   in_flight.Add(1);
   ctx->Push(ctx->flow.OnClientRequest(
       {std::string(req.target()), std::move(req.body()), client_timeout}, t0));
-  if (std::optional<TimePoint> deadline = ctx->flow.deadline()) {
-    ctx->deadline_timer.expires_after(
-        std::chrono::microseconds(std::max<DurationUs>(0, *deadline - t0)));
-    ctx->deadline_timer.async_wait([ctx](beast::error_code ec) {
-      if (!ec && !ctx->finished) ctx->Push(ctx->flow.OnTick(SteadyNow()));
-    });
-  }
   beast::error_code ec;
   for (;;) {
     co_await Drain(ctx, /*in_leg=*/false);

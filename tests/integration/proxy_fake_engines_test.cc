@@ -471,6 +471,33 @@ TEST(ProxyFakeEngines, WriteUnreachablePrefillRetriesThePair) {
   EXPECT_EQ(p.Calls("/v1/kv/release").size(), 0u);
 }
 
+// A request that finds no prefill (the only one restarting) waits --instance-wait-ms for one:
+// it registers 300 ms later and the request is answered 200.
+TEST(ProxyFakeEngines, RequestWaitsForAnInstanceThatComesBack) {
+  FakeEngine p(true), d(false);
+  ProxyOptions o;
+  o.decode_urls = {d.url()};
+  o.instance_wait = 5 * kSecond;
+  auto proxy = StartProxy(o);
+  std::thread later([&] {
+    std::this_thread::sleep_for(300ms);
+    RegistrationOptions ro;
+    ro.proxy = "127.0.0.1:" + std::to_string(proxy->port());
+    ro.cluster_token = kToken;
+    ro.info.role = Role::kPrefill;
+    ro.info.url = p.url();
+    EXPECT_TRUE(RegisterWithProxy(ro, {}).ok());
+  });
+  httplib::Client cli("127.0.0.1", proxy->port());
+  const auto start = std::chrono::steady_clock::now();
+  auto res = cli.Post("/v1/completions", kBody, "application/json");
+  later.join();
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 250ms);
+  EXPECT_EQ(p.Calls("/v1/completions").size(), 1u);
+}
+
 // Overload: past --max-pending requests in flight the proxy answers 429 with Retry-After at
 // once; every request it accepted completes; nothing stays in flight after.
 TEST(ProxyFakeEngines, BurstAboveMaxPendingGets429WithRetryAfter) {
@@ -616,6 +643,7 @@ TEST(ProxyFakeEngines, RegistrationHeartbeatExpiryAndMixedModeRefused) {
   FakeEngine p(true), d(false);
   ProxyOptions o;
   o.heartbeat_timeout = 600 * kMillisecond;
+  o.instance_wait = 200 * kMillisecond;  // the 503 below comes after it
   auto proxy = StartProxy(o);
   std::string addr = "127.0.0.1:" + std::to_string(proxy->port());
 
@@ -672,7 +700,7 @@ TEST(ProxyFakeEngines, RegistrationHeartbeatExpiryAndMixedModeRefused) {
   EXPECT_EQ(SendHeartbeat(rd, {}).code(), StatusCode::kNotFound);
   res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 503);                             // no decode: never an empty 200
+  EXPECT_EQ(res->status, 503);  // no decode (after --instance-wait-ms): never an empty 200
   EXPECT_EQ(p.WaitCalls("/v1/kv/release", 1).size(), 1u);  // the prefill's hold is released
   EXPECT_EQ(ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_instances_expired_total"), 1.0);
 

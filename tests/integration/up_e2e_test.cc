@@ -427,6 +427,82 @@ TEST(UpDrain, DrainedDecodesUnderLoadLoseNoRequest) {
   EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
 }
 
+// Issue 21: a rolling restart of every engine of `up 1p3d` under light load (2 looping clients):
+// each in turn drained through the proxy (POST /v1/instances/drain, by name), restarted by up
+// (--restart always) and back before the next — the only prefill included (requests wait for
+// it: --instance-wait-ms) — and no request fails.
+TEST(UpRollingRestart, EveryEngineOf1p3dOneAtATimeNoFailedRequest) {
+  std::string why = SkipReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string bin = KvbridgeBin();
+  const std::string dir = testing::MakeTempDir("kvb-uproll-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  const std::string token = "rolling-test-token";
+  {
+    std::ofstream cfg(dir + "/up.toml");
+    cfg << "cluster_token = \"" << token << "\"\nrestart = \"always\"\n";
+  }
+  const int port = testing::FreePort();
+  Subprocess up(
+      {bin, "up", "1p3d", "--config", dir + "/up.toml", "--port", std::to_string(port), "--log-dir",
+       dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
+      dir + "/up.log");
+  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+  const std::string host = "http://127.0.0.1:" + std::to_string(port);
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0};
+  std::mutex failures_mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 2; ++c) {
+    clients.emplace_back([&] {
+      for (int i = 0; i < 100000 && !stop; ++i) {
+        json body = kSmallRequest;
+        body["max_tokens"] = 32;
+        json got = Post(port, "/v1/completions", body);
+        if (got["_status"] == 200) {
+          ++ok;
+        } else {
+          std::lock_guard<std::mutex> lock(failures_mu);
+          failures.push_back(got.dump());
+        }
+      }
+    });
+  }
+  auto wait_ok = [&](int n) {
+    for (int i = 0; i < 600 && ok < n; ++i) usleep(100'000);
+  };
+  wait_ok(5);
+  httplib::Client cli("127.0.0.1", port);
+  httplib::Headers h = {{"X-KVBridge-Cluster-Token", token}};
+  for (const char* name : {"prefill-0", "decode-0", "decode-1", "decode-2"}) {
+    const std::string body = json{{"instance_id", name}}.dump();
+    auto res = cli.Post("/v1/instances/drain", h, body, "application/json");
+    ASSERT_TRUE(res) << name;
+    EXPECT_EQ(res->status, 200) << name << ": " << res->body;
+    EXPECT_TRUE(WaitRestarted(host, name, 1)) << name << "\n" << up.ReadLog();
+    wait_ok(ok + 3);
+  }
+  stop = true;
+  for (auto& t : clients) t.join();
+  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures.front();
+  std::printf("UpRollingRestart 1p3d: %d requests answered 200, %zu failed, 4 engines restarted\n",
+              ok.load(), failures.size());
+  const std::string metrics = GetBody(host, "/metrics");
+  for (const char* name : {"prefill-0", "decode-0", "decode-1", "decode-2"}) {
+    EXPECT_EQ(
+        ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"" + std::string(name) + "\""),
+        1.0)
+        << name;
+  }
+  ExpectEveryInstanceDrained(host);
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+}
+
 // The prefill gets the client's n (its 1:many sibling path) while 16 requests with n=8 are in
 // flight; every request succeeds and, afterwards, every instance holds nothing, no lease expired
 // and no notification was ignored (DESIGN.md: fault-free runs need no safety net).

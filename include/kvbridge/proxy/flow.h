@@ -92,6 +92,11 @@ struct FlowOptions {
   /// Bound on the whole request, from OnClientRequest; past it the flow answers 504 (or ends the
   /// stream with an error event) and cancels the legs. 0 = no bound.
   DurationUs timeout = 0;
+  /// When no instance of a role is routable (every one draining or restarting), how long the
+  /// request waits for one — picking again every instance_poll, driven by OnTick — before it
+  /// gets 503. 0 = 503 at once. (A rolling restart of the only prefill loses no request.)
+  DurationUs instance_wait = 0;
+  DurationUs instance_poll = 50 * kMillisecond;
   /// No P/D: each request goes whole (client kv_transfer_params still dropped) to one instance of
   /// the decode role, which prefills and decodes it itself; no prefill leg, nothing to release.
   /// For comparing P/D with the same engines serving alone behind the same proxy.
@@ -258,6 +263,12 @@ class PdFlow {
   // 503 when no decode is left). False, having done nothing, when no attempt or prefill is left.
   bool RetryWritePair(bool prefill_may_hold, TimePoint now, std::vector<Action>& out);
   bool ClientHasBytes() const { return stream_started_ || client_done_; }
+  // The first leg(s): READ's prefill, WRITE's pair, colocated's one leg. False when an instance
+  // was missing (nothing sent); `missing` says which role.
+  bool StartFirstLegs(TimePoint now, std::vector<Action>& out, Role* missing);
+  // No instance of `role` now: wait for one (instance_wait) or answer 503. True when waiting.
+  bool WaitForInstance(Role role, TimePoint now);
+  void FailNoInstance(Role role, std::vector<Action>& out);
 
   FlowOptions options_;
   std::string transfer_id_;
@@ -284,6 +295,12 @@ class PdFlow {
   int stream_status_ = 200;
   std::string stream_content_type_;
   TimePoint deadline_ = -1;
+  // Waiting for an instance (FlowOptions::instance_wait): which step picks again, when, until.
+  enum class Waiting { kNone, kFirstLegs, kReadDecode };
+  Waiting waiting_ = Waiting::kNone;
+  Role waiting_role_ = Role::kPrefill;
+  TimePoint repick_at_ = -1;
+  TimePoint wait_until_ = -1;
   Outcome outcome_ = Outcome::kPending;
   std::deque<Leg> legs_;  // deque: references stay valid as legs are added
 };

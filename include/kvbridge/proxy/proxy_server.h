@@ -83,6 +83,9 @@ struct ProxyOptions {
   DurationUs connect_timeout = 2 * kSecond;
   DurationUs health_probe_interval = 1 * kSecond;  // static instances' GET /health
   int max_attempts = 3;
+  /// A request finding no routable instance of a role (every one draining or restarting) waits
+  /// this long for one before its 503 (FlowOptions::instance_wait; 0 = 503 at once).
+  DurationUs instance_wait = 5 * kSecond;
   /// Client requests in flight (accepted, not answered) past which new ones get 429 Too Many
   /// Requests with `Retry-After: retry_after_s` at once instead of queueing (0 = no bound).
   int max_pending = 1024;
