@@ -21,7 +21,7 @@ struct ProxyCliOptions {
   int heartbeat_timeout_ms = 3000;
   int request_timeout_s = 600;
   int upstream_idle_timeout_ms = 1000;
-  int instance_wait_ms = 5000;
+  int instance_wait_ms = 30000;
   std::string port_file;  // where to write the bound port once listening; empty = nowhere
   std::string model_dir;  // tokenizer + chat template for KV-aware routing; empty: /tokenize
   std::string chat_template;

@@ -85,7 +85,7 @@ struct ProxyOptions {
   int max_attempts = 3;
   /// A request finding no routable instance of a role (every one draining or restarting) waits
   /// this long for one before its 503 (FlowOptions::instance_wait; 0 = 503 at once).
-  DurationUs instance_wait = 5 * kSecond;
+  DurationUs instance_wait = 30 * kSecond;
   /// Client requests in flight (accepted, not answered) past which new ones get 429 Too Many
   /// Requests with `Retry-After: retry_after_s` at once instead of queueing (0 = no bound).
   int max_pending = 1024;
