@@ -33,7 +33,7 @@ TEST(Supervisor, DeadChildRestartsAfterBackoffOthersUntouched) {
   Supervisor s = Started(Opts(), 3);
   auto a = s.OnExit(1, ExitKind::kFailed, 10 * kSecond);
   ASSERT_EQ(a.size(), 1u);
-  const RestartScheduled& r = As<RestartScheduled>(a[0]);
+  const RestartScheduled r = As<RestartScheduled>(a[0]);
   EXPECT_EQ(r.child, 1);
   EXPECT_EQ(r.at, 10 * kSecond + 500 * kMillisecond);
   EXPECT_EQ(r.restart, 1);
