@@ -818,6 +818,104 @@ TEST_P(TransferConformance, GonePeerFailsLaterOpsAtOnce) {
   EXPECT_EQ(a_->agent->Notify("b", "t", "x").code(), StatusCode::kUnavailable);
 }
 
+// tcp stripes a WRITE over several connections, so a dying writer's message channel
+// (connection 0) can close while the server thread of another of its connections is still
+// copying bytes it sent before it died. Its loss — on which a WRITE decode frees the blocks the
+// peer was writing — is reported only once every connection of that peer ended (issue 21).
+TEST_P(TransferConformance, TcpPeerLossWaitsForEveryDataConnection) {
+  if (backend() != "tcp") GTEST_SKIP() << "tcp's striping of a transfer over connections";
+  AgentConfig cb = ConfigFor("b", backend());
+  cb.hold_check = [](TransferOp op, std::string_view tid, const std::vector<int>&) {
+    return op == TransferOp::kWrite && tid == "w-tx";
+  };
+  b_ = MakeSide(cb, SmallLayout());
+  b_->Poison();
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> lost;
+  b_->agent->SetPeerLostHandler([&](const std::string& peer) {
+    std::lock_guard<std::mutex> l(mu);
+    lost.push_back(peer);
+    cv.notify_all();
+  });
+  const AgentMetadata meta = b_->Meta();
+  std::string host;
+  int port = 0;
+  ASSERT_TRUE(net::ParseHostPort(meta.endpoints.at("tcp"), &host, &port).ok());
+  // The writing peer "w", by hand: its channel (connection 0) and one data connection.
+  auto connect = [&](uint32_t index) {
+    auto sock = net::TcpConnect(host, port, 2000);
+    EXPECT_TRUE(sock.ok()) << sock.status().ToString();
+    if (!sock.ok()) return net::Fd();
+    net::SetTimeouts(sock->get(), 3000, 3000);
+    wire::FrameHeader h;
+    h.type = wire::FrameType::kHello;
+    const wire::Hello hello{"w", 77, meta.incarnation, index};
+    EXPECT_TRUE(net::SendFrame(sock->get(), h, wire::EncodeHello(hello)).ok());
+    wire::FrameHeader ack;
+    std::string m;
+    EXPECT_TRUE(net::RecvFrameHead(sock->get(), &ack, &m).ok());
+    EXPECT_EQ(ack.type, wire::FrameType::kHelloAck);
+    EXPECT_EQ(ack.status, 0);
+    return std::move(*sock);
+  };
+  net::Fd channel = connect(0);
+  net::Fd data = connect(1);
+  ASSERT_TRUE(channel.valid() && data.valid());
+  // A WRITE of block 5 (layer 0) whose payload is half sent: the server thread is copying it.
+  const size_t bytes = SmallLayout().BlockBytes();
+  std::vector<uint8_t> payload(bytes);
+  FillPattern(payload.data(), bytes, 31, 0, 5);
+  Segment seg;
+  seg.remote_layer = 0;
+  seg.remote_offset = 5 * bytes;
+  seg.length = bytes;
+  wire::Writer w;
+  wire::EncodeDataRequest("w-tx", &seg, 1, w);
+  wire::FrameHeader req;
+  req.type = wire::FrameType::kWriteReq;
+  req.request_id = 1;
+  req.payload_len = bytes;
+  struct iovec first {
+    payload.data(), bytes / 2
+  };
+  ASSERT_TRUE(net::SendFrame(data.get(), req, w.buf(), &first, 1).ok());
+  // The peer's channel closes (as its process dies, its connections close one by one).
+  channel.Reset();
+  {
+    std::unique_lock<std::mutex> l(mu);
+    EXPECT_FALSE(cv.wait_for(l, std::chrono::milliseconds(300), [&] { return !lost.empty(); }))
+        << "the loss was reported while a data connection of the peer could still land bytes";
+  }
+  // Its bytes still land: a target freed at the channel's close would be overwritten now.
+  struct iovec rest {
+    payload.data() + bytes / 2, bytes - bytes / 2
+  };
+  ASSERT_TRUE(net::SendIov(data.get(), &rest, 1).ok());
+  wire::FrameHeader ack;
+  std::string m;
+  ASSERT_TRUE(net::RecvFrameHead(data.get(), &ack, &m).ok());
+  EXPECT_EQ(ack.type, wire::FrameType::kWriteAck);
+  EXPECT_EQ(ack.status, 0);
+  EXPECT_EQ(0, std::memcmp(b_->Block(0, 5), payload.data(), bytes));
+  {
+    std::lock_guard<std::mutex> l(mu);
+    EXPECT_TRUE(lost.empty());
+  }
+  // Its last connection closes: no byte can land any more, and the loss is reported, once.
+  const auto t0 = std::chrono::steady_clock::now();
+  data.Reset();
+  {
+    std::unique_lock<std::mutex> l(mu);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(2), [&] { return !lost.empty(); }))
+        << "the loss was not reported once every connection of the peer had closed";
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::lock_guard<std::mutex> l(mu);
+  EXPECT_EQ(lost, std::vector<std::string>{"w"});
+}
+
 #ifdef KVB_TRANSFER_MULTIPROCESS
 // ---------------------------------------------------------------- multi-process
 

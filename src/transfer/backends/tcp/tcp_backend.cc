@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <list>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -40,6 +41,74 @@ std::vector<struct iovec> LocalIov(const Request& r) {
   for (size_t i = r.begin; i < r.end; ++i) iov.push_back({segs[i].local, segs[i].length});
   return iov;
 }
+
+// Reports a peer's loss (BackendContext::on_peer_lost) only once no byte of that peer can land
+// in our memory any more (issue 21). A peer stripes its WRITEs over several connections to us;
+// when it dies, the server thread of one of them may still be copying bytes it sent before it
+// died (they sit in our receive buffer) after its message channel (connection 0) closed or our
+// own connection to it failed. Such a loss is held back until every inbound connection of that
+// peer has ended; a new channel from the peer before then cancels it (it reconnected: alive).
+// Thread-safe; the report runs outside the lock.
+class LossGate {
+ public:
+  explicit LossGate(std::function<void(const std::string&)> report) : report_(std::move(report)) {}
+
+  // An inbound connection of `name` passed its handshake (`channel`: connection index 0).
+  void Opened(const std::string& name, bool channel) {
+    std::lock_guard<std::mutex> l(mu_);
+    Entry& e = peers_[name];
+    ++e.live;
+    if (channel) {
+      ++e.channels;
+      e.lost = false;
+    }
+  }
+  // That connection's server thread ended (no byte of it lands any more); `loss`: it was the
+  // peer's channel and the peer closed it (not our shutdown).
+  void Closed(const std::string& name, bool channel, bool loss) {
+    bool report = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = peers_.find(name);
+      if (it == peers_.end()) return;
+      Entry& e = it->second;
+      --e.live;
+      if (channel) --e.channels;
+      if (loss && e.channels == 0) e.lost = true;
+      if (e.live == 0) {
+        report = e.lost;
+        peers_.erase(it);
+      }
+    }
+    if (report) Report(name);
+  }
+  // Our connection to `name` failed: reported now when no inbound connection of it is open,
+  // else when the last one ends.
+  void Lost(const std::string& name) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = peers_.find(name);
+      if (it != peers_.end()) {
+        it->second.lost = true;
+        return;
+      }
+    }
+    Report(name);
+  }
+
+ private:
+  struct Entry {
+    int live = 0;      // inbound connections whose server thread runs
+    int channels = 0;  // of them, message channels (connection index 0)
+    bool lost = false;
+  };
+  void Report(const std::string& name) {
+    if (report_) report_(name);
+  }
+  std::function<void(const std::string&)> report_;
+  std::mutex mu_;
+  std::map<std::string, Entry> peers_;
+};
 
 class TcpPeer;
 
@@ -108,7 +177,8 @@ class TcpConn {
 
 class TcpPeer : public BackendPeer {
  public:
-  TcpPeer(std::string name, const BackendContext* ctx) : name_(std::move(name)), ctx_(ctx) {}
+  TcpPeer(std::string name, const BackendContext* ctx, std::shared_ptr<LossGate> gate)
+      : name_(std::move(name)), ctx_(ctx), gate_(std::move(gate)) {}
   ~TcpPeer() override { Close(); }
 
   void Add(std::unique_ptr<TcpConn> c) { conns_.push_back(std::move(c)); }
@@ -158,11 +228,12 @@ class TcpPeer : public BackendPeer {
     for (auto& c : conns_) c->Join();
   }
 
-  // Marks the peer dead: every connection is shut down and every pending request fails.
+  // Marks the peer dead: every connection is shut down and every pending request fails. The
+  // loss is reported through the gate (once the peer's connections to us ended too).
   void Fail(const Status& why, bool report = true) {
     bool was = alive_.exchange(false);
     for (auto& c : conns_) c->Kill(why);
-    if (was && report && ctx_->on_peer_lost) ctx_->on_peer_lost(name_);
+    if (was && report) gate_->Lost(name_);
   }
   const BackendContext* ctx() const { return ctx_; }
   const std::string& name() const { return name_; }
@@ -170,6 +241,7 @@ class TcpPeer : public BackendPeer {
  private:
   std::string name_;
   const BackendContext* ctx_;
+  std::shared_ptr<LossGate> gate_;
   std::vector<std::unique_ptr<TcpConn>> conns_;
   std::atomic<bool> alive_{true};
   std::atomic<size_t> rr_{0};
@@ -307,8 +379,9 @@ void TcpConn::RecvLoop() {
 // Server side of one accepted connection.
 class ServerConn : public BackendPeer {
  public:
-  ServerConn(net::Fd sock, const BackendContext* ctx, const KvRegistration* reg)
-      : sock_(std::move(sock)), ctx_(ctx), reg_(reg) {}
+  ServerConn(net::Fd sock, const BackendContext* ctx, const KvRegistration* reg,
+             std::shared_ptr<LossGate> gate)
+      : sock_(std::move(sock)), ctx_(ctx), reg_(reg), gate_(std::move(gate)) {}
   ~ServerConn() override { Close(); }
 
   void Start() {
@@ -398,9 +471,11 @@ class ServerConn : public BackendPeer {
     RETURN_IF_ERROR(Reply(FrameType::kHelloAck, 0, st));
     RETURN_IF_ERROR(st);
     name_ = hello.agent_name;
-    if (hello.connection_index == 0 && ctx_->on_inbound) {
+    is_channel_ = hello.connection_index == 0;
+    gate_->Opened(name_, is_channel_);
+    opened_ = true;
+    if (is_channel_ && ctx_->on_inbound) {
       if (auto self = self_.lock()) ctx_->on_inbound(name_, self);
-      has_channel_ = true;
     }
     return OkStatus();
   }
@@ -462,14 +537,18 @@ class ServerConn : public BackendPeer {
     bool was = alive_.exchange(false);
     net::Shutdown(sock_.get());
     finished_.store(true);
-    if (was && has_channel_ && ctx_->on_peer_lost) ctx_->on_peer_lost(name_);
+    // No byte of this connection lands any more; the peer's loss is reported once none of its
+    // connections can (LossGate).
+    if (opened_) gate_->Closed(name_, is_channel_, was && is_channel_);
   }
 
   net::Fd sock_;
   const BackendContext* ctx_;
   const KvRegistration* reg_;
+  std::shared_ptr<LossGate> gate_;
   std::string name_ = "?";
-  bool has_channel_ = false;
+  bool is_channel_ = false;  // connection index 0
+  bool opened_ = false;      // passed the handshake: counted in the gate
   std::weak_ptr<ServerConn> self_;
   std::mutex send_mu_;
   std::atomic<bool> alive_{true};
@@ -479,7 +558,8 @@ class ServerConn : public BackendPeer {
 
 class TcpBackend : public Backend {
  public:
-  explicit TcpBackend(const BackendContext& ctx) : ctx_(ctx) {}
+  explicit TcpBackend(const BackendContext& ctx)
+      : ctx_(ctx), gate_(std::make_shared<LossGate>(ctx.on_peer_lost)) {}
   ~TcpBackend() override { Shutdown(); }
 
   std::string_view name() const override { return "tcp"; }
@@ -502,7 +582,7 @@ class TcpBackend : public Backend {
     std::string host;
     int port;
     RETURN_IF_ERROR(net::ParseHostPort(ep->second, &host, &port));
-    auto p = std::make_shared<TcpPeer>(peer.agent_name, &ctx_);
+    auto p = std::make_shared<TcpPeer>(peer.agent_name, &ctx_, gate_);
     for (int i = 0; i < ctx_.tcp_connections; ++i) {
       ASSIGN_OR_RETURN(net::Fd sock, net::TcpConnect(host, port, ctx_.peer_timeout_ms));
       net::SetTimeouts(sock.get(), ctx_.peer_timeout_ms, ctx_.peer_timeout_ms);
@@ -544,7 +624,7 @@ class TcpBackend : public Backend {
   void AcceptLoop() {
     for (int fd; (fd = AcceptRetrying(listen_.get())) >= 0;) {
       net::TuneTcp(fd, ctx_.peer_timeout_ms);
-      auto c = std::make_shared<ServerConn>(net::Fd(fd), &ctx_, reg_);
+      auto c = std::make_shared<ServerConn>(net::Fd(fd), &ctx_, reg_, gate_);
       c->SetSelf(c);
       if (!conns_.Add(c, [](const ServerConn& x) { return x.finished(); })) return;
       // Started after it is listed: Shutdown closes the listed ones only once this thread ended.
@@ -553,6 +633,7 @@ class TcpBackend : public Backend {
   }
 
   BackendContext ctx_;
+  std::shared_ptr<LossGate> gate_;
   const KvRegistration* reg_ = nullptr;
   net::Fd listen_;
   std::thread accept_;
