@@ -17,6 +17,7 @@
 #include "transfer/auth.h"
 #include "transfer/backend_util.h"
 #include "transfer/socket_util.h"
+#include "transfer/stream_copy.h"
 #include "transfer/wire.h"
 
 namespace kvbridge::transfer {
@@ -27,6 +28,9 @@ using wire::FrameType;
 
 constexpr uint64_t kSplitBytes = 8u << 20;  // split a job over workers above this
 constexpr uint64_t kChunkBytes = 4u << 20;  // cancel is polled at least this often
+// Jobs of at least this many bytes copy with streaming stores: more than a core's L2 (2 MiB
+// here), so their destination would not stay in cache anyway.
+constexpr uint64_t kStreamJobBytes = 4u << 20;
 
 // The uid at the other end of a connected unix socket must be ours: shm hands out (and maps)
 // the whole KV pool's memfds, so only processes of the same user may take part.
@@ -136,6 +140,16 @@ class CopyPool {
   static Status Copy(const Work& w) {
     const auto& segs = *w.job->segments;
     const bool read = w.job->op == TransferOp::kRead;
+    // Large transfers: streaming stores (stream_copy.h), fenced before the part reports done
+    // (Done publishes the bytes to the waiter and the notification). Small ones stay memcpy:
+    // their destination may well be read while still in cache.
+    const bool stream = w.job->total_bytes >= kStreamJobBytes;
+    struct Fence {
+      bool on;
+      ~Fence() {
+        if (on) StreamCopyFence();
+      }
+    } fence{stream};
     uint64_t since_check = 0;
     for (size_t i = w.begin; i < w.end; ++i) {
       const Segment& s = segs[i];
@@ -148,7 +162,7 @@ class CopyPool {
         const uint8_t* nsrc = read ? nr : nx.local;
         const uint8_t* ndst = read ? nx.local : nr;
         for (int line = 0; line < 4; ++line) __builtin_prefetch(nsrc + 64 * line, 0);
-        __builtin_prefetch(ndst, 1);
+        if (!stream) __builtin_prefetch(ndst, 1);  // streaming stores need no line in cache
       }
       for (uint64_t done = 0; done < s.length;) {
         // relaxed: cancel is advisory; bytes before it is seen may still land, which the
@@ -158,10 +172,12 @@ class CopyPool {
           since_check = 0;
         }
         uint64_t n = std::min<uint64_t>(s.length - done, kChunkBytes);
-        if (read) {
-          std::memcpy(s.local + done, remote + done, n);
+        uint8_t* dst = read ? s.local + done : remote + done;
+        const uint8_t* src = read ? remote + done : s.local + done;
+        if (stream) {
+          StreamCopy(dst, src, n);
         } else {
-          std::memcpy(remote + done, s.local + done, n);
+          std::memcpy(dst, src, n);
         }
         done += n;
         since_check += n;
