@@ -11,6 +11,7 @@ PKGS=(
   libucx-dev ucx-utils libssl-dev zlib1g-dev nginx-light
   libpcre2-dev libicu-dev nodejs
   python3-jinja2
+  etcd-server etcd-client
   prometheus python3-matplotlib
 )
 missing=()

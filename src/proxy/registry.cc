@@ -150,6 +150,14 @@ Status InstanceRegistry::Register(const InstanceInfo& raw, const InstanceLoad& l
   return OkStatus();
 }
 
+Status InstanceRegistry::RegisterFromStore(const InstanceInfo& info, const InstanceLoad& load,
+                                           TimePoint now, std::vector<std::string>* replaced) {
+  RETURN_IF_ERROR(Register(info, load, now, replaced));
+  std::string id = info.id.empty() ? TrimSlash(info.url) : info.id;
+  instances_[id].from_store = true;
+  return OkStatus();
+}
+
 Status InstanceRegistry::Heartbeat(const std::string& id, const InstanceLoad& load, TimePoint now) {
   auto it = instances_.find(id);
   if (it == instances_.end() || it->second.is_static) {
@@ -164,7 +172,8 @@ Status InstanceRegistry::Heartbeat(const std::string& id, const InstanceLoad& lo
 std::vector<std::string> InstanceRegistry::Expire(TimePoint now) {
   std::vector<std::string> dropped;
   for (auto it = instances_.begin(); it != instances_.end();) {
-    if (!it->second.is_static && now - it->second.last_heartbeat > options_.heartbeat_timeout) {
+    if (!it->second.is_static && !it->second.from_store &&
+        now - it->second.last_heartbeat > options_.heartbeat_timeout) {
       dropped.push_back(it->first);
       it = instances_.erase(it);
     } else {

@@ -74,7 +74,8 @@ struct InstanceState {
   InstanceLoad load;
   bool is_static = false;
   bool healthy = true;
-  bool draining = false;  // told to drain: never picked again
+  bool draining = false;    // told to drain: never picked again
+  bool from_store = false;  // from the etcd control plane (etcd.h): no heartbeat expiry
   TimePoint last_heartbeat = 0;
   int in_flight = 0;  // legs the proxy has open to it
 };
@@ -98,6 +99,10 @@ class InstanceRegistry {
   /// mode differs from the proxy's (mixed READ/WRITE is refused).
   Status Register(const InstanceInfo& info, const InstanceLoad& load, TimePoint now,
                   std::vector<std::string>* replaced = nullptr);
+  /// Register for an instance whose record is in the control-plane store (etcd.h): it never
+  /// expires for missed heartbeats (its lease in the store does that), it leaves by Remove.
+  Status RegisterFromStore(const InstanceInfo& info, const InstanceLoad& load, TimePoint now,
+                           std::vector<std::string>* replaced = nullptr);
   /// Records a heartbeat. NotFound when `id` is unknown (expired: the engine re-registers).
   Status Heartbeat(const std::string& id, const InstanceLoad& load, TimePoint now);
   /// Drops registered instances whose last heartbeat is older than heartbeat_timeout; returns
