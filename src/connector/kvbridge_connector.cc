@@ -364,7 +364,7 @@ class TransferWatcher {
   std::thread thread_;  // last: starts after the members it uses
 };
 
-// One READ-mode transfer's phase timestamps on this engine (SteadyNow µs = CLOCK_MONOTONIC, so
+// One transfer's phase timestamps on this engine (SteadyNow µs = CLOCK_MONOTONIC, so
 // comparable across the processes of one host), for the "kv timeline" debug log line and the
 // per-phase histograms (docs/protocol.md "One request's timeline"). Engine thread only.
 class PhaseTimeline {
@@ -639,7 +639,13 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
   }
 
   void Note(const RequestNote& n) override {
-    if (n.mode != KvTransferMode::kRead) return;  // the timeline follows READ-mode transfers
+    if (n.mode == KvTransferMode::kWrite) {  // WRITE: the decode's side of the timeline
+      if (n.kind == RequestNote::Kind::kLoadStarted) {
+        timeline_.MapRequest(false, n.request_id, n.transfer_id);
+        timeline_.Mark(false, n.transfer_id, "admitted");
+      }
+      return;
+    }
     switch (n.kind) {
       case RequestNote::Kind::kPrefillAdmitted:
         timeline_.Mark(true, n.transfer_id, "admitted");
@@ -724,6 +730,11 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       timeline_.Mark(true, rd->transfer_id, "read_done");
     } else if (auto* hr = std::get_if<HoldReplyMsg>(&e.msg)) {
       timeline_.Mark(false, hr->transfer_id, "ack");
+    } else if (auto* wd = std::get_if<WriteDoneMsg>(&e.msg)) {
+      // The slowest prefill rank's first write posted -> last write done, on its clock.
+      timeline_.Mark(false, wd->transfer_id, "write_done");
+      timeline_.Add(false, wd->transfer_id, "write_micros", static_cast<double>(wd->write_us),
+                    /*max=*/true);
     }
     Status st = logic_.OnMessage(e.msg, e.reply_token, now);
     if (!st.ok()) KVB_LOG_WARN("kv connector: release: {}", st.ToString());
@@ -1077,6 +1088,25 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
     return OkStatus();
   }
 
+  // A WRITE decode's timeline: what it asked this prefill rank to write (the bytes that land in
+  // this engine's pool: the listed blocks of every layer, this rank's share of the heads) and the
+  // backend of that peer.
+  void NoteWriteBlocks(const WriteBlocksMsg& wb, const std::string& agent_name) {
+    const PagedKvLayout& l = hooks_.kv_view.layout;
+    const double bytes = static_cast<double>(wb.block_ids.size()) *
+                         static_cast<double>(l.BlockBytes()) * l.num_layers /
+                         std::max(1, wb.decode_tp_size);
+    timeline_.Mark(false, wb.transfer_id, "write_requested");
+    timeline_.Add(false, wb.transfer_id, "blocks", static_cast<double>(wb.block_ids.size()),
+                  /*max=*/true);
+    timeline_.Add(false, wb.transfer_id, "writes", 1);
+    timeline_.Add(false, wb.transfer_id, "bytes", bytes);
+    MutexLock lock(&impl_->mu);
+    if (auto b = impl_->peer_backends.find(agent_name); b != impl_->peer_backends.end()) {
+      timeline_.SetBackend(wb.transfer_id, b->second);
+    }
+  }
+
   void Forget(std::map<HandleKey, Posted>::iterator it) {
     (it->first.first == KvTransferMode::kRead ? reads_inflight_ : writes_inflight_) -= 1;
     handles_.erase(it);
@@ -1120,6 +1150,7 @@ class KvBridgeConnector final : public KvConnector, private ConnectorSink {
       tid = hb->transfer_id;
     } else if (auto* wb = std::get_if<WriteBlocksMsg>(&s.msg)) {
       tid = wb->transfer_id;
+      NoteWriteBlocks(*wb, peer->agent_name);
     } else if (auto* wd = std::get_if<WriteDoneMsg>(&s.msg)) {
       tid = wd->transfer_id;
     } else if (auto* wc = std::get_if<WriteCancelMsg>(&s.msg)) {

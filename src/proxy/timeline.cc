@@ -202,6 +202,10 @@ json BuildTimeline(const TimelineInput& in) {
     pl.Add("decode_http_out", ended(d_leg));
     AddSpan(spans, "prefill_queue", pe.T("added"), pe.T("scheduled"), t0);
     AddSpan(spans, "prefill_compute", pe.T("scheduled"), pe.T("first_token"), t0);
+    // The decode asked for its blocks (WriteBlocks) until the last prefill rank's WriteDone:
+    // the prefill frees its blocks as it sends that, so it is the release.
+    AddSpan(spans, "transfer", de.Kv("write_requested"), de.Kv("write_done"), t0);
+    if (de.Kv("write_done") >= 0) out["release_ms"] = Ms(de.Kv("write_done") - t0);
   } else {
     pl.Add("proxy_queue", sent(p_leg));
     pl.Add("prefill_http_in", pe.ok ? pe.base : -1);
@@ -230,14 +234,20 @@ json BuildTimeline(const TimelineInput& in) {
   out["spans"] = std::move(spans);
   if (de.ok && !de.kv.empty()) {
     json tr = json::object();
-    for (const char* k : {"bytes", "blocks", "reads", "backend"}) {
+    for (const char* k : {"bytes", "blocks", "reads", "writes", "backend"}) {
       if (de.kv.contains(k)) tr[k] = de.kv[k];
     }
+    // READ: the decode's first READ posted to its last ended. WRITE: the prefill's own measure
+    // (first write posted to last write done, the slowest rank), carried by WriteDone.
     const TimePoint posted = de.Kv("read_posted"), done = de.Kv("read_ended");
-    if (posted >= 0 && done >= posted) {
-      tr["ms"] = Ms(done - posted);
-      if (tr.contains("bytes") && done > posted) {
-        tr["gbps"] = tr["bytes"].get<double>() / static_cast<double>(done - posted) / 1e3;
+    DurationUs took = posted >= 0 && done >= posted ? done - posted : -1;
+    if (took < 0 && de.kv.contains("write_micros") && de.kv["write_micros"].is_number_integer()) {
+      took = de.kv["write_micros"].get<int64_t>();
+    }
+    if (took >= 0) {
+      tr["ms"] = Ms(took);
+      if (tr.contains("bytes") && took > 0) {
+        tr["gbps"] = tr["bytes"].get<double>() / static_cast<double>(took) / 1e3;
       }
     }
     out["transfer"] = std::move(tr);

@@ -231,6 +231,47 @@ TEST(BuildTimeline, WriteAndColocatedPhases) {
   EXPECT_NEAR(p.at("proxy_respond"), 1.0, 1e-9);
 }
 
+// WRITE with the decode's load record: the transfer is the bytes that landed over the prefill's
+// own write time; the release is the last WriteDone.
+TEST(BuildTimeline, WriteTransferAndReleaseFromTheDecodesRecord) {
+  TimelineInput w;
+  w.mode = KvTransferMode::kWrite;
+  w.outcome = Outcome::kOk;
+  w.received = kT0;
+  w.responded = kT0 + 20'000;
+  // Decode leg: sent 100, answer header at 19'000, engine span 18'000 -> its t = 0 at 550.
+  w.legs.push_back(Leg(1, Role::kDecode, 100, 19'000, 19'100,
+                       {{"t",
+                         {{"added", 100},
+                          {"kv_wait_start", 200},
+                          {"kv_wait_end", 9'000},
+                          {"first_token", 10'000},
+                          {"finished", 18'000},
+                          {"responded", 18'000}}},
+                        {"kv",
+                         {{"write_requested", 300},
+                          {"write_done", 8'900},
+                          {"bytes", 4'000'000},
+                          {"blocks", 8},
+                          {"writes", 1},
+                          {"write_micros", 2'000},
+                          {"backend", "shm"}}}}));
+  json tl = BuildTimeline(w);
+  const json& tr = tl["transfer"];
+  EXPECT_EQ(tr["bytes"], 4'000'000);
+  EXPECT_EQ(tr["blocks"], 8);
+  EXPECT_EQ(tr["writes"], 1);
+  EXPECT_EQ(tr["backend"], "shm");
+  EXPECT_DOUBLE_EQ(tr["ms"].get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(tr["gbps"].get<double>(), 2.0);         // 4 MB in 2 ms
+  EXPECT_DOUBLE_EQ(tl["release_ms"].get<double>(), 9.45);  // 0.55 + 8.9
+  ASSERT_EQ(tl["spans"].size(), 1u);                       // no prefill leg: only the transfer span
+  EXPECT_EQ(tl["spans"][0]["span"], "transfer");
+  EXPECT_DOUBLE_EQ(tl["spans"][0]["start_ms"].get<double>(), 0.85);
+  EXPECT_DOUBLE_EQ(tl["spans"][0]["ms"].get<double>(), 8.6);
+  EXPECT_EQ(tl["sum_ms"], 20.0);
+}
+
 TEST(TimelineRing, BoundedAndFoundByEitherId) {
   TimelineRing ring(2);
   ring.Put({{"request_id", "a"}, {"transfer_id", "ta"}});

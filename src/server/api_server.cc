@@ -18,6 +18,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 #include <regex>
@@ -277,32 +278,62 @@ std::pair<const char*, const char*> RoleAndMode(const json& kv) {
 
 // One leg's timing as the proxy reads it (X-KVBridge-Timing, or the stream's
 // ": kvbridge-timing" comment): times in µs after the HTTP handler started, absent when the
-// event did not happen; "kv" is the decode's READ record (phases, bytes, blocks, backend).
-json TimingJson(const Job& job, const RequestTimes& t, TimePoint responded) {
+// event did not happen; "kv" is the decode's load record (READ: read_posted/read_ended/ack,
+// WRITE: write_requested/write_done and the prefill's write_micros; bytes, blocks, backend).
+// A request of several prompts (`times`: one per prompt) gives one timing: the earliest start
+// and the latest end of each phase, the sum of bytes/blocks, and "prompts".
+json TimingJson(const Job& job, const std::vector<RequestTimes>& times, TimePoint responded) {
   auto [role, mode] = RoleAndMode(job.kv_transfer_params);
+  auto earliest = [&](TimePoint RequestTimes::*f) {
+    TimePoint v = -1;
+    for (const RequestTimes& t : times) {
+      if (t.*f >= 0 && (v < 0 || t.*f < v)) v = t.*f;
+    }
+    return v;
+  };
+  auto latest = [&](TimePoint RequestTimes::*f) {
+    TimePoint v = -1;
+    for (const RequestTimes& t : times) v = std::max(v, t.*f);
+    return v;
+  };
   json at = json::object();
-  auto put = [&](json& j, const char* key, TimePoint v) {
+  auto put = [&](json& j, const std::string& key, TimePoint v) {
     if (v >= 0) j[key] = v - job.received;
   };
   put(at, "added", job.added);
-  put(at, "scheduled", t.scheduled);
-  put(at, "kv_wait_start", t.remote_kv_wait_start);
-  put(at, "kv_wait_end", t.remote_kv_wait_end);
-  put(at, "first_token", t.first_token);
-  put(at, "finished", t.finished);
+  put(at, "scheduled", earliest(&RequestTimes::scheduled));
+  put(at, "kv_wait_start", earliest(&RequestTimes::remote_kv_wait_start));
+  put(at, "kv_wait_end", latest(&RequestTimes::remote_kv_wait_end));
+  put(at, "first_token", earliest(&RequestTimes::first_token));
+  put(at, "finished", latest(&RequestTimes::finished));
   put(at, "responded", responded);
   json out = {{"role", role}, {"mode", mode}, {"request_id", job.request_ids[0]}, {"t", at}};
-  if (t.kv_load.is_object()) {
-    json kv = json::object();
+  if (times.size() > 1) out["prompts"] = times.size();
+  json kv = json::object();
+  std::map<std::string, TimePoint> points;  // phase -> host µs, merged over prompts
+  for (const RequestTimes& t : times) {
+    if (!t.kv_load.is_object()) continue;
     for (const auto& [k, v] : t.kv_load.items()) {
       if (k.size() > 3 && k.compare(k.size() - 3, 3, "_us") == 0 && v.is_number_integer()) {
-        put(kv, k.substr(0, k.size() - 3).c_str(), v.get<TimePoint>());
-      } else if (k == "bytes" || k == "blocks" || k == "reads" || k == "backend") {
-        kv[k] = v;
+        const std::string phase = k.substr(0, k.size() - 3);
+        const bool start =
+            phase == "admitted" || phase == "read_posted" || phase == "write_requested";
+        auto [it, fresh] = points.emplace(phase, v.get<TimePoint>());
+        if (!fresh)
+          it->second = start ? std::min(it->second, v.get<TimePoint>())
+                             : std::max(it->second, v.get<TimePoint>());
+      } else if (k == "backend") {
+        kv.emplace(k, v);
+      } else if (k == "write_micros" && v.is_number()) {
+        kv[k] = std::max(kv.value(k, int64_t{0}), v.get<int64_t>());
+      } else if ((k == "bytes" || k == "blocks" || k == "reads" || k == "writes") &&
+                 v.is_number()) {
+        kv[k] = kv.value(k, int64_t{0}) + v.get<int64_t>();
       }
     }
-    out["kv"] = std::move(kv);
   }
+  for (const auto& [phase, v] : points) put(kv, phase, v);
+  if (!kv.empty()) out["kv"] = std::move(kv);
   return out;
 }
 
@@ -341,6 +372,10 @@ struct ApiServer::Impl {
       read_posted = t.kv_load.value("read_posted_us", TimePoint{-1});
       read_ended = t.kv_load.value("read_ended_us", TimePoint{-1});
       ack = t.kv_load.value("ack_us", TimePoint{-1});
+      if (read_posted < 0) {  // WRITE: from the WriteBlocks sent to the WriteDone received
+        read_posted = t.kv_load.value("write_requested_us", TimePoint{-1});
+        read_ended = t.kv_load.value("write_done_us", TimePoint{-1});
+      }
     }
     const TimePoint queue_end = t.remote_kv_wait_start >= 0 ? t.remote_kv_wait_start : t.scheduled;
     const TimePoint ready = t.remote_kv_wait_end >= 0 ? t.remote_kv_wait_end : t.scheduled;
@@ -518,7 +553,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
     res.status = 200;
     res.set_content(DumpJson(out), "application/json");
     if (job->want_timing) {
-      res.set_header("X-KVBridge-Timing", TimingJson(*job, times[0], SteadyNow()).dump());
+      res.set_header("X-KVBridge-Timing", TimingJson(*job, times, SteadyNow()).dump());
     }
     return;
   }
@@ -545,7 +580,7 @@ void ApiServer::Impl::HandleGenerate(Endpoint endpoint, const httplib::Request& 
           if (job->want_timing) {
             // An SSE comment (ignored by SSE clients) before [DONE]; the proxy strips it.
             const std::string comment =
-                ": kvbridge-timing " + TimingJson(*job, times[0], SteadyNow()).dump() + "\n\n";
+                ": kvbridge-timing " + TimingJson(*job, times, SteadyNow()).dump() + "\n\n";
             static constexpr std::string_view kDone = "data: [DONE]\n\n";
             const bool ends_done =
                 frames.size() >= kDone.size() &&

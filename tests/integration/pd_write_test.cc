@@ -100,6 +100,29 @@ void ExpectClean(PdEngine& e) {
   EXPECT_EQ(s.waiting_for_remote, 0);
 }
 
+// The decode's WRITE load record (the per-request timeline's transfer, docs/metrics.md): when
+// it asked for blocks, the bytes that landed (the listed blocks of every layer), the backend and
+// the prefill's write time, in causal order. Returns whether there was one (false: nothing was
+// asked for, every block cached or a 1-token prompt).
+bool ExpectWriteLoadRecord(const Result1& pd, KvTransport transport) {
+  const nlohmann::json& kv = pd.times.kv_load;
+  if (!kv.is_object() || !kv.contains("writes")) return false;
+  EXPECT_EQ(kv.value("writes", 0), 1);
+  const int64_t blocks = kv.value("blocks", int64_t{0});
+  EXPECT_GT(blocks, 0);
+  const EngineConfig c = BaseConfig();
+  const PagedKvLayout l = TinyModel()->KvLayout(c.num_blocks, c.block_size, c.kv_dtype);
+  EXPECT_EQ(kv.value("bytes", int64_t{0}),
+            blocks * static_cast<int64_t>(l.BlockBytes()) * l.num_layers)
+      << kv.dump();
+  EXPECT_EQ(kv.value("backend", std::string()), transport == KvTransport::kTcp ? "tcp" : "shm");
+  EXPECT_LE(kv.value("admitted_us", int64_t{0}), kv.value("write_requested_us", int64_t{-1}));
+  EXPECT_LE(kv.value("write_requested_us", int64_t{0}), kv.value("write_done_us", int64_t{-1}));
+  EXPECT_LE(kv.value("write_done_us", int64_t{0}), kv.value("load_done_us", int64_t{-1}));
+  EXPECT_GE(kv.value("write_micros", int64_t{-1}), 0);
+  return true;
+}
+
 struct Case {
   KvTransport transport;
   bool prefix_caching;
@@ -113,6 +136,7 @@ TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
   auto p = StartEngine(KvRole::kProducer, GetParam().transport, GetParam().prefix_caching);
   auto d = StartEngine(KvRole::kConsumer, GetParam().transport, GetParam().prefix_caching);
   int k = 0;
+  int records = 0;
   for (int n : {1, 8}) {
     // 64 twice: with prefix caching on, the second decode hits 3 blocks and asks for 1.
     for (int len : {1, 16, 17, 40, 64, 64}) {
@@ -124,6 +148,7 @@ TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
           PdWriteRequest(*p, *d, id, "xfer-" + std::to_string(k), prompt, 6, n, k % 2 == 0);
       SCOPED_TRACE("n=" + std::to_string(n) + " len=" + std::to_string(len));
       ExpectSameAnswer(pd, ref, n);
+      records += ExpectWriteLoadRecord(pd, GetParam().transport) ? 1 : 0;
       EXPECT_TRUE(p->WaitDrained()) << "prefill did not drain";
       EXPECT_TRUE(d->WaitDrained()) << "decode did not drain";
     }
@@ -131,6 +156,7 @@ TEST_P(PdWrite, AnswersEqualColocatedAndEverythingDrains) {
   const KvBridgeStats ds = d->kv->Stats();
   const KvBridgeStats ps = p->kv->Stats();
   EXPECT_GT(ds.write_loads_done, 0);
+  EXPECT_EQ(records, ds.write_loads_done);  // every WRITE load has its record
   EXPECT_EQ(ds.loads_done, ds.write_loads_done);
   EXPECT_GT(ps.bytes_written, 0);
   EXPECT_GT(p->Metric("kvbridge_kv_transfer_bytes_total"), 0);

@@ -32,6 +32,7 @@ PdResult RunOne(Engine& engine, EngineRequest req) {
       out->kv_transfer_params = o.kv_transfer_params;
       out->error = o.error;
       out->num_cached_tokens = o.num_cached_tokens;
+      out->times = o.times;
       *done = true;
       st->second.notify_all();
     }

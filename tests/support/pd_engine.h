@@ -36,6 +36,7 @@ struct PdResult {
   nlohmann::json kv_transfer_params;
   Status error;
   int num_cached_tokens = -1;
+  RequestTimes times;  ///< the final output's (kv_load: the connector's load record)
 };
 
 /// Runs one request to completion on `engine` (waits at most 60 s).

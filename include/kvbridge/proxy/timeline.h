@@ -89,8 +89,11 @@ struct TimelineInput {
 ///                                                 into the next,
 ///    "sum_ms", "clamped_ms" (how far engine times had to move to stay in order: 0 when the
 ///    placement is consistent), "spans": [{"span": "hold"|"prefill_queue"|..., "start_ms",
-///    "ms"}], "release_ms" (READ: the hold-valid reply, when the prefill freed the hold),
-///    "transfer": {"bytes", "blocks", "reads", "backend", "ms", "gbps"} (READ),
+///    "ms"}], "release_ms" (READ: the hold-valid reply, when the prefill freed the hold; WRITE:
+///    the last WriteDone, sent as the prefill frees its blocks),
+///    "transfer": {"bytes", "blocks", "reads" | "writes", "backend", "ms", "gbps"} (READ: the
+///    decode's reads, first posted to last ended; WRITE: the bytes that landed in the decode's
+///    pool, over the prefill's first-write-posted to last-write-done time),
 ///    "legs": [{"role", "instance", "status", "sent_ms", "first_byte_ms", "ended_ms",
 ///              "engine": the engine's timing JSON}]}
 /// Times in ms after `received`. READ phases: proxy_queue, prefill_http_in, prefill_tokenize,
@@ -98,8 +101,8 @@ struct TimelineInput {
 /// decode_tokenize, decode_queue, transfer, hold_valid_reply, first_decode_token, decode,
 /// decode_http_out, proxy_respond. WRITE: proxy_queue, decode_http_in, decode_tokenize,
 /// decode_queue, kv_wait (prefill + its layer writes), first_decode_token, decode,
-/// decode_http_out, proxy_respond (the prefill's queue and compute as spans). Colocated:
-/// proxy_queue, http_in, tokenize, queue, prefill, decode, http_out, proxy_respond.
+/// decode_http_out, proxy_respond (the prefill's queue and compute and the transfer as spans).
+/// Colocated: proxy_queue, http_in, tokenize, queue, prefill, decode, http_out, proxy_respond.
 nlohmann::json BuildTimeline(const TimelineInput& in);
 
 /// kvbridge_proxy_phase_seconds{phase,mode,backend} for each phase of a timeline whose outcome
