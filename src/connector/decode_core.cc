@@ -301,10 +301,12 @@ void DecodeCore::OnRequestQueued(const std::string& request_id, const KvTransfer
       Queued{.params = params, .next_heartbeat = now + options_.heartbeat_interval};
 }
 
+// To the prefill ranks of the TP plan only (the pairs that will read and notify): a rank whose
+// replicas nobody reads is never contacted (tp_plan.h's notification rule).
 void DecodeCore::SendHeartbeats(const KvTransferParams& p) {
   std::map<int, int> decode_rank_of;  // prefill rank -> the first decode rank reading from it
-  for (const auto& [d, pr] : TpReadPairs(options_.tp_size, p.tp_size))
-    decode_rank_of.emplace(pr, d);
+  for (const Pair& pair : PlanPairs(p.tp_size))
+    decode_rank_of.emplace(pair.prefill_rank, pair.decode_rank);
   for (const auto& [pr, d] : decode_rank_of) {
     actions_.push_back(
         SendMessageAction{.to = Peer(p, pr),
