@@ -183,20 +183,27 @@ TEST(BuildTimeline, InconsistentEngineTimesAreClampedAndStillSum) {
   EXPECT_NEAR(Phases(tl).at("decode_http_out"), 3.0, 1e-9);
 }
 
+// A WRITE decode leg: sent at 100, its answer's header at 19'000, done 19'100; the engine's
+// span 18'000; `kv` its load record (null: none).
+LegTiming WriteDecodeLeg(json kv) {
+  json engine = {{"t",
+                  {{"added", 100},
+                   {"kv_wait_start", 200},
+                   {"kv_wait_end", 9'000},
+                   {"first_token", 10'000},
+                   {"finished", 18'000},
+                   {"responded", 18'000}}}};
+  if (!kv.is_null()) engine["kv"] = std::move(kv);
+  return Leg(1, Role::kDecode, 100, 19'000, 19'100, engine);
+}
+
 TEST(BuildTimeline, WriteAndColocatedPhases) {
   TimelineInput w;
   w.mode = KvTransferMode::kWrite;
   w.outcome = Outcome::kOk;
   w.received = kT0;
   w.responded = kT0 + 20'000;
-  w.legs.push_back(Leg(1, Role::kDecode, 100, 19'000, 19'100,
-                       {{"t",
-                         {{"added", 100},
-                          {"kv_wait_start", 200},
-                          {"kv_wait_end", 9'000},
-                          {"first_token", 10'000},
-                          {"finished", 18'000},
-                          {"responded", 18'000}}}}));
+  w.legs.push_back(WriteDecodeLeg(json()));
   w.legs.push_back(Leg(
       2, Role::kPrefill, 150, 9'150, 9'200,
       {{"t", {{"added", 100}, {"scheduled", 500}, {"first_token", 8'000}, {"responded", 8'000}}}}));
@@ -239,23 +246,14 @@ TEST(BuildTimeline, WriteTransferAndReleaseFromTheDecodesRecord) {
   w.outcome = Outcome::kOk;
   w.received = kT0;
   w.responded = kT0 + 20'000;
-  // Decode leg: sent 100, answer header at 19'000, engine span 18'000 -> its t = 0 at 550.
-  w.legs.push_back(Leg(1, Role::kDecode, 100, 19'000, 19'100,
-                       {{"t",
-                         {{"added", 100},
-                          {"kv_wait_start", 200},
-                          {"kv_wait_end", 9'000},
-                          {"first_token", 10'000},
-                          {"finished", 18'000},
-                          {"responded", 18'000}}},
-                        {"kv",
-                         {{"write_requested", 300},
-                          {"write_done", 8'900},
-                          {"bytes", 4'000'000},
-                          {"blocks", 8},
-                          {"writes", 1},
-                          {"write_micros", 2'000},
-                          {"backend", "shm"}}}}));
+  // The decode leg: its t = 0 lies at 550 (sent 100, answer header at 19'000, span 18'000).
+  w.legs.push_back(WriteDecodeLeg({{"write_requested", 300},
+                                   {"write_done", 8'900},
+                                   {"bytes", 4'000'000},
+                                   {"blocks", 8},
+                                   {"writes", 1},
+                                   {"write_micros", 2'000},
+                                   {"backend", "shm"}}));
   json tl = BuildTimeline(w);
   const json& tr = tl["transfer"];
   EXPECT_EQ(tr["bytes"], 4'000'000);
