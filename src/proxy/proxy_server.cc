@@ -453,6 +453,8 @@ struct ProxyServer::Impl {
   Histogram* m_kv_route_seconds = nullptr;    // the decision (hashes + index + scores)
   Histogram* m_prompt_ids_seconds = nullptr;  // tokenizing/templating (or /tokenize)
   TimelineRing timelines{1024};               // GET /v1/requests/{id}/timeline
+  // kvbridge_proxy_phase_seconds, per request, without building the timeline's JSON.
+  TimelineObserver timeline_observer{&metrics};
   Counter* m_overloaded = nullptr;
   std::atomic<int> pending{0};  // client requests in flight (RunFlow), for max_pending
   // Destroyed before the members above, which its coroutine frames still point at.
@@ -651,11 +653,12 @@ void FlowCtx::RecordTimeline() {
   in.colocated = impl->options.colocated ||
                  std::none_of(in.legs.begin(), in.legs.end(),
                               [](const LegTiming& l) { return l.record.role == Role::kPrefill; });
-  nlohmann::json tl = BuildTimeline(in);
-  ObserveTimeline(tl, &impl->metrics);
+  // No JSON here: the histograms from a summary, the timeline built when someone asks for it.
+  impl->timeline_observer.Observe(SummarizeTimeline(in));
   KVB_LOG_DEBUG("request {} transfer {}: {} in {} ms", request_id, flow.transfer_id(),
-                OutcomeName(flow.outcome()), tl["latency_ms"].get<double>());
-  impl->timelines.Put(std::move(tl));
+                OutcomeName(flow.outcome()),
+                static_cast<double>(in.responded - in.received) / kMillisecond);
+  impl->timelines.PutInput(std::move(in));
 }
 
 awaitable<void> RunLeg(ProxyServer::Impl* impl, std::shared_ptr<FlowCtx> ctx, SendLeg leg,

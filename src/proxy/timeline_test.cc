@@ -270,6 +270,88 @@ TEST(BuildTimeline, WriteTransferAndReleaseFromTheDecodesRecord) {
   EXPECT_EQ(tl["sum_ms"], 20.0);
 }
 
+// The proxy's per-request path (SummarizeTimeline + TimelineObserver, the ring holding inputs)
+// gives the same histograms and the same timeline JSON as BuildTimeline + ObserveTimeline.
+TEST(SummarizeTimeline, SameHistogramsAndTimelineAsTheJsonPath) {
+  TimelineInput in;
+  in.request_id = "req-9";
+  in.transfer_id = "t9";
+  in.mode = KvTransferMode::kRead;
+  in.outcome = Outcome::kOk;
+  in.received = kT0;
+  in.responded = kT0 + 60'500;
+  in.legs.push_back(Leg(1, Role::kPrefill, 100, 10'100, 10'200,
+                        {{"t",
+                          {{"added", 300},
+                           {"scheduled", 1'300},
+                           {"first_token", 8'300},
+                           {"finished", 8'300},
+                           {"responded", 9'000}}}}));
+  in.legs.push_back(Leg(2, Role::kDecode, 10'300, 10'400, 60'300,
+                        {{"t",
+                          {{"added", 200},
+                           {"kv_wait_start", 700},
+                           {"kv_wait_end", 4'200},
+                           {"scheduled", 4'300},
+                           {"first_token", 9'200},
+                           {"finished", 48'000},
+                           {"responded", 49'000}}},
+                         {"kv",
+                          {{"read_posted", 1'000},
+                           {"read_ended", 3'000},
+                           {"ack", 3'600},
+                           {"bytes", 4'000'000},
+                           {"backend", "shm"}}}},
+                        /*stream=*/true));
+  TimelineInput colo;
+  colo.colocated = true;
+  colo.outcome = Outcome::kOk;
+  colo.received = kT0;
+  colo.responded = kT0 + 900;
+  colo.legs.push_back(Leg(1, Role::kDecode, 100, 700, 800, json()));  // no engine timing
+  TimelineInput failed = colo;
+  failed.outcome = Outcome::kDecodeError;
+  TimelineInput write;  // WRITE: the transfer's rate from the prefill's write time
+  write.mode = KvTransferMode::kWrite;
+  write.outcome = Outcome::kOk;
+  write.received = kT0;
+  write.responded = kT0 + 20'000;
+  write.legs.push_back(Leg(1, Role::kDecode, 100, 19'000, 19'100,
+                           {{"t", {{"added", 100}, {"finished", 18'000}, {"responded", 18'000}}},
+                            {"kv",
+                             {{"write_requested", 300},
+                              {"write_done", 8'900},
+                              {"write_micros", 2'000},
+                              {"bytes", 4'000'000},
+                              {"backend", "tcp"}}}}));
+
+  MetricsRegistry by_json, by_summary;
+  TimelineObserver observer(&by_summary);
+  for (const TimelineInput* t : {&in, &colo, &failed, &write, &in}) {
+    ObserveTimeline(BuildTimeline(*t), &by_json);
+    observer.Observe(SummarizeTimeline(*t));
+  }
+  EXPECT_EQ(by_summary.Render(), by_json.Render());
+  EXPECT_EQ(ScrapeMetric(by_summary.Render(), "kvbridge_proxy_phase_seconds_count",
+                         "phase=\"transfer\",mode=\"read\",backend=\"shm\""),
+            2.0);
+  EXPECT_EQ(ScrapeMetric(by_summary.Render(), "kvbridge_proxy_phase_seconds_count",
+                         "phase=\"http_out\",mode=\"colocated\",backend=\"none\""),
+            1.0);
+
+  EXPECT_EQ(ScrapeMetric(by_summary.Render(), "kvbridge_proxy_kv_transfer_gbps_count",
+                         "mode=\"write\",backend=\"tcp\""),
+            1.0);
+
+  TimelineRing ring(2);
+  ring.PutInput(in);
+  ring.PutInput(colo);
+  EXPECT_EQ(*ring.Get("t9"), BuildTimeline(in));
+  EXPECT_EQ(*ring.Get("req-9"), BuildTimeline(in));
+  ring.Put(BuildTimeline(failed));  // a built one and inputs side by side; "t9" is evicted
+  EXPECT_FALSE(ring.Get("t9").has_value());
+}
+
 TEST(TimelineRing, BoundedAndFoundByEitherId) {
   TimelineRing ring(2);
   ring.Put({{"request_id", "a"}, {"transfer_id", "ta"}});
