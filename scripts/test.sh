@@ -70,10 +70,7 @@ stage unit ctest_label build unit
 stage release release_libs
 if ((QUICK == 0)); then
   stage sanitizer sanitizer_unit
-  # Multi-process tests on a loaded 2-core box: a binary that fails is run once more (its first
-  # failure stays in the log above). Known timing-sensitive under load (session 6, to fix):
-  # ProxyFakeEngines.WriteUnreachablePrefillRetriesThePair, UpSupervision.KilledDecodeIsRestarted...
-  stage integration ctest_label build integration --repeat until-pass:2
+  stage integration ctest_label build integration
   stage sim ctest_label build sim
   stage bench bench_ratios
   if [[ -x scripts/fuzz.sh ]]; then stage fuzz scripts/fuzz.sh; fi

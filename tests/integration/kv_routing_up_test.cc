@@ -16,31 +16,24 @@
 #include <thread>
 
 #include "kvbridge/common/metrics.h"
-#include "support/free_port.h"
-#include "support/subprocess.h"
+#include "support/up_harness.h"
 
 namespace kvbridge {
 namespace {
 
 using nlohmann::json;
 using testing::KvbridgeBin;
-using testing::Subprocess;
 
-int PortOf(const std::string& url) { return std::atoi(url.c_str() + url.rfind(':') + 1); }
+using testing::PortOf;
 
 std::string Get(int port, const std::string& path) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(10, 0);
-  auto r = c.Get(path.c_str());
-  return r && r->status == 200 ? r->body : std::string();
+  return testing::GetBody("http://127.0.0.1:" + std::to_string(port), path);
 }
 
 json Complete(int port, const json& body) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  auto r = c.Post("/v1/completions", body.dump(), "application/json");
-  if (!r || r->status != 200) return json{{"error", r ? r->body : "no answer"}};
-  return json::parse(r->body, nullptr, false);
+  json r = testing::PostJson(port, "/v1/completions", body);
+  if (r["_status"] != 200) return json{{"error", r.dump()}};
+  return r;
 }
 
 // Every engine's counters, by role and url.
@@ -88,21 +81,11 @@ TEST(KvRoutingUp, SecondTurnGoesToTheFirstTurnsEnginesAndSkipIsBitwisePd) {
   const std::string bin = KvbridgeBin();
   if (::access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << "kvbridge binary not built at " << bin;
   const std::string dir = testing::MakeTempDir("kvb-kvroute-");
-  const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
-  const int port = testing::FreePort();
-  Subprocess up(
-      {bin, "up", "2p2d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
-       model, "--routing", "kv-aware", "--pd-skip-threshold", "16", "--ready-timeout", "240"},
-      dir + "/up.log");
-  bool ready = false;
-  for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
-    ready = up.ReadLog().find("ready in") != std::string::npos;
-    if (!ready) usleep(100'000);
-  }
-  ASSERT_TRUE(ready) << up.ReadLog();
+  ASSERT_EQ(testing::MakeModel(dir + "/model", "tiny", 0, 300'000), 0);
+  testing::UpTopology up(dir, {"2p2d", "--model", dir + "/model", "--routing", "kv-aware",
+                               "--pd-skip-threshold", "16"});
+  ASSERT_TRUE(up.WaitReady()) << up.ReadLog();
+  const int port = up.port();
   json instances = json::parse(Get(port, "/instances"), nullptr, false)["instances"];
   std::vector<std::string> prefills, decodes;
   for (const auto& i : instances) (i["role"] == "prefill" ? prefills : decodes).push_back(i["url"]);
@@ -165,8 +148,7 @@ TEST(KvRoutingUp, SecondTurnGoesToTheFirstTurnsEnginesAndSkipIsBitwisePd) {
             skips + 1);
   EXPECT_EQ(skip["choices"][0]["text"], pd["choices"][0]["text"]);
   EXPECT_EQ(skip["choices"][0]["logprobs"].dump(), pd["choices"][0]["logprobs"].dump());
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
 }
 
 }  // namespace

@@ -142,6 +142,25 @@ std::string IpBin() {
   return "ip";
 }
 
+// `kvbridge serve` inside network namespace `ns` (ip netns exec), on host:port, with `extra` as
+// kv_connector_extra_config and `args` after the others.
+std::unique_ptr<Subprocess> ServeIn(const std::string& ns, const std::string& host,
+                                    const std::string& model, int port, const std::string& role,
+                                    const json& extra, const std::string& log,
+                                    std::vector<std::string> args) {
+  return SpawnServe({.model_dir = model,
+                     .num_kv_blocks = 128,
+                     .role = role,
+                     .extra_config = extra,
+                     .cluster_token = kToken,
+                     .log_path = log,
+                     .port = port,
+                     .host = host,
+                     .extra_args = std::move(args),
+                     .launcher = {IpBin(), "netns", "exec", ns}})
+      .proc;
+}
+
 // Runs `f` on a thread that joined network namespace `ns` (setns is per thread for CLONE_NEWNET).
 void InNetns(const std::string& ns, const std::function<void()>& f) {
   std::thread t([&] {
@@ -194,13 +213,7 @@ TEST_P(PdServeNetns, ReadModeAcrossNamespacesEqualsColocated) {
   const json extra = {{"transport", transport}, {"lease_ms", 30000}};
   auto serve_in = [&](const std::string& ns, const std::string& host, int port,
                       const std::string& role, const std::string& log) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{
-            IpBin(), "netns", "exec", ns, KvbridgeBin(), "serve", model, "--host", host, "--port",
-            std::to_string(port), "--served-model-name", "tiny", "--num-kv-blocks", "128",
-            "--kv-transfer-config", testing::TransferConfigJson(role, extra).dump(),
-            "--cluster-token", kToken},
-        log);
+    return ServeIn(ns, host, model, port, role, extra, log, {});
   };
   auto colo = Serve(model, cport, dir + "/colo.log", "");
   auto pre = serve_in(na, ha, pport, "kv_producer", dir + "/prefill.log");
@@ -341,29 +354,8 @@ TEST_P(PdProxyNetns, ProxyAndPrefillInOneNamespaceDecodeInAnother) {
   const json extra = {{"transport", transport}, {"mode", mode}, {"lease_ms", 30000}};
   auto serve_in = [&](const std::string& ns, const std::string& host, int port,
                       const std::string& role, const std::string& log) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{IpBin(),
-                                 "netns",
-                                 "exec",
-                                 ns,
-                                 KvbridgeBin(),
-                                 "serve",
-                                 model,
-                                 "--host",
-                                 host,
-                                 "--port",
-                                 std::to_string(port),
-                                 "--served-model-name",
-                                 "tiny",
-                                 "--num-kv-blocks",
-                                 "128",
-                                 "--kv-transfer-config",
-                                 testing::TransferConfigJson(role, extra).dump(),
-                                 "--cluster-token",
-                                 kToken,
-                                 "--proxy",
-                                 ha + ":" + std::to_string(xport)},
-        log);
+    return ServeIn(ns, host, model, port, role, extra, log,
+                   {"--proxy", ha + ":" + std::to_string(xport)});
   };
   // The engines register with the proxy (engine ids, roles, mode) and heartbeat to it.
   Subprocess proxy({IpBin(), "netns", "exec", na, KvbridgeBin(), "proxy", "--host", ha, "--port",

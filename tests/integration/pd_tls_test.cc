@@ -67,29 +67,18 @@ Topology Start(const std::string& dir, const std::string& model, const std::stri
       dir + "/proxy-" + mode + ".log");
   const json extra = {{"transport", "tcp"}, {"mode", mode}, {"lease_ms", 30000}};
   auto serve = [&](const std::string& role, int port, const std::string& log) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{KvbridgeBin(),
-                                 "serve",
-                                 model,
-                                 "--port",
-                                 std::to_string(port),
-                                 "--served-model-name",
-                                 "tiny",
-                                 "--num-kv-blocks",
-                                 "128",
-                                 "--kv-transfer-config",
-                                 testing::TransferConfigJson(role, extra).dump(),
-                                 "--cluster-token",
-                                 kToken,
-                                 "--ssl-certfile",
-                                 node.cert,
-                                 "--ssl-keyfile",
-                                 node.key,
-                                 "--ssl-peer-ca-certs",
-                                 node.cert,
-                                 "--proxy",
-                                 "https://127.0.0.1:" + std::to_string(t.proxy_port)},
-        log);
+    return testing::SpawnServe(
+               {.model_dir = model,
+                .num_kv_blocks = 128,
+                .role = role,
+                .extra_config = extra,
+                .cluster_token = kToken,
+                .log_path = log,
+                .port = port,
+                .extra_args = {"--ssl-certfile", node.cert, "--ssl-keyfile", node.key,
+                               "--ssl-peer-ca-certs", node.cert, "--proxy",
+                               "https://127.0.0.1:" + std::to_string(t.proxy_port)}})
+        .proc;
   };
   t.prefill = serve("kv_producer", t.prefill_port, dir + "/prefill-" + mode + ".log");
   t.decode = serve("kv_consumer", t.decode_port, dir + "/decode-" + mode + ".log");

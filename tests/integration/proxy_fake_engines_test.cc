@@ -44,7 +44,7 @@ class FakeEngine {
   explicit FakeEngine(bool prefill, int keep_alive_max = 5) : prefill_(prefill) {
     server_.set_keep_alive_max_count(keep_alive_max);
     auto handler = [this](const httplib::Request& req, httplib::Response& res) {
-      Record(req);
+      const size_t index = Record(req);
       struct Active {  // requests being answered now, and the most at once
         FakeEngine* e;
         explicit Active(FakeEngine* f) : e(f) {
@@ -55,6 +55,7 @@ class FakeEngine {
         }
         ~Active() { --e->active_; }
       } active(this);
+      if (!prefill_ && write_prefill_ != nullptr) WaitForWritePrefill(req, index);
       if (answer_delay_ms_ > 0) std::this_thread::sleep_for(answer_delay_ms_ * 1ms);
       json body = json::parse(req.body, nullptr, false);
       if (fail_status_ != 0) {
@@ -157,9 +158,9 @@ class FakeEngine {
     }
     return out;
   }
-  // Waits until `n` calls to `path` arrived (bounded).
+  // Waits until `n` calls to `path` arrived (bounded, 10 s).
   std::vector<Recorded> WaitCalls(const std::string& path, size_t n) {
-    for (int i = 0; i < 300 && Calls(path).size() < n; ++i) std::this_thread::sleep_for(10ms);
+    for (int i = 0; i < 1000 && Calls(path).size() < n; ++i) std::this_thread::sleep_for(10ms);
     return Calls(path);
   }
 
@@ -169,15 +170,43 @@ class FakeEngine {
   int sse_events_ = 3;
   int sse_delay_ms_ = 1;
   int answer_delay_ms_ = 0;  // before any answer
+  // A WRITE decode: answers only once its prefill leg reached this engine (WaitForWritePrefill).
+  FakeEngine* write_prefill_ = nullptr;
   std::atomic<bool> stream_broken_{false};
   std::atomic<int> active_{0};
   std::atomic<int> max_active_{0};
 
  private:
-  void Record(const httplib::Request& req) {
+  // Returns the call's index in calls_.
+  size_t Record(const httplib::Request& req) {
     std::lock_guard<std::mutex> lock(mu_);
     calls_.push_back({req.path, json::parse(req.body, nullptr, false),
                       req.get_header_value(kClusterTokenHeader)});
+    return calls_.size() - 1;
+  }
+  // As a real WRITE decode waits for the KV its prefill writes, this one answers once the
+  // prefill leg of its transfer_id reached write_prefill_ — or once a later decode leg reached
+  // this engine (the proxy cancelled this leg and sent the pair again). Bounded (10 s). Without
+  // it the decode could answer before the proxy saw its prefill leg fail, and the pair would
+  // never be retried: a race that only load would lose.
+  void WaitForWritePrefill(const httplib::Request& req, size_t index) {
+    const json body = json::parse(req.body, nullptr, false);
+    if (!body.is_object() || !body.contains("kv_transfer_params")) return;
+    const std::string tid = body["kv_transfer_params"].value("transfer_id", "");
+    auto released = [&] {
+      for (const auto& c : write_prefill_->Calls("/v1/completions")) {
+        if (c.body.is_object() &&
+            c.body.value("kv_transfer_params", json::object()).value("transfer_id", "") == tid) {
+          return true;
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = index + 1; i < calls_.size(); ++i) {
+        if (calls_[i].path == "/v1/completions") return true;
+      }
+      return false;
+    };
+    for (int i = 0; i < 10000 && !released(); ++i) std::this_thread::sleep_for(1ms);
   }
   bool prefill_;
   int port_ = -1;
@@ -207,14 +236,21 @@ std::unique_ptr<ProxyServer> StartProxy(const std::string& prefill_url,
   return StartProxy(o);
 }
 
-// Waits (bounded, 1 s) until the proxy's `name{labels}` reaches `value`; returns its value then.
-// Outcomes are counted when a flow ends, which may be just after the client has its answer.
+// Waits (bounded, 5 s: a loaded machine may not run the proxy's thread for a while) until the
+// proxy's `name{labels}` reaches `value`; returns its value then. Outcomes are counted when a flow
+// ends, which may be just after the client has its answer.
 double WaitMetric(ProxyServer& proxy, const std::string& name, const std::string& labels,
                   double value) {
-  for (int i = 0; i < 100 && ScrapeMetric(proxy.MetricsText(), name, labels) < value; ++i) {
+  for (int i = 0; i < 500 && ScrapeMetric(proxy.MetricsText(), name, labels) < value; ++i) {
     std::this_thread::sleep_for(10ms);
   }
   return ScrapeMetric(proxy.MetricsText(), name, labels);
+}
+
+// Polls `pred` every 10 ms until it holds (bounded, 5 s); returns whether it held.
+bool WaitUntil(const std::function<bool()>& pred) {
+  for (int i = 0; i < 500 && !pred(); ++i) std::this_thread::sleep_for(10ms);
+  return pred();
 }
 
 // A streamed POST /v1/completions of `body`; the bytes received are appended to *got.
@@ -376,7 +412,7 @@ TEST(ProxyFakeEngines, Decode4xxReleasesThePrefillAtTheStatusLineBeforeItsBody) 
     }
     answered = true;
   });
-  auto rel = p.WaitCalls("/v1/kv/release", 1);  // bounded at 3 s
+  auto rel = p.WaitCalls("/v1/kv/release", 1);  // bounded at 10 s
   const bool before_answer = !answered.load();
   client.join();
   ASSERT_EQ(rel.size(), 1u);
@@ -402,7 +438,8 @@ TEST(ProxyFakeEngines, PrefillErrorForwardedAsIs) {
 
 TEST(ProxyFakeEngines, DecodeUnreachableReleasesPrefill) {
   FakeEngine p(true);
-  auto proxy = StartProxy(p.url(), "http://127.0.0.1:" + std::to_string(testing::FreePort()));
+  testing::RefusingPort dead;
+  auto proxy = StartProxy(p.url(), "http://127.0.0.1:" + std::to_string(dead.port()));
   httplib::Client cli("127.0.0.1", proxy->port());
   auto res = cli.Post("/v1/completions", kBody, "application/json");
   ASSERT_TRUE(res);
@@ -413,8 +450,9 @@ TEST(ProxyFakeEngines, DecodeUnreachableReleasesPrefill) {
 
 TEST(ProxyFakeEngines, UnreachablePrefillRetriedOnAnother) {
   FakeEngine p(true), d(false);
+  testing::RefusingPort dead;
   ProxyOptions o;
-  o.prefill_urls = {"http://127.0.0.1:" + std::to_string(testing::FreePort()), p.url()};
+  o.prefill_urls = {"http://127.0.0.1:" + std::to_string(dead.port()), p.url()};
   o.decode_urls = {d.url()};
   o.routing = RoutingPolicy::kRoundRobin;
   o.health_probe_interval = 3600 * kSecond;  // keep the dead one "healthy" so it gets picked
@@ -444,9 +482,11 @@ TEST(ProxyFakeEngines, Refusing503PrefillRetriedOnAnother) {
 // again to the live one with a fresh transfer_id, its first decode leg cancelled.
 TEST(ProxyFakeEngines, WriteUnreachablePrefillRetriesThePair) {
   FakeEngine p(true), d(false);
+  d.write_prefill_ = &p;
+  testing::RefusingPort dead;
   ProxyOptions o;
   o.mode = KvTransferMode::kWrite;
-  o.prefill_urls = {"http://127.0.0.1:" + std::to_string(testing::FreePort()), p.url()};
+  o.prefill_urls = {"http://127.0.0.1:" + std::to_string(dead.port()), p.url()};
   o.decode_urls = {d.url()};
   o.routing = RoutingPolicy::kRoundRobin;
   o.health_probe_interval = 3600 * kSecond;  // keep the dead one "healthy" so it gets picked
@@ -540,8 +580,12 @@ TEST(ProxyFakeEngines, BurstAboveMaxPendingGets429WithRetryAfter) {
             static_cast<double>(rejected));
   EXPECT_EQ(WaitMetric(*proxy, "kvbridge_proxy_requests_total", "outcome=\"ok\"", ok),
             static_cast<double>(ok));
-  EXPECT_EQ(ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_in_flight"), 0.0);
-  EXPECT_EQ(d.active_.load(), 0);
+  // A flow leaves the in-flight gauge just after its answer (and the fake engine its handler
+  // just after writing it): bounded waits, not a look at one instant.
+  EXPECT_TRUE(WaitUntil([&] {
+    return ScrapeMetric(proxy->MetricsText(), "kvbridge_proxy_requests_in_flight") == 0.0;
+  }));
+  EXPECT_TRUE(WaitUntil([&] { return d.active_.load() == 0; }));
   EXPECT_EQ(p.Calls("/v1/kv/release").size(), 0u);
 }
 

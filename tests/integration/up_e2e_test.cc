@@ -20,7 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -31,11 +31,14 @@
 #include "kvbridge/common/metrics.h"
 #include "support/free_port.h"
 #include "support/subprocess.h"
+#include "support/up_harness.h"
 
 namespace kvbridge {
 namespace {
 
 using nlohmann::json;
+using testing::ExpectEveryInstanceDrained;
+using testing::GetBody;
 using testing::KvbridgeBin;
 using testing::Subprocess;
 
@@ -64,14 +67,7 @@ std::string SkipReason() {
 }
 
 json Post(int port, const std::string& path, const json& body) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(120, 0);
-  auto r = c.Post(path.c_str(), body.dump(), "application/json");
-  if (!r) return json{{"transport_error", httplib::to_string(r.error())}};
-  json j = json::parse(r->body, nullptr, false);
-  if (j.is_discarded()) j = json{{"raw", r->body}};
-  j["_status"] = r->status;
-  return j;
+  return testing::PostJson(port, path, body);
 }
 
 // The concatenated text of choice `index` of an SSE completion stream.
@@ -106,31 +102,20 @@ std::string StreamText(int port, const json& body, int index) {
   return text;
 }
 
-std::string GetBody(const std::string& url, const std::string& path) {
-  auto colon = url.rfind(':');
-  httplib::Client c("127.0.0.1", std::atoi(url.c_str() + colon + 1));
-  c.set_read_timeout(10, 0);
-  auto r = c.Get(path.c_str());
-  return r && r->status == 200 ? r->body : std::string();
-}
-
-// Reads GET /instances from the proxy at `host` and checks every instance's own /metrics: no
-// block active or held, no lease expired, no notification ignored (DESIGN.md: fault-free runs
-// need no safety net). Returns the instance list (empty on a malformed answer).
-json ExpectEveryInstanceDrained(const std::string& host) {
-  json inst = json::parse(GetBody(host, "/instances"), nullptr, false);
-  EXPECT_TRUE(inst.is_object() && inst.contains("instances")) << inst.dump();
-  if (!inst.is_object() || !inst.contains("instances")) return json::array();
-  for (const auto& i : inst["instances"]) {
-    const std::string url = i["url"];
-    const std::string m = GetBody(url, "/metrics");
-    EXPECT_FALSE(m.empty()) << url;
-    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_active"), 0.0) << url;
-    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_blocks_held_for_transfer"), 0.0) << url;
-    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_lease_expired_total"), 0.0) << url;
-    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_notifications_ignored_total"), 0.0) << url;
+// One colocated engine on `model` (the reference the P/D answers must equal), healthy; *port
+// is its port. Null (after a failure) when it did not come up.
+std::unique_ptr<Subprocess> StartSolo(const std::string& dir, const std::string& model, int* port,
+                                      int timeout_ms = 120'000) {
+  *port = testing::FreePort();
+  auto solo = std::make_unique<Subprocess>(
+      std::vector<std::string>{KvbridgeBin(), "serve", model, "--port", std::to_string(*port),
+                               "--no-enable-prefix-caching"},
+      dir + "/solo.log");
+  if (!testing::WaitForHttpOk("127.0.0.1", *port, "/health", timeout_ms)) {
+    ADD_FAILURE() << solo->ReadLog();
+    return nullptr;
   }
-  return inst["instances"];
+  return solo;
 }
 
 class UpEndToEnd : public ::testing::TestWithParam<std::string> {};
@@ -141,18 +126,11 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   const std::string bin = KvbridgeBin();
   const std::string dir = testing::MakeTempDir("kvb-up-");
   const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  ASSERT_EQ(testing::MakeModel(model, "tiny", 0, 300'000), 0);
+  int solo_port = 0;
+  auto solo = StartSolo(dir, model, &solo_port);
+  ASSERT_TRUE(solo);
 
-  // The reference: one colocated engine.
-  const int solo_port = testing::FreePort();
-  Subprocess solo(
-      {bin, "serve", model, "--port", std::to_string(solo_port), "--no-enable-prefix-caching"},
-      dir + "/solo.log");
-  ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 120'000)) << solo.ReadLog();
-
-  const int port = testing::FreePort();
   // The parameter is "TOPOLOGY", "TOPOLOGY:MODE" or "TOPOLOGY:MODE:tpPxD" (prefill TP P, decode
   // TP D).
   const std::string param = GetParam();
@@ -164,17 +142,11 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
     ASSERT_EQ(std::sscanf(mode.c_str() + c2, ":tp%dx%d", &prefill_tp, &decode_tp), 2) << param;
     mode.resize(c2);
   }
-  Subprocess up(
-      {bin, "up", topology, "--mode", mode, "--port", std::to_string(port), "--log-dir",
-       dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240",
-       "--prefill-tp", std::to_string(prefill_tp), "--decode-tp", std::to_string(decode_tp)},
-      dir + "/up.log");
-  bool ready = false;
-  for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
-    ready = up.ReadLog().find("ready in") != std::string::npos;
-    if (!ready) usleep(100'000);
-  }
-  ASSERT_TRUE(ready) << up.ReadLog();
+  testing::UpTopology up(
+      dir, {topology, "--mode", mode, "--model", model, "--no-prefix-caching", "--prefill-tp",
+            std::to_string(prefill_tp), "--decode-tp", std::to_string(decode_tp)});
+  ASSERT_TRUE(up.WaitReady()) << up.ReadLog();
+  const int port = up.port();
 
   json body = {{"prompt", "The quick brown fox jumps over the lazy dog and"},
                {"max_tokens", 12},
@@ -204,23 +176,20 @@ TEST_P(UpEndToEnd, GreedyAnswersMatchColocatedAndKvDrains) {
   // TP engines run their ranks as threads on the same few cores: a shorter bench keeps the test
   // time small.
   const bool tp = prefill_tp > 1 || decode_tp > 1;
-  Subprocess bench(
-      {bin, "bench", "--host", "http://127.0.0.1:" + std::to_string(port), "--samples",
-       tp ? "4" : "12", "--batches", tp ? "2" : "2,4", "--best-of-n", "4", "--input-tokens", "200",
-       "--output-tokens", "12", "--check-drain", "--drain-timeout", "5"},
-      dir + "/bench.log");
+  Subprocess bench({bin, "bench", "--host", up.host(), "--samples", tp ? "4" : "12", "--batches",
+                    tp ? "2" : "2,4", "--best-of-n", "4", "--input-tokens", "200",
+                    "--output-tokens", "12", "--check-drain", "--drain-timeout", "5"},
+                   dir + "/bench.log");
   EXPECT_EQ(bench.Wait(300'000), 0) << bench.ReadLog();
 
   // Every instance drained with no safety net used, and registered its TP size (the WRITE decode
   // leg names the prefill's).
-  const json instances = ExpectEveryInstanceDrained("http://127.0.0.1:" + std::to_string(port));
+  const json instances = ExpectEveryInstanceDrained(up.host());
   EXPECT_EQ(instances.size(), 1u + static_cast<size_t>(topology[2] - '0')) << instances.dump();
   for (const auto& i : instances) {
     EXPECT_EQ(i["tp_size"], i["role"] == "prefill" ? prefill_tp : decode_tp) << i.dump();
   }
-
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
 }
 
 // "1p1d:write" also guards the proxy against a WRITE flow whose prefill leg ends after the decode
@@ -239,258 +208,164 @@ INSTANTIATE_TEST_SUITE_P(Topologies, UpEndToEnd,
                            return name;
                          });
 
-// Waits (bounded) for `up` to print that the topology is ready.
-bool WaitReady(Subprocess& up) {
-  for (int i = 0; i < 2400 && up.Running(); ++i) {
-    if (up.ReadLog().find("ready in") != std::string::npos) return true;
-    usleep(100'000);
-  }
-  return false;
-}
-
-// The pids `up` printed when ready, by child name ("  decode-0   http://...  pid 123  log ...").
-std::map<std::string, int> UpPids(const std::string& log) {
-  std::map<std::string, int> pids;
-  static const std::regex re(R"((\S+)\s+http://127\.0\.0\.1:\d+\s+pid (\d+))");
-  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator();
-       ++it) {
-    pids.emplace((*it)[1].str(), std::stoi((*it)[2].str()));
-  }
-  return pids;
-}
-
-// GET /instances' entry named `name` (null when absent).
-json InstanceNamed(const std::string& host, const std::string& name) {
-  json inst = json::parse(GetBody(host, "/instances"), nullptr, false);
-  if (!inst.is_object() || !inst.contains("instances")) return nullptr;
-  for (const auto& i : inst["instances"]) {
-    if (i.value("name", "") == name) return i;
-  }
-  return nullptr;
-}
-
-// Waits (bounded, 120 s) until the proxy lists `name` healthy with `restarts` restarts.
-bool WaitRestarted(const std::string& host, const std::string& name, int restarts) {
-  for (int i = 0; i < 1200; ++i) {
-    json i_ = InstanceNamed(host, name);
-    if (!i_.is_null() && i_.value("restarts", -1) == restarts && i_.value("healthy", false) &&
-        !i_.value("draining", true)) {
-      return true;
-    }
-    usleep(100'000);
-  }
-  return false;
-}
-
 const json kSmallRequest = {
     {"prompt", "The quick brown fox"}, {"max_tokens", 6}, {"temperature", 0}};
 
-// Issue 21: one crash is not an outage. SIGKILL of the decode of `up 1p1d`: up reports it, restarts
-// it (a new incarnation registering under the same name), the prefill and the proxy are never
-// restarted, and requests sent after the restart succeed.
-TEST(UpSupervision, KilledDecodeIsRestartedTheOthersKeepRunning) {
-  std::string why = SkipReason();
-  if (!why.empty()) GTEST_SKIP() << why;
-  const std::string bin = KvbridgeBin();
-  const std::string dir = testing::MakeTempDir("kvb-upsup-");
-  const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
-  const int port = testing::FreePort();
-  Subprocess up(
-      {bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
-       model, "--no-prefix-caching", "--ready-timeout", "240", "--restart-budget", "3"},
-      dir + "/up.log");
-  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
-  const std::string host = "http://127.0.0.1:" + std::to_string(port);
-  std::map<std::string, int> pids = UpPids(up.ReadLog());
-  ASSERT_EQ(pids.size(), 3u) << up.ReadLog();
-  json first = Post(port, "/v1/completions", kSmallRequest);
-  ASSERT_EQ(first["_status"], 200) << first.dump();
-  const std::string old_url = InstanceNamed(host, "decode-0").value("url", "");
+// The supervision tests (issue 21): `up TOPOLOGY` on the tiny model, prefix caching off, a cluster
+// token and a restart policy in its --config file (as a user would write one); `load` is the
+// light load the drains and restarts happen under.
+class UpSupervised : public ::testing::Test {
+ protected:
+  // Starts up and waits for it; fails the test (ASSERT in the caller: check HasFatalFailure)
+  // when it is not ready.
+  void StartUp(const std::string& topology, const std::string& restart,
+               std::vector<std::string> extra = {}) {
+    std::string why = SkipReason();
+    if (!why.empty()) GTEST_SKIP() << why;
+    dir_ = testing::MakeTempDir("kvb-upsup-");
+    ASSERT_EQ(testing::MakeModel(dir_ + "/model", "tiny", 0, 300'000), 0);
+    {
+      std::ofstream cfg(dir_ + "/up.toml");
+      cfg << "cluster_token = \"" << kToken << "\"\nrestart = \"" << restart << "\"\n";
+    }
+    std::vector<std::string> args = {topology,  "--config",      dir_ + "/up.toml",
+                                     "--model", dir_ + "/model", "--no-prefix-caching"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    up_ = std::make_unique<testing::UpTopology>(dir_, std::move(args));
+    ASSERT_TRUE(up_->WaitReady()) << up_->ReadLog();
+    pids_ = up_->Pids();
+  }
+  // POST /v1/instances/drain {"instance_id": name} to the proxy, with the token.
+  void DrainThroughProxy(const std::string& name) {
+    httplib::Client cli("127.0.0.1", up_->port());
+    httplib::Headers h = {{"X-KVBridge-Cluster-Token", kToken}};
+    auto res =
+        cli.Post("/v1/instances/drain", h, json{{"instance_id", name}}.dump(), "application/json");
+    ASSERT_TRUE(res) << name;
+    EXPECT_EQ(res->status, 200) << name << ": " << res->body;
+  }
+  // The log of child `name` (DIR/logs/NAME.log).
+  std::string ChildLog(const std::string& name) const {
+    std::ifstream f(dir_ + "/logs/" + name + ".log");
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  static void ExpectNoFailure(const testing::LoadLoop& load) {
+    const auto failures = load.failures();
+    EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures.front();
+  }
 
-  ASSERT_EQ(::kill(pids["decode-0"], SIGKILL), 0);
-  ASSERT_TRUE(WaitRestarted(host, "decode-0", 1)) << up.ReadLog();
+  static constexpr const char* kToken = "supervision-test-token";
+  std::string dir_;
+  std::unique_ptr<testing::UpTopology> up_;
+  std::map<std::string, int> pids_;
+};
+class UpSupervision : public UpSupervised {};
+class UpDrain : public UpSupervised {};
+class UpRollingRestart : public UpSupervised {};
+
+// Issue 21: one crash is not an outage. SIGKILL of the decode of `up 1p1d` (on a quiet topology:
+// every block freed first): up reports it, restarts it (a new incarnation registering under the
+// same name), the prefill and the proxy are never restarted, and requests sent after the restart
+// succeed.
+TEST_F(UpSupervision, KilledDecodeIsRestartedTheOthersKeepRunning) {
+  StartUp("1p1d", "on-failure", {"--restart-budget", "3"});
+  if (HasFatalFailure() || IsSkipped()) return;
+  const std::string host = up_->host();
+  ASSERT_EQ(pids_.size(), 3u) << up_->ReadLog();
+  json first = Post(up_->port(), "/v1/completions", kSmallRequest);
+  ASSERT_EQ(first["_status"], 200) << first.dump();
+  const std::string old_url = testing::InstanceNamed(host, "decode-0").value("url", "");
+  // The first request's blocks freed (the prefill's hold ends when the decode's notification
+  // arrives, just after the answer): the kill finds nothing in flight, as the test means.
+  ExpectEveryInstanceDrained(host);
+
+  ASSERT_EQ(::kill(pids_["decode-0"], SIGKILL), 0);
+  ASSERT_TRUE(testing::WaitRestarted(host, "decode-0", 1)) << up_->ReadLog();
   // A new incarnation at a new url; the old one is gone from the registry.
-  EXPECT_NE(InstanceNamed(host, "decode-0").value("url", ""), old_url);
+  EXPECT_NE(testing::InstanceNamed(host, "decode-0").value("url", ""), old_url);
   json inst = json::parse(GetBody(host, "/instances"));
   EXPECT_EQ(inst["instances"].size(), 2u) << inst.dump();
   for (int i = 0; i < 4; ++i) {
-    json got = Post(port, "/v1/completions", kSmallRequest);
+    json got = Post(up_->port(), "/v1/completions", kSmallRequest);
     EXPECT_EQ(got["_status"], 200) << got.dump();
     EXPECT_EQ(got["choices"][0]["text"], first["choices"][0]["text"]);
   }
-  const std::string log = up.ReadLog();
-  EXPECT_NE(log.find("decode-0 (pid " + std::to_string(pids["decode-0"]) + ") killed by signal 9"),
+  const std::string log = up_->ReadLog();
+  EXPECT_NE(log.find("decode-0 (pid " + std::to_string(pids_["decode-0"]) + ") killed by signal 9"),
             std::string::npos)
       << log;
   EXPECT_NE(log.find("decode-0 restarted (restart 1"), std::string::npos) << log;
   // The others were never restarted: same processes, alive, 0 restarts.
-  EXPECT_EQ(::kill(pids["prefill-0"], 0), 0);
-  EXPECT_EQ(::kill(pids["proxy"], 0), 0);
+  EXPECT_EQ(::kill(pids_["prefill-0"], 0), 0);
+  EXPECT_EQ(::kill(pids_["proxy"], 0), 0);
   EXPECT_EQ(log.find("prefill-0 restarted"), std::string::npos) << log;
   EXPECT_EQ(log.find("proxy restarted"), std::string::npos) << log;
   const std::string metrics = GetBody(host, "/metrics");
   EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"decode-0\""), 1.0);
   EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"prefill-0\""), 0.0);
   EXPECT_EQ(ScrapeMetric(metrics, "kvbridge_up_restarts_total", "name=\"proxy\""), 0.0);
-  EXPECT_EQ(InstanceNamed(host, "prefill-0").value("restarts", -1), 0);
+  EXPECT_EQ(testing::InstanceNamed(host, "prefill-0").value("restarts", -1), 0);
   ExpectEveryInstanceDrained(host);
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+  EXPECT_EQ(up_->Stop(), 0) << up_->ReadLog();
 }
 
 // Issue 21: graceful drain. Under a light load (2 clients in a loop), decode-0 of `up 1p2d` is
 // drained by SIGTERM and decode-1 through the proxy (POST /v1/instances/drain); each finishes what
 // it had, exits 0 and comes back (--restart always) — and no request fails.
-TEST(UpDrain, DrainedDecodesUnderLoadLoseNoRequest) {
-  std::string why = SkipReason();
-  if (!why.empty()) GTEST_SKIP() << why;
-  const std::string bin = KvbridgeBin();
-  const std::string dir = testing::MakeTempDir("kvb-updrain-");
-  const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
-  const std::string token = "drain-test-token";
-  {
-    std::ofstream cfg(dir + "/up.toml");
-    cfg << "cluster_token = \"" << token << "\"\nrestart = \"always\"\n";
-  }
-  const int port = testing::FreePort();
-  Subprocess up(
-      {bin, "up", "1p2d", "--config", dir + "/up.toml", "--port", std::to_string(port), "--log-dir",
-       dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
-      dir + "/up.log");
-  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
-  const std::string host = "http://127.0.0.1:" + std::to_string(port);
-  std::map<std::string, int> pids = UpPids(up.ReadLog());
-  ASSERT_EQ(pids.size(), 4u) << up.ReadLog();
-
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0};
-  std::mutex failures_mu;
-  std::vector<std::string> failures;
-  std::vector<std::thread> clients;
-  for (int c = 0; c < 2; ++c) {
-    clients.emplace_back([&] {
-      for (int i = 0; i < 100000 && !stop; ++i) {
-        // Long enough (48 tokens) that a drain finds requests in flight.
-        json body = kSmallRequest;
-        body["max_tokens"] = 48;
-        json got = Post(port, "/v1/completions", body);
-        if (got["_status"] == 200) {
-          ++ok;
-        } else {
-          std::lock_guard<std::mutex> lock(failures_mu);
-          failures.push_back(got.dump());
-        }
-      }
-    });
-  }
-  auto wait_ok = [&](int n) {
-    for (int i = 0; i < 600 && ok < n; ++i) usleep(100'000);
-  };
-  wait_ok(5);
-  ASSERT_EQ(::kill(pids["decode-0"], SIGTERM), 0);
-  EXPECT_TRUE(WaitRestarted(host, "decode-0", 1)) << up.ReadLog();
-  wait_ok(ok + 5);
+TEST_F(UpDrain, DrainedDecodesUnderLoadLoseNoRequest) {
+  StartUp("1p2d", "always");
+  if (HasFatalFailure() || IsSkipped()) return;
+  const std::string host = up_->host();
+  ASSERT_EQ(pids_.size(), 4u) << up_->ReadLog();
+  json body = kSmallRequest;
+  body["max_tokens"] = 48;  // long enough that a drain finds requests in flight
+  testing::LoadLoop load(up_->port(), body, /*clients=*/2);
+  load.WaitOk(5);
+  ASSERT_EQ(::kill(pids_["decode-0"], SIGTERM), 0);
+  EXPECT_TRUE(testing::WaitRestarted(host, "decode-0", 1)) << up_->ReadLog();
+  load.WaitOk(load.ok() + 5);
   // Through the proxy, by name: routed around at once, then the engine drains.
-  httplib::Client cli("127.0.0.1", port);
-  httplib::Headers h = {{"X-KVBridge-Cluster-Token", token}};
-  auto res =
-      cli.Post("/v1/instances/drain", h, R"({"instance_id":"decode-1"})", "application/json");
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200) << res->body;
-  EXPECT_TRUE(WaitRestarted(host, "decode-1", 1)) << up.ReadLog();
-  wait_ok(ok + 5);
-  stop = true;
-  for (auto& t : clients) t.join();
-  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures.front();
-  EXPECT_GE(ok.load(), 15);
+  DrainThroughProxy("decode-1");
+  EXPECT_TRUE(testing::WaitRestarted(host, "decode-1", 1)) << up_->ReadLog();
+  load.WaitOk(load.ok() + 5);
+  load.Stop();
+  ExpectNoFailure(load);
+  EXPECT_GE(load.ok(), 15);
   std::printf("UpDrain: %d requests answered 200, %zu failed, across 2 drains + restarts\n",
-              ok.load(), failures.size());
-  const std::string log = up.ReadLog();
-  EXPECT_NE(log.find("decode-0 (pid " + std::to_string(pids["decode-0"]) + ") exited with code 0"),
-            std::string::npos)
-      << log;
-  EXPECT_NE(log.find("decode-1 (pid " + std::to_string(pids["decode-1"]) + ") exited with code 0"),
-            std::string::npos)
-      << log;
-  std::ifstream decode_log(dir + "/logs/decode-0.log");
-  const std::string decode_text((std::istreambuf_iterator<char>(decode_log)),
-                                std::istreambuf_iterator<char>());
-  EXPECT_NE(decode_text.find("drained in"), std::string::npos) << decode_text;
+              load.ok(), load.failures().size());
+  const std::string log = up_->ReadLog();
+  for (const char* name : {"decode-0", "decode-1"}) {
+    EXPECT_NE(log.find(std::string(name) + " (pid " + std::to_string(pids_[name]) +
+                       ") exited with code 0"),
+              std::string::npos)
+        << log;
+  }
+  EXPECT_NE(ChildLog("decode-0").find("drained in"), std::string::npos) << ChildLog("decode-0");
   ExpectEveryInstanceDrained(host);
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+  EXPECT_EQ(up_->Stop(), 0) << up_->ReadLog();
 }
 
 // Issue 21: a rolling restart of every engine of `up 1p3d` under light load (2 looping clients):
 // each in turn drained through the proxy (POST /v1/instances/drain, by name), restarted by up
 // (--restart always) and back before the next — the only prefill included (requests wait for
 // it: --instance-wait-ms) — and no request fails.
-TEST(UpRollingRestart, EveryEngineOf1p3dOneAtATimeNoFailedRequest) {
-  std::string why = SkipReason();
-  if (!why.empty()) GTEST_SKIP() << why;
-  const std::string bin = KvbridgeBin();
-  const std::string dir = testing::MakeTempDir("kvb-uproll-");
-  const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
-  const std::string token = "rolling-test-token";
-  {
-    std::ofstream cfg(dir + "/up.toml");
-    cfg << "cluster_token = \"" << token << "\"\nrestart = \"always\"\n";
-  }
-  const int port = testing::FreePort();
-  Subprocess up(
-      {bin, "up", "1p3d", "--config", dir + "/up.toml", "--port", std::to_string(port), "--log-dir",
-       dir + "/logs", "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
-      dir + "/up.log");
-  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
-  const std::string host = "http://127.0.0.1:" + std::to_string(port);
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0};
-  std::mutex failures_mu;
-  std::vector<std::string> failures;
-  std::vector<std::thread> clients;
-  for (int c = 0; c < 2; ++c) {
-    clients.emplace_back([&] {
-      for (int i = 0; i < 100000 && !stop; ++i) {
-        json body = kSmallRequest;
-        body["max_tokens"] = 32;
-        json got = Post(port, "/v1/completions", body);
-        if (got["_status"] == 200) {
-          ++ok;
-        } else {
-          std::lock_guard<std::mutex> lock(failures_mu);
-          failures.push_back(got.dump());
-        }
-      }
-    });
-  }
-  auto wait_ok = [&](int n) {
-    for (int i = 0; i < 600 && ok < n; ++i) usleep(100'000);
-  };
-  wait_ok(5);
-  httplib::Client cli("127.0.0.1", port);
-  httplib::Headers h = {{"X-KVBridge-Cluster-Token", token}};
+TEST_F(UpRollingRestart, EveryEngineOf1p3dOneAtATimeNoFailedRequest) {
+  StartUp("1p3d", "always");
+  if (HasFatalFailure() || IsSkipped()) return;
+  const std::string host = up_->host();
+  json body = kSmallRequest;
+  body["max_tokens"] = 32;
+  testing::LoadLoop load(up_->port(), body, /*clients=*/2);
+  load.WaitOk(5);
   for (const char* name : {"prefill-0", "decode-0", "decode-1", "decode-2"}) {
-    const std::string body = json{{"instance_id", name}}.dump();
-    auto res = cli.Post("/v1/instances/drain", h, body, "application/json");
-    ASSERT_TRUE(res) << name;
-    EXPECT_EQ(res->status, 200) << name << ": " << res->body;
-    EXPECT_TRUE(WaitRestarted(host, name, 1)) << name << "\n" << up.ReadLog();
-    wait_ok(ok + 3);
+    DrainThroughProxy(name);
+    EXPECT_TRUE(testing::WaitRestarted(host, name, 1)) << name << "\n" << up_->ReadLog();
+    load.WaitOk(load.ok() + 3);
   }
-  stop = true;
-  for (auto& t : clients) t.join();
-  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, first: " << failures.front();
+  load.Stop();
+  ExpectNoFailure(load);
   std::printf("UpRollingRestart 1p3d: %d requests answered 200, %zu failed, 4 engines restarted\n",
-              ok.load(), failures.size());
+              load.ok(), load.failures().size());
   const std::string metrics = GetBody(host, "/metrics");
   for (const char* name : {"prefill-0", "decode-0", "decode-1", "decode-2"}) {
     EXPECT_EQ(
@@ -499,8 +374,7 @@ TEST(UpRollingRestart, EveryEngineOf1p3dOneAtATimeNoFailedRequest) {
         << name;
   }
   ExpectEveryInstanceDrained(host);
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+  EXPECT_EQ(up_->Stop(), 0) << up_->ReadLog();
 }
 
 // The prefill gets the client's n (its 1:many sibling path) while 16 requests with n=8 are in
@@ -509,23 +383,16 @@ TEST(UpRollingRestart, EveryEngineOf1p3dOneAtATimeNoFailedRequest) {
 TEST(UpPrefillForwardN, Concurrency16WithN8DrainsClean) {
   std::string why = SkipReason();
   if (!why.empty()) GTEST_SKIP() << why;
-  const std::string bin = KvbridgeBin();
   const std::string dir = testing::MakeTempDir("kvb-upfn-");
-  const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
-  const int port = testing::FreePort();
-  Subprocess up(
-      {bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
-       model, "--no-prefix-caching", "--prefill-forward-n", "--ready-timeout", "240"},
-      dir + "/up.log");
-  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
-  const std::string host = "http://127.0.0.1:" + std::to_string(port);
-  Subprocess bench(
-      {bin, "bench", "--host", host, "--samples", "32", "--batches", "16", "--best-of-n", "8",
-       "--input-tokens", "150", "--output-tokens", "12", "--check-drain", "--drain-timeout", "5"},
-      dir + "/bench.log");
+  ASSERT_EQ(testing::MakeModel(dir + "/model", "tiny", 0, 300'000), 0);
+  testing::UpTopology up(
+      dir, {"1p1d", "--model", dir + "/model", "--no-prefix-caching", "--prefill-forward-n"});
+  ASSERT_TRUE(up.WaitReady()) << up.ReadLog();
+  const std::string host = up.host();
+  Subprocess bench({KvbridgeBin(), "bench", "--host", host, "--samples", "32", "--batches", "16",
+                    "--best-of-n", "8", "--input-tokens", "150", "--output-tokens", "12",
+                    "--check-drain", "--drain-timeout", "5"},
+                   dir + "/bench.log");
   EXPECT_EQ(bench.Wait(300'000), 0) << bench.ReadLog();
   EXPECT_NE(bench.ReadLog().find("result: OK"), std::string::npos) << bench.ReadLog();
 
@@ -534,9 +401,7 @@ TEST(UpPrefillForwardN, Concurrency16WithN8DrainsClean) {
   const std::string pm = GetBody(host, "/metrics");
   EXPECT_EQ(ScrapeMetric(pm, "kvbridge_proxy_requests_total", "outcome=\"ok\""), 32.0);
   EXPECT_EQ(ScrapeMetric(pm, "kvbridge_proxy_releases_total", "result=\"ok\""), 0.0);
-
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
 }
 
 // A tokenizer directory of ../shared (absent outside the project's machines: "").
@@ -549,17 +414,6 @@ std::string SharedTokenizer(const std::string& name) {
   return ::access((dir + "/tokenizer.json").c_str(), R_OK) == 0 ? dir : "";
 }
 
-json PostRaw(int port, const std::string& path, const std::string& body) {
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(60, 0);
-  auto r = c.Post(path.c_str(), body, "application/json");
-  if (!r) return json{{"transport_error", httplib::to_string(r.error())}};
-  json j = json::parse(r->body, nullptr, false);
-  if (j.is_discarded()) j = json{{"raw", r->body}};
-  j["_status"] = r->status;
-  return j;
-}
-
 // `up 1p1d` on a tiny random model with the Qwen3 tokenizer (make-model --tokenizer): /tokenize
 // and /detokenize through the proxy give Hugging Face's ids; a P/D answer is bitwise the
 // colocated engine's (ids and logprobs, via return_tokens_as_token_ids), its streamed text the
@@ -570,13 +424,9 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
   if (!why.empty()) GTEST_SKIP() << why;
   const std::string tok_dir = SharedTokenizer("qwen3");
   if (tok_dir.empty()) GTEST_SKIP() << "../shared/data/tokenizers/qwen3 is absent";
-  const std::string bin = KvbridgeBin();
   const std::string dir = testing::MakeTempDir("kvb-uptok-");
   const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model,
-                   "--tokenizer", tok_dir},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  ASSERT_EQ(testing::MakeModel(model, "tiny", 0, 300'000, {"--tokenizer", tok_dir}), 0);
   // Laid out like a checkpoint; the vocabulary is the tokenizer's 151669 ids padded to 64.
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
     EXPECT_EQ(::access((model + "/" + f).c_str(), R_OK), 0) << f;
@@ -586,16 +436,12 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
   EXPECT_EQ(config.value("vocab_size", 0), 151680) << config.dump();
   EXPECT_EQ(config.value("eos_token_id", json()), 151645) << config.dump();  // <|im_end|>
 
-  const int solo_port = testing::FreePort();
-  Subprocess solo(
-      {bin, "serve", model, "--port", std::to_string(solo_port), "--no-enable-prefix-caching"},
-      dir + "/solo.log");
-  ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 120'000)) << solo.ReadLog();
-  const int port = testing::FreePort();
-  Subprocess up({bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs",
-                 "--model", model, "--no-prefix-caching", "--ready-timeout", "240"},
-                dir + "/up.log");
-  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+  int solo_port = 0;
+  auto solo = StartSolo(dir, model, &solo_port);
+  ASSERT_TRUE(solo);
+  testing::UpTopology up(dir, {"1p1d", "--model", model, "--no-prefix-caching"});
+  ASSERT_TRUE(up.WaitReady()) << up.ReadLog();
+  const int port = up.port();
 
   // Hugging Face's ids for Qwen3 (the same as @huggingface/tokenizers and the model card's
   // "hello world" -> [14990, 1879]); Qwen adds no BOS.
@@ -706,9 +552,9 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
   }
 
   // Bad input: refused before any leg, nothing held afterwards.
-  const std::string host = "http://127.0.0.1:" + std::to_string(port);
+  const std::string host = up.host();
   for (int p : {solo_port, port}) {
-    json r = PostRaw(p, "/v1/completions", "{\"prompt\":\"caf\xC3\",\"max_tokens\":2}");
+    json r = testing::PostRaw(p, "/v1/completions", "{\"prompt\":\"caf\xC3\",\"max_tokens\":2}");
     EXPECT_EQ(r["_status"], 400) << r.dump();
     std::string long_prompt;
     for (int i = 0; i < 1100; ++i) long_prompt += " hello";
@@ -720,8 +566,7 @@ TEST(UpTokenizer, Qwen3PdAnswersEqualColocatedBitwise) {
   }
   EXPECT_EQ(ExpectEveryInstanceDrained(host).size(), 2u);
 
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
 }
 
 // `up 1p1d` on the qwen3-0.6b preset (random bf16 weights, the real shape: 28 layers, 16/8 heads
@@ -738,10 +583,7 @@ TEST(UpRealShape, Qwen3_0_6bPdAnswersEqualColocatedBitwise) {
   const std::string bin = KvbridgeBin();
   const std::string dir = testing::MakeTempDir("kvb-upq3-");
   const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "qwen3-0.6b", "--seed", "0", "--out", model,
-                   "--tokenizer", tok_dir},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(300'000), 0) << make.ReadLog();
+  ASSERT_EQ(testing::MakeModel(model, "qwen3-0.6b", 0, 300'000, {"--tokenizer", tok_dir}), 0);
   std::ifstream cf(model + "/config.json");
   const json config = json::parse(cf, nullptr, false);
   EXPECT_EQ(config.value("architectures", json()), json({"Qwen3ForCausalLM"})) << config.dump();
@@ -753,12 +595,11 @@ TEST(UpRealShape, Qwen3_0_6bPdAnswersEqualColocatedBitwise) {
   Subprocess solo(
       {bin, "serve", model, "--port", std::to_string(solo_port), "--no-enable-prefix-caching"},
       dir + "/solo.log");
-  const int port = testing::FreePort();
-  Subprocess up({bin, "up", "1p1d", "--port", std::to_string(port), "--log-dir", dir + "/logs",
-                 "--model", model, "--no-prefix-caching", "--ready-timeout", "600"},
-                dir + "/up.log");
+  testing::UpTopology up(
+      dir, {"1p1d", "--model", model, "--no-prefix-caching", "--ready-timeout", "600"});
+  const int port = up.port();
   ASSERT_TRUE(testing::WaitForHttpOk("127.0.0.1", solo_port, "/health", 600'000)) << solo.ReadLog();
-  ASSERT_TRUE(WaitReady(up)) << up.ReadLog();
+  ASSERT_TRUE(up.WaitReady()) << up.ReadLog();
   const double ready_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -817,8 +658,7 @@ TEST(UpRealShape, Qwen3_0_6bPdAnswersEqualColocatedBitwise) {
                       Post(solo_port, "/v1/chat/completions", chat), 1, "chat");
 
   EXPECT_EQ(ExpectEveryInstanceDrained("http://127.0.0.1:" + std::to_string(port)).size(), 2u);
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(60'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
   solo.Signal(SIGTERM);
   solo.Wait(60'000);
   std::filesystem::remove_all(dir + "/model");  // 1.2 GB
@@ -853,21 +693,19 @@ int ListenLoopback(int want_port, int* port) {
 TEST(UpPorts, ChildrenBindTheirOwnPortsWhileOtherProcessesTakePorts) {
   std::string why = SkipReason();
   if (!why.empty()) GTEST_SKIP() << why;
-  const std::string bin = KvbridgeBin();
   const std::string dir = testing::MakeTempDir("kvb-upports-");
   const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  ASSERT_EQ(testing::MakeModel(model, "tiny", 0, 300'000), 0);
 
   int busy_port = 0;
   const int busy_fd = ListenLoopback(0, &busy_port);
   ASSERT_GE(busy_fd, 0);
   {
-    Subprocess up({bin, "up", "1p1d", "--port", std::to_string(busy_port), "--log-dir",
-                   dir + "/logs-busy", "--model", model, "--ready-timeout", "240"},
-                  dir + "/up-busy.log");
-    EXPECT_EQ(up.Wait(60'000), 1) << up.ReadLog();
+    const std::string busy_dir = dir + "/busy";
+    std::filesystem::create_directories(busy_dir);
+    testing::UpTopology up(busy_dir,
+                           {"1p1d", "--port", std::to_string(busy_port), "--model", model});
+    EXPECT_EQ(up.process().Wait(60'000), 1) << up.ReadLog();
     const std::string log = up.ReadLog();
     EXPECT_NE(log.find("proxy (pid"), std::string::npos) << log;
     EXPECT_NE(log.find("cannot listen on 127.0.0.1:" + std::to_string(busy_port)),
@@ -891,10 +729,8 @@ TEST(UpPorts, ChildrenBindTheirOwnPortsWhileOtherProcessesTakePorts) {
       usleep(5'000);
     }
   });
-  Subprocess up({bin, "up", "1p2d", "--port", "0", "--log-dir", dir + "/logs", "--model", model,
-                 "--ready-timeout", "240"},
-                dir + "/up.log");
-  const bool ready = WaitReady(up);
+  testing::UpTopology up(dir, {"1p2d", "--port", "0", "--model", model});
+  const bool ready = up.WaitReady();
   stop = true;
   taker.join();
   ASSERT_TRUE(ready) << up.ReadLog();
@@ -945,8 +781,7 @@ TEST(UpPorts, ChildrenBindTheirOwnPortsWhileOtherProcessesTakePorts) {
                   {{"prompt", "The quick brown fox"}, {"max_tokens", 4}, {"temperature", 0}});
   EXPECT_EQ(got["_status"], 200) << got.dump();
 
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
   for (int fd : taken_fds) ::close(fd);
   ::close(busy_fd);
 }

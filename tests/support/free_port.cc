@@ -8,8 +8,10 @@
 #include <stdexcept>
 
 namespace kvbridge::testing {
+namespace {
 
-int FreePort() {
+// A TCP socket bound to 127.0.0.1:0 (no SO_REUSEADDR); sets *port. Throws on failure.
+int BindLoopbackAnyPort(int* port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) throw std::runtime_error("socket failed");
   sockaddr_in addr{};
@@ -22,8 +24,20 @@ int FreePort() {
   }
   socklen_t len = sizeof(addr);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  *port = ntohs(addr.sin_port);
+  return fd;
 }
+
+}  // namespace
+
+int FreePort() {
+  int port = 0;
+  ::close(BindLoopbackAnyPort(&port));
+  return port;
+}
+
+RefusingPort::RefusingPort() : fd_(BindLoopbackAnyPort(&port_)) {}
+
+RefusingPort::~RefusingPort() { ::close(fd_); }
 
 }  // namespace kvbridge::testing

@@ -20,10 +20,10 @@ ServedEngine SpawnServe(const ServeSpec& spec) {
   ServedEngine e;
   e.port = spec.port != 0 ? spec.port : FreePort();
   e.log = spec.log_path;
-  std::vector<std::string> argv = {KvbridgeBin(),          "serve",
-                                   spec.model_dir,         "--port",
-                                   std::to_string(e.port), "--served-model-name",
-                                   spec.served_model_name};
+  std::vector<std::string> argv = spec.launcher;
+  argv.insert(argv.end(), {KvbridgeBin(), "serve", spec.model_dir, "--port", std::to_string(e.port),
+                           "--served-model-name", spec.served_model_name});
+  if (!spec.host.empty()) argv.insert(argv.end(), {"--host", spec.host});
   if (spec.num_kv_blocks > 0) {
     argv.insert(argv.end(), {"--num-kv-blocks", std::to_string(spec.num_kv_blocks)});
   }
@@ -34,6 +34,7 @@ ServedEngine SpawnServe(const ServeSpec& spec) {
       argv.insert(argv.end(), {"--cluster-token", spec.cluster_token});
     }
   }
+  argv.insert(argv.end(), spec.extra_args.begin(), spec.extra_args.end());
   // The child inherits the environment at fork: set the switches around the spawn only.
   for (const auto& [k, v] : spec.env) setenv(k.c_str(), v.c_str(), 1);
   e.proc = std::make_unique<Subprocess>(argv, e.log);
@@ -41,10 +42,12 @@ ServedEngine SpawnServe(const ServeSpec& spec) {
   return e;
 }
 
-int MakeModel(const std::string& out, const std::string& preset, int seed, int timeout_ms) {
+int MakeModel(const std::string& out, const std::string& preset, int seed, int timeout_ms,
+              const std::vector<std::string>& extra_args) {
   std::vector<std::string> argv = {KvbridgeBin(), "make-model", "--preset", preset};
   if (seed >= 0) argv.insert(argv.end(), {"--seed", std::to_string(seed)});
   argv.insert(argv.end(), {"--out", out});
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   Subprocess make(argv);
   return make.Wait(timeout_ms);
 }

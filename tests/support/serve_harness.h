@@ -1,5 +1,6 @@
 // tests/support/serve_harness.h — `kvbridge serve` engines as child processes, for the P/D tests
-// that play the proxy over HTTP (pd_serve_test, pd_failure_test, pd_timeline_test).
+// that play the proxy over HTTP (pd_serve_test, pd_tls_test, pd_failure_test, pd_timeline_test),
+// and the model every multi-process test makes (MakeModel; the `up` tests too).
 //
 //   const std::string model = MakeTempDir("kvb_x") + "/tiny";
 //   ASSERT_EQ(MakeModel(model, "tiny", 5), 0);
@@ -41,6 +42,12 @@ struct ServeSpec {
   std::string log_path;
   /// 0: a FreePort().
   int port = 0;
+  /// --host; empty passes none (the server's default).
+  std::string host;
+  /// More arguments, after the others (--ssl-certfile F, --proxy H:P, ...).
+  std::vector<std::string> extra_args;
+  /// Runs the engine under this command (e.g. {"ip", "netns", "exec", "ns1"}); empty: directly.
+  std::vector<std::string> launcher;
 };
 
 /// A running `kvbridge serve` (killed when `proc` is destroyed).
@@ -56,10 +63,10 @@ nlohmann::json TransferConfigJson(const std::string& role, const nlohmann::json&
 /// Starts `kvbridge serve` per `spec`; does not wait for it to be healthy.
 ServedEngine SpawnServe(const ServeSpec& spec);
 
-/// Runs `kvbridge make-model --preset <preset> [--seed <seed>] --out <out>` (seed < 0: none);
-/// returns its exit code (-1 when it ran past `timeout_ms`).
+/// Runs `kvbridge make-model --preset <preset> [--seed <seed>] --out <out> [extra_args...]`
+/// (seed < 0: none); returns its exit code (-1 when it ran past `timeout_ms`).
 int MakeModel(const std::string& out, const std::string& preset, int seed = -1,
-              int timeout_ms = 120'000);
+              int timeout_ms = 120'000, const std::vector<std::string>& extra_args = {});
 
 /// The value of metric `name` (with `labels`, e.g. `reason="abort"`) from
 /// http://127.0.0.1:port/metrics (5 s read timeout); -2 when it does not answer 200, -1 when the
