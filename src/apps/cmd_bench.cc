@@ -20,7 +20,32 @@ struct BenchCli {
   bool json = false;
   bool multi_turn = false;
   kvbridge::bench::MultiTurnOptions mt;
+  kvbridge::bench::OverloadOptions ov;  // --overload X (> 0)
 };
+
+// `--overload X`: X times the measured capacity, open loop (bench.h).
+int RunOverloadCommand(BenchCli& cli) {
+  cli.ov.host = cli.o.host;
+  cli.ov.path = cli.o.path;
+  cli.ov.model = cli.o.model;
+  cli.ov.request_timeout_s = cli.o.request_timeout_s;
+  cli.ov.drain_timeout_s = cli.o.drain_timeout_s;
+  cli.ov.seed = cli.o.seed;
+  cli.ov.input_tokens = cli.o.input_tokens;
+  cli.ov.output_tokens = cli.o.output_tokens;
+  auto progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  auto report = kvbridge::bench::RunOverload(cli.ov, progress);
+  if (!report.ok()) {
+    std::fprintf(stderr, "error: %s\n", report.status().ToString().c_str());
+    return 2;
+  }
+  if (cli.json) {
+    std::printf("%s\n", kvbridge::bench::OverloadJson(*report).c_str());
+  } else {
+    std::printf("%s", kvbridge::bench::FormatOverload(*report).c_str());
+  }
+  return report->ok_all ? 0 : 1;
+}
 
 // `--multi-turn`: conversations through the chat API, turn by turn (bench.h).
 int RunMultiTurnCommand(BenchCli& cli) {
@@ -49,6 +74,7 @@ int RunMultiTurnCommand(BenchCli& cli) {
 
 int RunBenchCommand(BenchCli& cli, bool check_drain) {
   if (cli.multi_turn) return RunMultiTurnCommand(cli);
+  if (cli.ov.factor > 0) return RunOverloadCommand(cli);
   auto batches = kvbridge::bench::ParseBatches(cli.batches);
   if (!batches.ok()) {
     std::fprintf(stderr, "error: %s\n", batches.status().ToString().c_str());
@@ -135,6 +161,23 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
       sub.add_option(
           "--metrics-url", c->mt.metrics_urls,
           "--multi-turn: engines whose /metrics to read (default: GET {host}/instances)");
+      c->ov.factor = 0;  // off unless --overload
+      sub.add_option("--overload", c->ov.factor,
+                     "Overload measure: X times the capacity (measured first by a closed loop) "
+                     "for --overload-seconds, open loop; every answer must be a 200 or a "
+                     "429/503 with Retry-After, then every instance drains (exit 1 otherwise)");
+      sub.add_option("--overload-seconds", c->ov.seconds, "--overload: how long")
+          ->capture_default_str();
+      sub.add_option("--probe-concurrency", c->ov.probe_concurrency,
+                     "--overload: clients of the capacity probe")
+          ->capture_default_str();
+      sub.add_option("--probe-seconds", c->ov.probe_seconds, "--overload: the probe's length")
+          ->capture_default_str();
+      sub.add_option("--capacity", c->ov.capacity_rps,
+                     "--overload: capacity in requests/s (skips the probe)");
+      sub.add_option("--overload-clients", c->ov.clients,
+                     "--overload: sender threads (arrivals finding none free go late)")
+          ->capture_default_str();
       return [c, drain] { return RunBenchCommand(*c, drain->count() > 0); };
     });
 

@@ -140,7 +140,9 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
           ->capture_default_str()
           ->check(CLI::Range(0, 1 << 20));
       sub.add_option("--retry-after-s", o->proxy.retry_after_s,
-                     "Seconds a 429 (overload) tells the client to wait (Retry-After)")
+                     "Seconds a 429 (overload) or 503 (no instance, every engine refusing) tells "
+                     "the client "
+                     "to wait (Retry-After)")
           ->capture_default_str()
           ->check(CLI::Range(1, 3600));
       sub.add_option("--instance-wait-ms", o->instance_wait_ms,

@@ -56,6 +56,7 @@ struct ServeOptions {
   std::string ssl_peer_ca_certs;  // verifies the https peers and proxy this engine calls
   int max_waiting_requests = 1024;
   int http_threads = 128;
+  int max_queued_connections = 1024;
   int model_threads = 0;
   int tensor_parallel_size = 1;
   std::string device = "cpu";  // cpu | cuda | cuda:N
@@ -189,6 +190,7 @@ int RunServe(const ServeOptions& o) {
   sc.max_model_len = o.max_model_len > 0 ? o.max_model_len : model_max_len;
   sc.api_key = o.api_key;
   sc.num_http_threads = o.http_threads;
+  sc.max_queued_connections = o.max_queued_connections;
   sc.cluster_token = o.cluster_token;
   sc.ssl_certfile = o.ssl_certfile;
   sc.ssl_keyfile = o.ssl_keyfile;
@@ -490,6 +492,10 @@ const bool kRegistered = RegisterCommand(
           ->capture_default_str();
       sub.add_option("--http-threads", o->http_threads,
                      "HTTP worker threads = most concurrent connections served")
+          ->capture_default_str();
+      sub.add_option("--max-queued-connections", o->max_queued_connections,
+                     "Connections waiting for an HTTP thread beyond which new ones get HTTP 503 "
+                     "(Retry-After) at once")
           ->capture_default_str();
       sub.add_option("--model-threads", o->model_threads,
                      "Threads inside one forward pass (0: hardware concurrency, at most 8)")

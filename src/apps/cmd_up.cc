@@ -60,6 +60,7 @@ struct UpOptions {
   std::vector<std::string> engine_args;
   std::vector<std::string> prefill_args;
   std::vector<std::string> decode_args;
+  std::vector<std::string> proxy_args;  ///< extra `kvbridge proxy` arguments (--max-pending 64)
   std::string cluster_token;
   std::string routing = "least-loaded";
   int pd_skip_threshold = -1;  ///< the proxy's --pd-skip-threshold (< 0: off)
@@ -247,7 +248,7 @@ bool ParseTopology(const std::string& t, int* p, int* d) {
 
 // Loads FILE.toml into `o` (keys: topology, model, port, mode, transport, log_dir,
 // prefill_forward_n, prefix_caching, prefill_kv_blocks, engine_args, prefill_args, decode_args,
-// cluster_token, routing, ready_timeout_s, prefill_tp, decode_tp, device,
+// proxy_args, cluster_token, routing, ready_timeout_s, prefill_tp, decode_tp, device,
 // gpu_memory_utilization, restart, restart_budget). Unknown keys are an error.
 bool LoadConfig(const std::string& path, UpOptions& o) {
   toml::table t;
@@ -269,6 +270,7 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
                                                  "engine_args",
                                                  "prefill_args",
                                                  "decode_args",
+                                                 "proxy_args",
                                                  "cluster_token",
                                                  "routing",
                                                  "pd_skip_threshold",
@@ -316,6 +318,7 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
   strs("engine_args", o.engine_args);
   strs("prefill_args", o.prefill_args);
   strs("decode_args", o.decode_args);
+  strs("proxy_args", o.proxy_args);
   return true;
 }
 
@@ -483,6 +486,7 @@ int RunUp(UpOptions o) {
                                          "--cluster-token",
                                          o.cluster_token};
   if (o.prefill_forward_n) proxy_argv.push_back("--prefill-forward-n");
+  for (const auto& x : o.proxy_args) proxy_argv.push_back(x);
   // KV-aware routing and the P/D skip hash the prompt ids: the proxy tokenizes with the model's
   // own tokenizer and chat template (docs/proxy.md "KV-aware routing").
   if (o.routing == "kv-aware" || o.pd_skip_threshold >= 0) {
@@ -790,6 +794,11 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                         ->allow_extra_args(false);
       auto* dargs = sub.add_option("--decode-arg", o->decode_args, "Extra decode argument")
                         ->allow_extra_args(false);
+      auto* xargs =
+          sub.add_option("--proxy-arg", o->proxy_args,
+                         "Extra argument for the proxy (repeat: --proxy-arg=--max-pending "
+                         "--proxy-arg=64)")
+              ->allow_extra_args(false);
       auto* npc = sub.add_flag("--no-prefix-caching", o->no_prefix_caching,
                                "Engines run without prefix caching");
       auto* pkb = sub.add_option("--prefill-kv-blocks", o->prefill_kv_blocks,
@@ -857,9 +866,11 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
         for (const auto& a : o->engine_args) eff.engine_args.push_back(a);
         for (const auto& a : o->prefill_args) eff.prefill_args.push_back(a);
         for (const auto& a : o->decode_args) eff.decode_args.push_back(a);
+        for (const auto& a : o->proxy_args) eff.proxy_args.push_back(a);
         (void)eargs;
         (void)pargs;
         (void)dargs;
+        (void)xargs;
         return RunUp(eff);
       };
     });

@@ -22,6 +22,9 @@ namespace kvbridge::bench {
 
 namespace internal {
 
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
 Result<HostPort> ParseHost(std::string url) {
   if (url.rfind("http://", 0) == 0) url = url.substr(7);
   auto slash = url.find('/');
@@ -47,6 +50,98 @@ std::unique_ptr<httplib::Client> MakeClient(const HostPort& hp, double timeout_s
   return c;
 }
 
+Result<std::vector<std::string>> InstanceUrls(const std::string& host) {
+  ASSIGN_OR_RETURN(HostPort hp, ParseHost(host));
+  auto c = MakeClient(hp, 10);
+  auto res = c->Get("/instances");
+  if (!res)
+    return UnavailableError("GET " + host + "/instances: " + httplib::to_string(res.error()));
+  if (res->status != 200) {
+    return UnavailableError("GET " + host + "/instances answered " + std::to_string(res->status) +
+                            "; pass --check-drain URL...");
+  }
+  json j = json::parse(res->body, nullptr, false);
+  std::vector<std::string> urls;
+  if (j.is_object() && j.contains("instances") && j["instances"].is_array()) {
+    for (const auto& i : j["instances"]) {
+      if (i.is_object() && i.contains("url") && i["url"].is_string()) urls.push_back(i["url"]);
+    }
+  }
+  if (urls.empty()) return UnavailableError(host + "/instances lists no instance");
+  return urls;
+}
+
+std::vector<DrainReport> CheckDrain(const std::vector<std::string>& urls,
+                                    std::chrono::steady_clock::time_point since, double timeout_s) {
+  std::vector<DrainReport> out;
+  for (const auto& u : urls) {
+    DrainReport d;
+    d.url = u;
+    out.push_back(d);
+  }
+  const auto deadline =
+      since + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  for (;;) {
+    bool all = true;
+    for (DrainReport& d : out) {
+      if (d.drained) continue;
+      auto hp = ParseHost(d.url);
+      if (!hp.ok()) {
+        d.error = hp.status().message();
+        continue;
+      }
+      auto c = MakeClient(*hp, 2);
+      auto res = c->Get("/metrics");
+      if (!res || res->status != 200) {
+        d.error = "GET " + d.url + "/metrics failed";
+        all = false;
+        continue;
+      }
+      d.blocks_active = ScrapeMetric(res->body, "kvbridge_kv_blocks_active");
+      d.blocks_held = ScrapeMetric(res->body, "kvbridge_kv_blocks_held_for_transfer");
+      d.lease_expired = ScrapeMetric(res->body, "kvbridge_kv_lease_expired_total");
+      d.notifications_ignored = ScrapeMetric(res->body, "kvbridge_kv_notifications_ignored_total");
+      if (d.blocks_active < 0 || d.blocks_held < 0) {
+        d.error =
+            d.url + " exports no kvbridge_kv_blocks_active/kvbridge_kv_blocks_held_for_transfer";
+        continue;  // cannot be proven drained; fails below
+      }
+      if (d.blocks_active == 0 && d.blocks_held == 0) {
+        d.drained = true;
+        d.error.clear();
+        d.drain_s = std::max(0.0, std::chrono::duration<double>(Clock::now() - since).count());
+      } else {
+        all = false;
+      }
+    }
+    if (all || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (DrainReport& d : out) {
+    if (!d.drained && d.error.empty()) {
+      char buf[256];
+      std::snprintf(buf, sizeof(buf),
+                    "not drained %.1f s after the last response: active=%g held=%g", timeout_s,
+                    d.blocks_active, d.blocks_held);
+      d.error = buf;
+    }
+    if (d.drained && d.lease_expired > 0) d.error = "leases expired in a fault-free run";
+    if (d.drained && d.notifications_ignored > 0) d.error = "notifications were ignored";
+  }
+  return out;
+}
+
+nlohmann::json DrainJson(const DrainReport& d) {
+  return {{"url", d.url},
+          {"drained", d.drained},
+          {"drain_s", d.drain_s},
+          {"blocks_active", d.blocks_active},
+          {"blocks_held", d.blocks_held},
+          {"lease_expired_total", d.lease_expired},
+          {"notifications_ignored_total", d.notifications_ignored},
+          {"error", d.error}};
+}
+
 }  // namespace internal
 
 namespace {
@@ -54,11 +149,10 @@ namespace {
 using internal::HostPort;
 using internal::MakeClient;
 using internal::ParseHost;
+using internal::Seconds;
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 struct Sample {
   bool ok = false;
@@ -137,87 +231,6 @@ Result<std::string> DiscoverModel(const HostPort& hp) {
     return j["data"][0]["id"].get<std::string>();
   }
   return std::string();
-}
-
-Result<std::vector<std::string>> DrainUrls(const BenchOptions& o, const HostPort& hp) {
-  if (!o.drain_urls.empty()) return o.drain_urls;
-  auto c = MakeClient(hp, 10);
-  auto res = c->Get("/instances");
-  if (!res)
-    return UnavailableError("GET " + o.host + "/instances: " + httplib::to_string(res.error()));
-  if (res->status != 200) {
-    return UnavailableError("GET " + o.host + "/instances answered " + std::to_string(res->status) +
-                            "; pass --check-drain URL...");
-  }
-  json j = json::parse(res->body, nullptr, false);
-  std::vector<std::string> urls;
-  if (j.is_object() && j.contains("instances") && j["instances"].is_array()) {
-    for (const auto& i : j["instances"]) {
-      if (i.is_object() && i.contains("url") && i["url"].is_string()) urls.push_back(i["url"]);
-    }
-  }
-  if (urls.empty()) return UnavailableError(o.host + "/instances lists no instance");
-  return urls;
-}
-
-std::vector<DrainReport> CheckDrain(const std::vector<std::string>& urls, Clock::time_point since,
-                                    double timeout_s) {
-  std::vector<DrainReport> out;
-  for (const auto& u : urls) {
-    DrainReport d;
-    d.url = u;
-    out.push_back(d);
-  }
-  const auto deadline =
-      since + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  for (;;) {
-    bool all = true;
-    for (DrainReport& d : out) {
-      if (d.drained) continue;
-      auto hp = ParseHost(d.url);
-      if (!hp.ok()) {
-        d.error = hp.status().message();
-        continue;
-      }
-      auto c = MakeClient(*hp, 2);
-      auto res = c->Get("/metrics");
-      if (!res || res->status != 200) {
-        d.error = "GET " + d.url + "/metrics failed";
-        all = false;
-        continue;
-      }
-      d.blocks_active = ScrapeMetric(res->body, "kvbridge_kv_blocks_active");
-      d.blocks_held = ScrapeMetric(res->body, "kvbridge_kv_blocks_held_for_transfer");
-      d.lease_expired = ScrapeMetric(res->body, "kvbridge_kv_lease_expired_total");
-      d.notifications_ignored = ScrapeMetric(res->body, "kvbridge_kv_notifications_ignored_total");
-      if (d.blocks_active < 0 || d.blocks_held < 0) {
-        d.error =
-            d.url + " exports no kvbridge_kv_blocks_active/kvbridge_kv_blocks_held_for_transfer";
-        continue;  // cannot be proven drained; fails below
-      }
-      if (d.blocks_active == 0 && d.blocks_held == 0) {
-        d.drained = true;
-        d.error.clear();
-        d.drain_s = std::max(0.0, Seconds(Clock::now() - since));
-      } else {
-        all = false;
-      }
-    }
-    if (all || Clock::now() >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  for (DrainReport& d : out) {
-    if (!d.drained && d.error.empty()) {
-      char buf[256];
-      std::snprintf(buf, sizeof(buf),
-                    "not drained %.1f s after the last response: active=%g held=%g", timeout_s,
-                    d.blocks_active, d.blocks_held);
-      d.error = buf;
-    }
-    if (d.drained && d.lease_expired > 0) d.error = "leases expired in a fault-free run";
-    if (d.drained && d.notifications_ignored > 0) d.error = "notifications were ignored";
-  }
-  return out;
 }
 
 }  // namespace
@@ -350,7 +363,11 @@ Result<BenchReport> RunBench(const BenchOptions& o,
   }
   std::vector<std::string> drain_urls;
   if (o.check_drain) {
-    ASSIGN_OR_RETURN(drain_urls, DrainUrls(o, hp));
+    if (!o.drain_urls.empty()) {
+      drain_urls = o.drain_urls;
+    } else {
+      ASSIGN_OR_RETURN(drain_urls, internal::InstanceUrls(o.host));
+    }
   }
 
   BenchReport report;
@@ -524,7 +541,7 @@ Result<BenchReport> RunBench(const BenchOptions& o,
     }
     if (br.errors > 0) report.ok = false;
     if (o.check_drain) {
-      br.drains = CheckDrain(drain_urls, t_end, o.drain_timeout_s);
+      br.drains = internal::CheckDrain(drain_urls, t_end, o.drain_timeout_s);
       for (const DrainReport& d : br.drains) {
         if (!d.drained || !d.error.empty()) report.ok = false;
       }
@@ -594,14 +611,7 @@ std::string ReportJson(const BenchReport& r) {
   for (const BatchReport& b : r.batches) {
     json drains = json::array();
     for (const DrainReport& d : b.drains) {
-      drains.push_back({{"url", d.url},
-                        {"drained", d.drained},
-                        {"drain_s", d.drain_s},
-                        {"blocks_active", d.blocks_active},
-                        {"blocks_held", d.blocks_held},
-                        {"lease_expired_total", d.lease_expired},
-                        {"notifications_ignored_total", d.notifications_ignored},
-                        {"error", d.error}});
+      drains.push_back(internal::DrainJson(d));
     }
     batches.push_back({{"concurrency", b.concurrency},
                        {"requests", b.requests},

@@ -20,10 +20,9 @@ namespace {
 using internal::HostPort;
 using internal::MakeClient;
 using internal::ParseHost;
+using internal::Seconds;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 struct TurnSample {
   bool ok = false;

@@ -12,6 +12,7 @@
 #include <variant>
 
 #include "kvbridge/common/logging.h"
+#include "kvbridge/common/process_metrics.h"
 #include "kvbridge/common/thread_annotations.h"
 #include "kvbridge/engine/engine_core.h"
 #include "kvbridge/model/model.h"
@@ -32,6 +33,7 @@ class EngineImpl final : public Engine {
                      EngineCore::Create(config, std::move(model), &metrics_, [this] { Wake(); }));
     core_->set_clock(SteadyNow);
     m_running_ = &metrics_.AddGauge("kvbridge_requests_running", "Sequences running.");
+    AddProcessMetrics(metrics_);
     m_waiting_ = &metrics_.AddGauge("kvbridge_requests_waiting", "Sequences waiting or preempted.");
     m_waiting_remote_ =
         &metrics_.AddGauge("kvbridge_requests_waiting_for_remote_kv",
@@ -174,7 +176,9 @@ class EngineImpl final : public Engine {
     }
   }
 
-  void PublishStats() {
+  // `applied_adds`: AddCmds applied since the last call, no longer queued once this publishes
+  // the waiting count that holds them.
+  void PublishStats(int applied_adds = 0) {
     EngineStats s = core_->Stats();
     m_running_->Set(s.running);
     m_waiting_->Set(s.waiting);
@@ -194,6 +198,7 @@ class EngineImpl final : public Engine {
       stats_ = s;
     }
     MutexLock lock(&mu_);
+    num_queued_adds_ -= applied_adds;
     waiting_snapshot_ = s.waiting + s.waiting_for_remote_kv;
   }
 
@@ -216,15 +221,17 @@ class EngineImpl final : public Engine {
         if (stopping_) break;
         cmds.swap(commands_);
         wake_ = false;
-        for (const Command& c : cmds) {
-          if (std::holds_alternative<AddCmd>(c)) --num_queued_adds_;
-        }
       }
+      // The adds taken stay counted as queued until the waiting count that includes them is
+      // published (PublishStats, under mu_): else an AddRequest in between would see neither and
+      // admit past max_waiting_requests.
+      int taken_adds = 0;
+      for (const Command& c : cmds) taken_adds += std::holds_alternative<AddCmd>(c) ? 1 : 0;
       TimePoint now = SteadyNow();
       for (Command& c : cmds) Apply(c, now);
       // Stats before the callbacks: a client that has its answer (and reads /metrics at once)
       // sees its blocks freed.
-      PublishStats();
+      PublishStats(taken_adds);
       Deliver(core_->TakeOutputs());
       const auto step_start = std::chrono::steady_clock::now();
       Result<EngineCore::StepResult> r = core_->Step(now);

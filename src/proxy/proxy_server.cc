@@ -41,6 +41,7 @@
 
 #include "kvbridge/common/logging.h"
 #include "kvbridge/common/metrics.h"
+#include "kvbridge/common/process_metrics.h"
 #include "kvbridge/proxy/kv_routing.h"
 #include "kvbridge/proxy/timeline.h"
 #include "proxy/stream.h"
@@ -309,6 +310,7 @@ struct ProxyServer::Impl {
     }
     m_overloaded = &metrics.AddCounter("kvbridge_proxy_requests_total",
                                        "Client requests by outcome.", "outcome=\"overloaded\"");
+    AddProcessMetrics(metrics);
     m_releases_ok =
         &metrics.AddCounter("kvbridge_proxy_releases_total",
                             "Holds released at a prefill by transfer_id.", "result=\"ok\"");
@@ -699,9 +701,14 @@ awaitable<void> Drain(const std::shared_ptr<FlowCtx>& ctx, bool in_leg) {
     Stream& sock = *ctx->client;
     if (auto* w = std::get_if<Respond>(&a)) {
       ctx->CountOutcome();
-      ctx->client_ok =
-          co_await WriteWhole(sock, *ctx->req, w->status, w->content_type, std::move(w->body),
-                              "X-Request-Id: " + ctx->request_id + "\r\n");
+      std::string extra = "X-Request-Id: " + ctx->request_id + "\r\n";
+      // A 503 (no instance came within --instance-wait-ms, or every engine refused: full or
+      // draining) is an overload answer too: the client is told when to try again.
+      if (w->status == 503) {
+        extra += "Retry-After: " + std::to_string(ctx->impl->options.retry_after_s) + "\r\n";
+      }
+      ctx->client_ok = co_await WriteWhole(sock, *ctx->req, w->status, w->content_type,
+                                           std::move(w->body), std::move(extra));
       ctx->responded_at = SteadyNow();
     } else if (auto* st = std::get_if<StartStream>(&a)) {
       auto& head = ctx->stream_head.emplace();

@@ -18,6 +18,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <random>
@@ -43,11 +44,82 @@ void SetError(httplib::Response& res, int status, std::string_view message,
               std::string_view param = "") {
   res.status = status;
   res.set_content(OpenAiErrorBody(status, message, param), "application/json");
+  // 503: the engine admitted nothing (its queue is full: --max-waiting-requests; draining;
+  // shutting down). Told when to try again, as the proxy's 429 is.
+  if (status == 503) res.set_header("Retry-After", "1");
 }
 
 // The socket of the plain-HTTP connection the calling thread serves (PlainHttpServer sets it for
 // the connection's lifetime; handlers and content providers run on that thread).
 thread_local int t_connection_fd = -1;
+
+// True on the thread answering a connection the HTTP thread pool had no room to queue
+// (BoundedThreadPool): its request gets 503 with Retry-After and the connection is closed.
+thread_local bool t_shed_connection = false;
+
+// httplib's ThreadPool with a bounded queue. A connection is served by one of `threads` workers
+// for its whole keep-alive life; connections past them wait in a queue — at most `max_queued`:
+// a connection past that is handed to one shedding thread instead, which reads its request and
+// answers 503 (t_shed_connection) at once, so the engine's connection queue is bounded as its
+// request queue (--max-waiting-requests) is, and a flood is told to come back rather than
+// queued for minutes. (0.11.4's own ThreadPool queues without bound.)
+class BoundedThreadPool final : public httplib::TaskQueue {
+ public:
+  BoundedThreadPool(int threads, int max_queued, Counter* shed)
+      : max_queued_(static_cast<size_t>(std::max(0, max_queued))), shed_(shed) {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(/*shedder=*/false); });
+    workers_.emplace_back([this] { Work(/*shedder=*/true); });
+  }
+  ~BoundedThreadPool() override = default;
+
+  void enqueue(std::function<void()> fn) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (jobs_.size() < max_queued_) {
+        jobs_.push_back(std::move(fn));
+      } else {
+        shed_jobs_.push_back(std::move(fn));
+        if (shed_ != nullptr) shed_->Inc();
+      }
+    }
+    cv_.notify_all();
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+ private:
+  void Work(bool shedder) {
+    t_shed_connection = shedder;
+    std::deque<std::function<void()>>& mine = shedder ? shed_jobs_ : jobs_;
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !mine.empty() || shutdown_; });
+        if (shutdown_ && mine.empty()) return;
+        fn = std::move(mine.front());
+        mine.pop_front();
+      }
+      fn();
+    }
+  }
+
+  const size_t max_queued_;
+  Counter* shed_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;       // GUARDED_BY(mu_)
+  std::deque<std::function<void()>> shed_jobs_;  // GUARDED_BY(mu_)
+  bool shutdown_ = false;                        // GUARDED_BY(mu_)
+  std::vector<std::thread> workers_;
+};
 
 // The socket of the connection `req` came on: TLS requests carry their SSL*, plain ones are
 // served by PlainHttpServer on this thread. -1 when unknown (then no disconnect is detected).
@@ -208,7 +280,9 @@ class PlainHttpServer final : public BacklogServer<httplib::Server> {
                           TimeoutMs(write_timeout_sec_, write_timeout_usec_));
     t_connection_fd = sock;
     bool ret = false;
-    for (size_t left = keep_alive_max_count_; left > 0 && NextRequestArrives(strm); --left) {
+    // A shed connection (BoundedThreadPool) gets one answer, its 503, then is closed.
+    const size_t max_requests = t_shed_connection ? 1 : keep_alive_max_count_;
+    for (size_t left = max_requests; left > 0 && NextRequestArrives(strm); --left) {
       bool connection_closed = false;
       ret = process_request(strm, /*close_connection=*/left == 1, connection_closed, nullptr);
       if (!ret || connection_closed) break;
@@ -401,6 +475,7 @@ struct ApiServer::Impl {
   Gauge* m_in_flight = nullptr;
   Counter* m_disconnects = nullptr;
   Counter* m_engine_rejections = nullptr;
+  Counter* m_shed_connections = nullptr;
 
   void AbortJob(Job& job) {
     if (job.aborted.exchange(true)) return;
@@ -668,6 +743,9 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
                                                      Tokenizer tokenizer) {
   if (engine == nullptr) return InvalidArgumentError("ApiServer needs an engine");
   if (config.num_http_threads < 1) return InvalidArgumentError("num_http_threads must be >= 1");
+  if (config.max_queued_connections < 0) {
+    return InvalidArgumentError("max_queued_connections must be >= 0");
+  }
   if (config.max_n < 1) return InvalidArgumentError("max_n must be >= 1");
   if (config.max_model_len < 0) return InvalidArgumentError("max_model_len must be >= 0");
   if (config.port < 0 || config.port > 65535) return InvalidArgumentError("port out of range");
@@ -704,6 +782,10 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
   d->m_engine_rejections = &d->metrics.AddCounter(
       "kvbridge_http_engine_rejections_total",
       "Generation requests refused with 503 because the engine queue was full.");
+  d->m_shed_connections = &d->metrics.AddCounter(
+      "kvbridge_http_connections_shed_total",
+      "Connections answered 503 at once because every HTTP thread was busy and the connection "
+      "queue was full (--max-queued-connections).");
 
   const ServerConfig& c = d->config;
   if (c.ssl_certfile.empty() != c.ssl_keyfile.empty()) {
@@ -735,11 +817,23 @@ Result<std::unique_ptr<ApiServer>> ApiServer::Create(ServerConfig config, Engine
     d->svr = std::move(tls);
   }
   const int threads = d->config.num_http_threads;
-  d->svr->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const int max_queued = d->config.max_queued_connections;
+  Counter* shed = d->m_shed_connections;
+  d->svr->new_task_queue = [threads, max_queued, shed] {
+    return new BoundedThreadPool(threads, max_queued, shed);
+  };
   d->svr->set_keep_alive_timeout(d->config.keep_alive_timeout_s);
   d->svr->set_tcp_nodelay(true);  // (TLS connections: inherited from the listening socket)
   d->svr->set_payload_max_length(64u << 20);
   d->svr->set_pre_routing_handler([d](const httplib::Request& req, httplib::Response& res) {
+    if (t_shed_connection) {
+      SetError(res, 503,
+               "the server has " + std::to_string(d->config.max_queued_connections) +
+                   " connections waiting for one of its " +
+                   std::to_string(d->config.num_http_threads) + " HTTP threads; retry later");
+      res.set_header("Connection", "close");
+      return httplib::Server::HandlerResponse::Handled;
+    }
     if (!d->config.api_key.empty() && req.path.rfind("/v1/", 0) == 0) {
       const std::string auth = req.get_header_value("Authorization");
       const std::string prefix = "Bearer ";

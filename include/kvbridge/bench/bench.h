@@ -153,10 +153,10 @@ Result<std::vector<int>> ParseBatches(const std::string& text);
 // "turns" list of user messages (MT-bench's question.jsonl). Turn k+1's messages are turn k's
 // plus the model's answer (assistant) plus the next user message. Turns run as phases: every
 // conversation's turn 1 (`concurrency` in flight), then every turn 2, ... so that the engines'
-// counters read between phases belong to one turn (each phase in its own seeded order): prompt tokens computed
-// (kvbridge_prompt_tokens_computed_total, summed over every instance of GET {host}/instances or
-// `metrics_urls`) and prefix-cache hits. Greedy (temperature 0), fixed max_tokens: two runs
-// against different routings see the same conversations.
+// counters read between phases belong to one turn (each phase in its own seeded order): prompt
+// tokens computed (kvbridge_prompt_tokens_computed_total, summed over every instance of GET
+// {host}/instances or `metrics_urls`) and prefix-cache hits. Greedy (temperature 0), fixed
+// max_tokens: two runs against different routings see the same conversations.
 
 struct MultiTurnOptions {
   std::string host = "http://127.0.0.1:10001";
@@ -208,5 +208,83 @@ std::string FormatMultiTurn(const MultiTurnReport& report);
 ///  "cache_hit_rate", "usage_cached_tokens", "duration_s", "computed_by_instance": {url: n}}, ...],
 ///  "ok": true}
 std::string MultiTurnJson(const MultiTurnReport& report);
+
+// --- `kvbridge bench --overload X`
+// ----------------------------------------------------------------
+//
+// Issue 21's overload measure: first the topology's capacity, measured (a closed loop of
+// `probe_concurrency` clients for `probe_seconds`: requests answered 200 per second), then an open
+// loop offering `factor` times that rate for `seconds` (arrivals evenly spaced, each sent by one of
+// `clients` threads; an arrival that finds no free thread goes late and is counted). Every answer
+// must be a 200 (an accepted request completed) or a refusal — 429, or 503 (an engine's bounded
+// queue) — carrying Retry-After. Meanwhile every instance's /metrics is sampled every 200 ms
+// (process_resident_memory_bytes, kvbridge_requests_waiting, the proxy's
+// kvbridge_proxy_requests_in_flight); afterwards every instance must drain (as --check-drain) and
+// the proxy hold nothing in flight. `host` may also be one engine (no proxy): then its own
+// admission bound (`serve --max-waiting-requests`, 503 + Retry-After) is what is measured.
+//
+//   OverloadOptions o;
+//   o.host = "http://127.0.0.1:10001";
+//   ASSIGN_OR_RETURN(OverloadReport r, RunOverload(o, progress));
+//   std::puts(FormatOverload(r).c_str());
+
+struct OverloadOptions {
+  std::string host = "http://127.0.0.1:10001";  // the proxy
+  std::string path = "/v1/completions";
+  std::string model;          // "model" field; empty = the first id of GET /v1/models
+  double factor = 10;         // offered rate = factor x capacity
+  double seconds = 10;        // how long the overload is offered
+  int probe_concurrency = 4;  // the closed loop that measures capacity
+  double probe_seconds = 3;
+  double capacity_rps = 0;         // > 0: use this capacity, no probe
+  int clients = 256;               // sender threads of the open loop
+  int input_tokens = 0;            // > 0: truncate_prompt_tokens
+  int output_tokens = 16;          // max_tokens
+  double request_timeout_s = 120;  // per request: past it a request counts as an error
+  double drain_timeout_s = 10;     // after the last answer
+  uint64_t seed = 0;
+};
+
+/// One instance (or the proxy) as sampled during the run; -1 = not exported.
+struct InstanceSample {
+  std::string url;
+  std::string role;              // "proxy", "prefill", "decode"
+  double rss_before_bytes = -1;  // process_resident_memory_bytes before the overload
+  double rss_peak_bytes = -1;    // its highest sample during the overload and the drain
+  double rss_after_bytes = -1;   // after the drain
+  double waiting_peak = -1;      // kvbridge_requests_waiting (engines)
+  double in_flight_peak = -1;    // kvbridge_proxy_requests_in_flight (the proxy)
+};
+
+struct OverloadReport {
+  double capacity_rps = 0;  // measured (or given)
+  int probe_requests = 0, probe_errors = 0;
+  double offered_rps = 0;  // factor x capacity
+  double duration_s = 0;   // first send to last answer
+  int sent = 0;
+  double sent_rps = 0;  // achieved: the arrivals over the time from the first to the last
+  int ok = 0;           // 200: accepted and completed
+  int rejected_429 = 0;
+  int rejected_503 = 0;
+  int missing_retry_after = 0;  // refusals without a Retry-After header
+  int errors = 0;               // anything else: transport error, timeout, other status
+  int late = 0;                 // arrivals sent > 50 ms after their time (no free client)
+  double goodput_rps = 0;       // ok / duration
+  double accepted_p50_s = 0, accepted_p99_s = 0, rejected_p99_s = 0;
+  std::vector<InstanceSample> instances;
+  std::vector<DrainReport> drains;
+  double proxy_in_flight_after = -1;
+  std::vector<std::string> error_samples;
+  bool ok_all = false;  // refusals seen, all with Retry-After, no error, drained, 0 in flight
+};
+
+/// Runs the measure. `host` is a proxy (its GET /instances names the engines to watch and drain)
+/// or an engine alone (watched and drained itself: its own bounded queue is what refuses).
+/// InvalidArgument for bad options; Unavailable when the capacity probe gets no 200. Request
+/// errors are counted, not a Status.
+Result<OverloadReport> RunOverload(const OverloadOptions& options,
+                                   const std::function<void(const std::string&)>& progress);
+std::string FormatOverload(const OverloadReport& report);
+std::string OverloadJson(const OverloadReport& report);
 
 }  // namespace kvbridge::bench

@@ -67,10 +67,13 @@ struct ServerConfig {
   std::string served_model_name = "kvbridge";
   /// Tokens a request may span (prompt + max_tokens); 0 = leave the check to the engine.
   int max_model_len = 0;
-  int max_n = 128;               ///< largest accepted `n` (and `best_of`)
-  int max_logprobs = 20;         ///< largest accepted `logprobs` / `top_logprobs`
-  std::string api_key;           ///< non-empty: /v1/* require "Authorization: Bearer <key>"
-  int num_http_threads = 128;    ///< concurrent requests (each connection holds one)
+  int max_n = 128;             ///< largest accepted `n` (and `best_of`)
+  int max_logprobs = 20;       ///< largest accepted `logprobs` / `top_logprobs`
+  std::string api_key;         ///< non-empty: /v1/* require "Authorization: Bearer <key>"
+  int num_http_threads = 128;  ///< concurrent requests (each connection holds one)
+  /// Connections waiting for one of the num_http_threads (each serves one connection at a time);
+  /// a connection past this many is answered 503 with Retry-After at once and closed.
+  int max_queued_connections = 1024;
   int keep_alive_timeout_s = 2;  ///< idle keep-alive connections close after this
   /// P/D (see the header comment). Empty: requests carrying kv_transfer_params get 400.
   std::function<Status(nlohmann::json& kv_transfer_params)> validate_kv_transfer_params;
