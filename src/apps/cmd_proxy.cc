@@ -25,6 +25,7 @@ struct ProxyCliOptions {
   std::string port_file;  // where to write the bound port once listening; empty = nowhere
   std::string model_dir;  // tokenizer + chat template for KV-aware routing; empty: /tokenize
   std::string chat_template;
+  std::string etcd, etcd_cluster = "default", etcd_user, etcd_ca;
 };
 
 int RunProxy(ProxyCliOptions& cli) {
@@ -41,6 +42,17 @@ int RunProxy(ProxyCliOptions& cli) {
   cli.proxy.request_timeout = cli.request_timeout_s * kvbridge::kSecond;
   cli.proxy.upstream_idle_timeout = cli.upstream_idle_timeout_ms * kvbridge::kMillisecond;
   cli.proxy.instance_wait = cli.instance_wait_ms * kvbridge::kMillisecond;
+  if (!cli.etcd.empty()) {
+    auto eo = kvbridge::proxy::ParseEtcdOptions(cli.etcd, cli.etcd_user, cli.etcd_ca);
+    auto prefix = kvbridge::proxy::EtcdInstancesPrefix(cli.etcd_cluster);
+    if (!eo.ok() || !prefix.ok()) {
+      std::fprintf(stderr, "error: %s\n",
+                   (!eo.ok() ? eo.status() : prefix.status()).ToString().c_str());
+      return 2;
+    }
+    cli.proxy.etcd = *eo;
+    cli.proxy.etcd_prefix = *prefix;
+  }
   if (!cli.model_dir.empty()) {
     auto pt = kvbridge::server::PromptTokenizer::Load(cli.model_dir, cli.chat_template);
     if (!pt.ok()) {
@@ -129,6 +141,15 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                    "engines behind this proxy, e.g. to compare with P/D)");
       sub.add_option("--cluster-token", o->proxy.cluster_token,
                      "Token sent on legs/releases and required from registering engines");
+      sub.add_option("--etcd", o->etcd,
+                     "etcd members http(s)://H:P[,...]: list and watch the cluster's instance "
+                     "records into the registry (docs/proxy.md \"Control plane on etcd\")");
+      sub.add_option("--etcd-cluster", o->etcd_cluster, "Cluster name of the etcd key prefix")
+          ->capture_default_str();
+      sub.add_option("--etcd-user", o->etcd_user,
+                     "USER:PASSWORD for etcd auth (required, or https + --etcd-ca, for a member "
+                     "off loopback)");
+      sub.add_option("--etcd-ca", o->etcd_ca, "PEM CA that verifies https:// etcd members");
       sub.add_option("--heartbeat-timeout-ms", o->heartbeat_timeout_ms,
                      "Drop a registered instance after this long without a heartbeat")
           ->capture_default_str();

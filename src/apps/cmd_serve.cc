@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "kvbridge/model/cuda_model.h"
 #include "kvbridge/model/generation_config.h"
 #include "kvbridge/model/model.h"
+#include "kvbridge/proxy/etcd_client.h"
 #include "kvbridge/proxy/registration.h"
 #include "kvbridge/server/api_server.h"
 
@@ -69,6 +71,12 @@ struct ServeOptions {
   std::string port_file;      // where to write the bound port once listening; empty = nowhere
   std::string instance_name;  // stable name across restarts, in the proxy registration
   int restart_count = 0;      // times `kvbridge up` restarted this engine
+  // The etcd control plane (docs/proxy.md "Control plane on etcd"): members, cluster, auth.
+  std::string etcd;
+  std::string etcd_cluster = "default";
+  std::string etcd_user;
+  std::string etcd_ca;
+  int etcd_lease_ttl_s = 5;
   double drain_timeout_s = 30;
 };
 
@@ -235,6 +243,18 @@ int RunServe(const ServeOptions& o) {
   KvTransferConfig kv_cfg;
   if (!o.proxy.empty() && o.kv_transfer_config.empty())
     return Fail(InvalidArgumentError("--proxy needs --kv-transfer-config (the engine's P/D role)"));
+  if (!o.etcd.empty() && o.kv_transfer_config.empty())
+    return Fail(InvalidArgumentError("--etcd needs --kv-transfer-config (the engine's P/D role)"));
+  proxy::EtcdClientOptions etcd_options;
+  std::string etcd_prefix;
+  if (!o.etcd.empty()) {
+    auto eo = proxy::ParseEtcdOptions(o.etcd, o.etcd_user, o.etcd_ca);
+    if (!eo.ok()) return Fail(eo.status());
+    etcd_options = *eo;
+    auto prefix = proxy::EtcdInstancesPrefix(o.etcd_cluster);
+    if (!prefix.ok()) return Fail(prefix.status().WithPrefix("--etcd-cluster"));
+    etcd_prefix = *prefix;
+  }
   if (!o.kv_transfer_config.empty()) {
     auto cfg = ParseKvTransferConfig(o.kv_transfer_config);
     if (!cfg.ok()) return Fail(cfg.status().WithPrefix("--kv-transfer-config"));
@@ -306,7 +326,8 @@ int RunServe(const ServeOptions& o) {
   // Registration with the proxy (`--proxy`): role and mode from --kv-transfer-config; load
   // (running/waiting requests, KV usage) from the engine's stats at each heartbeat.
   std::unique_ptr<proxy::RegistrationClient> registration;
-  if (!o.proxy.empty()) {
+  std::unique_ptr<proxy::EtcdRegistration> etcd_registration;
+  if (!o.proxy.empty() || !o.etcd.empty()) {
     proxy::RegistrationOptions ro;
     ro.proxy = o.proxy;
     ro.cluster_token = o.cluster_token;
@@ -323,18 +344,35 @@ int RunServe(const ServeOptions& o) {
     ro.info.tp_size = std::max(1, o.tensor_parallel_size);
     ro.info.name = o.instance_name;
     ro.info.restarts = o.restart_count;
-    Engine* eng = engine->get();
-    registration = proxy::RegistrationClient::Start(ro, [eng] {
-      const EngineStats st = eng->Stats();
-      proxy::InstanceLoad load;
-      load.running = st.running;
-      load.waiting = st.waiting + st.waiting_for_remote_kv;
-      load.kv_usage = st.kv_blocks_total > 0 ? static_cast<double>(st.kv_blocks_active) /
-                                                   static_cast<double>(st.kv_blocks_total)
-                                             : 0.0;
-      return load;
-    });
-    KVB_LOG_INFO("registering with proxy {} as {}", o.proxy, ro.info.url);
+    if (!o.etcd.empty()) {
+      // The record: the registration JSON + this process's incarnation, under its name (or
+      // engine id), with an HMAC keyed by the cluster token; static for the engine's life (its
+      // load goes point to point: GET /health). The lease's expiry removes it when we die.
+      ro.info.id = ro.info.url;
+      const std::string key =
+          etcd_prefix + (o.instance_name.empty() ? kv->engine_id() : o.instance_name);
+      nlohmann::json record = nlohmann::json::parse(
+          proxy::RegistrationJson(ro.info, proxy::InstanceLoad{}), nullptr, false);
+      record["incarnation"] = kv->engine_id();
+      etcd_registration = proxy::EtcdRegistration::Start(
+          etcd_options, key, proxy::EtcdRecordValue(key, record.dump(), o.cluster_token),
+          o.etcd_lease_ttl_s);
+      KVB_LOG_INFO("registering in etcd {} as {} ({})", o.etcd, key, ro.info.url);
+    }
+    if (!o.proxy.empty()) {
+      Engine* eng = engine->get();
+      registration = proxy::RegistrationClient::Start(ro, [eng] {
+        const EngineStats st = eng->Stats();
+        proxy::InstanceLoad load;
+        load.running = st.running;
+        load.waiting = st.waiting + st.waiting_for_remote_kv;
+        load.kv_usage = st.kv_blocks_total > 0 ? static_cast<double>(st.kv_blocks_active) /
+                                                     static_cast<double>(st.kv_blocks_total)
+                                               : 0.0;
+        return load;
+      });
+      KVB_LOG_INFO("registering with proxy {} as {}", o.proxy, ro.info.url);
+    }
   }
 
   // Graceful drain on SIGTERM/SIGINT or POST /drain: new requests get 503, the proxy is told
@@ -356,7 +394,8 @@ int RunServe(const ServeOptions& o) {
       if ((*srv)->draining()) break;  // POST /drain
     }
     (*srv)->BeginDrain();
-    if (registration) registration->Stop();  // deregisters: the proxy stops routing here
+    if (registration) registration->Stop();            // deregisters: the proxy stops routing here
+    if (etcd_registration) etcd_registration->Stop();  // revokes: every proxy drops it
     const auto t0 = WatchClock::now();
     const auto deadline =
         t0 + std::chrono::milliseconds(static_cast<int64_t>(o.drain_timeout_s * 1000));
@@ -393,6 +432,7 @@ int RunServe(const ServeOptions& o) {
   (*srv)->Wait();
   watcher.join();
   if (registration) registration->Stop();
+  if (etcd_registration) etcd_registration->Stop();
   (*engine)->Shutdown();
   srv->reset();
   KVB_LOG_INFO("kvbridge serve: stopped");
@@ -519,6 +559,21 @@ const bool kRegistered = RegisterCommand(
                      "HOST:PORT of a kvbridge proxy to register with and heartbeat to (role and "
                      "mode from --kv-transfer-config; kv_producer registers as prefill, else "
                      "decode)");
+      sub.add_option("--etcd", o->etcd,
+                     "etcd members http(s)://H:P[,...]: write this engine's instance record "
+                     "under /kvbridge/<--etcd-cluster>/instances/<name> on a kept-alive lease "
+                     "(docs/proxy.md \"Control plane on etcd\")");
+      sub.add_option("--etcd-cluster", o->etcd_cluster, "Cluster name of the etcd key prefix")
+          ->capture_default_str();
+      sub.add_option("--etcd-user", o->etcd_user,
+                     "USER:PASSWORD for etcd auth (required, or https + --etcd-ca, for a member "
+                     "off loopback)");
+      sub.add_option("--etcd-ca", o->etcd_ca, "PEM CA that verifies https:// etcd members");
+      sub.add_option("--etcd-lease-ttl-s", o->etcd_lease_ttl_s,
+                     "TTL of the lease the record hangs on: proxies drop this engine this long "
+                     "after it dies")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 3600));
       sub.add_option("--drain-timeout", o->drain_timeout_s,
                      "Seconds a drain (SIGTERM, SIGINT or POST /drain) waits for admitted "
                      "requests and held KV to finish before stopping anyway (exit code 3)")

@@ -10,10 +10,13 @@
 // Every engine binds a free port itself (`serve --port 0 --port-file F`) and up reads the port
 // back from F, so no other process can take it between a choice and a bind; the proxy does the
 // same with --port 0. See docs/proxy.md.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <toml++/toml.h>
 #include <unistd.h>
@@ -76,6 +79,10 @@ struct UpOptions {
   double prometheus_interval_s = 5;    ///< its scrape (and discovery refresh) interval
   std::string restart = "on-failure";  ///< on-failure|always|never (supervisor.h)
   int restart_budget = 5;              ///< restarts per child per minute
+  /// "proxy" (engines register with the one proxy, the default) or "etcd" (a local etcd holds
+  /// the instance records; `proxies` proxies watch it: docs/proxy.md "Control plane on etcd").
+  std::string control_plane = "proxy";
+  int proxies = 1;
 };
 
 // A Prometheus config that scrapes the proxy and every engine it knows, found through the
@@ -123,10 +130,29 @@ struct Child {
   int port = 0;           ///< 0 until read from port_file
   pid_t pid = -1;
   bool exited = false;
-  bool prefill = false;   ///< an engine's role (the proxy is neither)
-  int engine_index = -1;  ///< its place among the engines (prefills first), for --device
-  int restarts = 0;       ///< times up restarted it
+  bool prefill = false;           ///< an engine's role (the proxy is neither)
+  int engine_index = -1;          ///< its place among the engines (prefills first), for --device
+  int restarts = 0;               ///< times up restarted it
+  bool proxy = false;             ///< a proxy (restarted on the port it had)
+  std::vector<std::string> argv;  ///< how to restart a proxy or etcd (engines: engine_argv)
 };
+
+// A port free now (bound and released; for etcd, which cannot report a port it chose itself).
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
 
 std::string SelfExe() {
   std::error_code ec;
@@ -393,6 +419,22 @@ int RunUp(UpOptions o) {
     return 1;
   }
   const bool registration = serve_help.find("--proxy") != std::string::npos;
+  const bool etcd_mode = o.control_plane == "etcd";
+  if (o.control_plane != "proxy" && !etcd_mode) {
+    Usage("--control-plane must be proxy|etcd");
+    return 2;
+  }
+  if (o.proxies < 1 || o.proxies > 16 || (!etcd_mode && o.proxies != 1)) {
+    Usage("--proxies N (1..16) needs --control-plane etcd (one proxy is the registry otherwise)");
+    return 2;
+  }
+  if (etcd_mode && serve_help.find("--etcd") == std::string::npos) {
+    Usage("this build's `kvbridge serve` has no --etcd");
+    return 1;
+  }
+  // --control-plane etcd: a local etcd (Debian's etcd-server), data in the log dir.
+  std::string etcd_url;
+  const std::string etcd_cluster = "up";
 
   if (gpu && !fs::exists(o.model_dir, ec) && IsPresetName(o.model_dir)) {
     // serve PRESET --device cuda: weights generated on the GPU, nothing to make.
@@ -452,7 +494,10 @@ int RunUp(UpOptions o) {
       a.push_back("--num-kv-blocks");
       a.push_back(std::to_string(o.prefill_kv_blocks));
     }
-    if (registration) {
+    if (etcd_mode) {
+      a.insert(a.end(), {"--etcd", etcd_url, "--etcd-cluster", etcd_cluster, "--instance-name",
+                         name, "--restart-count", std::to_string(restarts)});
+    } else if (registration) {
       a.push_back("--proxy");
       a.push_back(proxy_addr);
       // The proxy shows the restarts and replaces the old incarnation registered under the name.
@@ -493,6 +538,7 @@ int RunUp(UpOptions o) {
     proxy_argv.insert(proxy_argv.end(), {"--model", o.model_dir, "--pd-skip-threshold",
                                          std::to_string(o.pd_skip_threshold)});
   }
+  std::vector<std::string> proxy_addrs;  // every proxy's 127.0.0.1:PORT (etcd mode: several)
 
   auto report_death = [&](Child* c, int status) {
     std::fprintf(stderr, "kvbridge up: %s (pid %d) %s; its log %s ends:\n%s\n", c->name.c_str(),
@@ -552,17 +598,102 @@ int RunUp(UpOptions o) {
   auto start_proxy = [&]() -> int {
     Child p;
     p.name = "proxy";
+    p.proxy = true;
     p.log = o.log_dir + "/proxy.log";
     p.port_file = o.log_dir + "/proxy.port";
+    p.argv = proxy_argv;
     start(p, proxy_argv);
     if (int rc = await_ports(); rc >= 0) return rc;
     proxy_addr = "127.0.0.1:" + std::to_string(children.back().port);
+    proxy_addrs = {proxy_addr};
+    return -1;
+  };
+  // etcd mode: etcd first (every other process talks to it), then the proxies, then engines.
+  auto start_etcd = [&]() -> int {
+    const int client_port = FreePort(), peer_port = FreePort();
+    if (client_port == 0 || peer_port == 0 || client_port == peer_port) {
+      std::fprintf(stderr, "kvbridge up: no free port for etcd\n");
+      return 1;
+    }
+    etcd_url = "http://127.0.0.1:" + std::to_string(client_port);
+    const std::string peer = "http://127.0.0.1:" + std::to_string(peer_port);
+    Child e;
+    e.name = "etcd";
+    e.log = o.log_dir + "/etcd.log";
+    e.port = client_port;
+    e.url = etcd_url;
+    e.argv = {"/usr/bin/etcd",
+              "--name",
+              "kvbridge-up",
+              "--data-dir",
+              o.log_dir + "/etcd-data",
+              "--listen-client-urls",
+              etcd_url,
+              "--advertise-client-urls",
+              etcd_url,
+              "--listen-peer-urls",
+              peer,
+              "--initial-advertise-peer-urls",
+              peer,
+              "--initial-cluster",
+              "kvbridge-up=" + peer,
+              "--auto-compaction-retention",
+              "1"};
+    if (!fs::exists(e.argv[0], ec)) {
+      std::fprintf(stderr, "kvbridge up: --control-plane etcd needs %s (apt install etcd-server)\n",
+                   e.argv[0].c_str());
+      return 1;
+    }
+    std::vector<std::string> argv = e.argv;
+    e.pid = Spawn(argv, e.log);
+    children.push_back(std::move(e));
+    for (;;) {
+      if (HttpOk(client_port, "/health")) return -1;
+      int status = 0;
+      if (Child* dead = ReapDead(children, &status)) {
+        report_death(dead, status);
+        StopAll(children);
+        return 1;
+      }
+      if (Clock::now() >= deadline) {
+        std::fprintf(stderr, "kvbridge up: etcd not healthy after %.0f s (log %s)\n",
+                     o.ready_timeout_s, o.log_dir.c_str());
+        StopAll(children);
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  };
+  auto start_etcd_proxies = [&]() -> int {
+    for (int i = 0; i < o.proxies; ++i) {
+      Child p;
+      p.name = "proxy-" + std::to_string(i);
+      p.proxy = true;
+      p.log = o.log_dir + "/" + p.name + ".log";
+      p.port_file = o.log_dir + "/" + p.name + ".port";
+      p.argv = proxy_argv;
+      for (size_t k = 0; k + 1 < p.argv.size(); ++k) {
+        if (p.argv[k] == "--port") p.argv[k + 1] = i == 0 ? std::to_string(o.port) : "0";
+        if (p.argv[k] == "--port-file") p.argv[k + 1] = p.port_file;
+      }
+      p.argv.insert(p.argv.end(), {"--etcd", etcd_url, "--etcd-cluster", etcd_cluster});
+      std::vector<std::string> argv = p.argv;
+      start(p, argv);
+    }
+    if (int rc = await_ports(); rc >= 0) return rc;
+    for (const Child& c : children) {
+      if (c.proxy) proxy_addrs.push_back("127.0.0.1:" + std::to_string(c.port));
+    }
+    proxy_addr = proxy_addrs.front();
     return -1;
   };
   // With registration the proxy comes first (engines register with its bound port as they
   // start); with static lists it comes last, given the engines' bound ports (its first health
   // probes then find the engines up).
-  if (registration) {
+  if (etcd_mode) {
+    if (int rc = start_etcd(); rc >= 0) return rc;
+    if (int rc = start_etcd_proxies(); rc >= 0) return rc;
+  } else if (registration) {
     if (int rc = start_proxy(); rc >= 0) return rc;
   }
   for (int i = 0; i < o.num_prefill + o.num_decode; ++i) {
@@ -577,7 +708,7 @@ int RunUp(UpOptions o) {
     start(c, engine_argv(prefill, i, c.port_file, c.name, 0));
   }
   if (int rc = await_ports(); rc >= 0) return rc;
-  if (!registration) {
+  if (!registration && !etcd_mode) {
     for (const Child& c : children) {
       proxy_argv.push_back(c.name.rfind("prefill", 0) == 0 ? "--prefill" : "--decode");
       proxy_argv.push_back(c.url);
@@ -597,21 +728,29 @@ int RunUp(UpOptions o) {
     }
     waiting_for.clear();
     for (const Child& c : children) {
-      if (c.name != "proxy" && !HttpOk(c.port, "/health")) waiting_for += " " + c.name;
+      if (!c.proxy && !HttpOk(c.port, "/health")) waiting_for += " " + c.name;
     }
-    std::string body;
-    if (!HttpOk(proxy_port, "/instances", &body)) {
-      waiting_for += " proxy";
-    } else if (waiting_for.empty()) {
-      auto j = nlohmann::json::parse(body, nullptr, false);
-      size_t healthy = 0;
-      if (j.is_object() && j["instances"].is_array()) {
-        for (auto& i : j["instances"]) healthy += i.value("healthy", false) ? 1 : 0;
+    bool all_ready = waiting_for.empty();
+    for (const Child& c : children) {
+      if (!c.proxy) continue;
+      std::string body;
+      if (!HttpOk(c.port, "/instances", &body)) {
+        waiting_for += " " + c.name;
+        all_ready = false;
+      } else if (waiting_for.empty()) {
+        auto j = nlohmann::json::parse(body, nullptr, false);
+        size_t healthy = 0;
+        if (j.is_object() && j["instances"].is_array()) {
+          for (auto& i : j["instances"]) healthy += i.value("healthy", false) ? 1 : 0;
+        }
+        if (healthy < want) {
+          all_ready = false;
+          waiting_for += " " + c.name + " registration (" + std::to_string(healthy) + "/" +
+                         std::to_string(want) + " instances)";
+        }
       }
-      if (healthy >= want) break;
-      waiting_for = " proxy registration (" + std::to_string(healthy) + "/" + std::to_string(want) +
-                    " instances)";
     }
+    if (all_ready) break;
     if (Clock::now() >= deadline) {
       std::fprintf(stderr, "kvbridge up: not ready after %.0f s, waiting for:%s (logs in %s)\n",
                    o.ready_timeout_s, waiting_for.c_str(), o.log_dir.c_str());
@@ -629,14 +768,22 @@ int RunUp(UpOptions o) {
   double ready_s = std::chrono::duration<double>(Clock::now() - t0).count();
   std::printf("kvbridge up %s: ready in %.1f s (mode %s, transport %s, %s, model %s, device %s)\n",
               o.topology.c_str(), ready_s, o.mode.c_str(), o.transport.c_str(),
-              registration ? "engines registered" : "static instance lists", o.model_dir.c_str(),
-              o.device.c_str());
+              etcd_mode      ? "control plane etcd"
+              : registration ? "engines registered"
+                             : "static instance lists",
+              o.model_dir.c_str(), o.device.c_str());
   for (const Child& c : children) {
     std::printf("  %-10s %-24s pid %-7d log %s\n", c.name.c_str(), c.url.c_str(), c.pid,
                 c.log.c_str());
   }
   std::printf("OpenAI API: http://%s/v1/completions  (instances: http://%s/instances)\n",
               proxy_addr.c_str(), proxy_addr.c_str());
+  if (etcd_mode) {
+    // One line per proxy, each a front door to the same cluster (clients may use any).
+    for (const std::string& a : proxy_addrs) std::printf("proxy http://%s\n", a.c_str());
+    std::printf("etcd %s (prefix /kvbridge/%s/instances/)\n", etcd_url.c_str(),
+                etcd_cluster.c_str());
+  }
   if (!o.prometheus_config.empty()) {
     if (!WritePrometheusConfig(o.prometheus_config, proxy_addr, o.prometheus_interval_s)) {
       std::fprintf(stderr, "kvbridge up: cannot write %s\n", o.prometheus_config.c_str());
@@ -662,15 +809,15 @@ int RunUp(UpOptions o) {
     return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   };
   for (size_t i = 0; i < children.size(); ++i) sup.OnStarted(static_cast<int>(i), now_us());
-  // The proxy keeps its bound port across restarts: the engines' --proxy names it.
-  for (size_t i = 0; i < proxy_argv.size(); ++i) {
-    if (proxy_argv[i] == "--port" && i + 1 < proxy_argv.size()) {
-      proxy_argv[i + 1] = std::to_string(proxy_port);
+  // A proxy keeps its bound port across restarts: the engines' --proxy (or the clients) name it.
+  for (Child& c : children) {
+    for (size_t i = 0; c.proxy && i + 1 < c.argv.size(); ++i) {
+      if (c.argv[i] == "--port") c.argv[i + 1] = std::to_string(c.port);
     }
   }
   // Tells the proxy a dead engine is gone (its heartbeats would stop only after the timeout).
   auto deregister = [&](const Child& c) {
-    if (!registration || c.url.empty()) return;
+    if (!registration || etcd_mode || c.url.empty()) return;  // etcd: proxies probe + lease
     httplib::Client cli("127.0.0.1", proxy_port);
     cli.set_connection_timeout(1, 0);
     cli.set_read_timeout(1, 0);
@@ -687,10 +834,12 @@ int RunUp(UpOptions o) {
       log << "\n---- kvbridge up: restart " << restarts << " of " << c.name << " ----\n";
     }
     std::vector<std::string> argv;
-    if (c.name == "proxy") {
-      argv = proxy_argv;
+    if (c.proxy) {
+      argv = c.argv;
       argv.push_back("--restart-count");
       argv.push_back(std::to_string(restarts));
+    } else if (!c.argv.empty()) {  // etcd: same ports, same data
+      argv = c.argv;
     } else {
       argv = engine_argv(c.prefill, c.engine_index, c.port_file, c.name, restarts);
       if (!registration) {  // static lists: the proxy knows this engine by its old port
@@ -701,7 +850,7 @@ int RunUp(UpOptions o) {
     }
     c.pid = Spawn(argv, c.log);
     c.exited = false;
-    c.port = 0;  // until its port file says
+    if (!c.port_file.empty()) c.port = 0;  // until its port file says
     sup.OnStarted(index, now_us());
     std::printf("kvbridge up: %s restarted (restart %d, pid %d)\n", c.name.c_str(), restarts,
                 c.pid);
@@ -741,7 +890,7 @@ int RunUp(UpOptions o) {
     int status = 0;
     while (Child* dead = ReapDead(children, &status)) {
       report_death(dead, status);
-      if (dead->name != "proxy") deregister(*dead);
+      if (!dead->proxy) deregister(*dead);
       const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       run_actions(
           sup.OnExit(static_cast<int>(dead - children.data()),
@@ -753,7 +902,7 @@ int RunUp(UpOptions o) {
     if (auto due = sup.deadline(); due && now_us() >= *due) run_actions(sup.OnTick(now_us()));
     // A restarted child's port, once it has bound one.
     for (Child& c : children) {
-      if (c.exited || c.port != 0) continue;
+      if (c.exited || c.port != 0 || c.port_file.empty()) continue;
       kvbridge::Result<int> port = kvbridge::apps::ReadPortFile(c.port_file);
       if (!port.ok()) continue;
       c.port = *port;
@@ -839,8 +988,18 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                                     "Restarts allowed per child per minute; past them up stops "
                                     "everything and exits 1")
                          ->capture_default_str();
+      auto* cp = sub.add_option("--control-plane", o->control_plane,
+                                "proxy (engines register with the proxy) | etcd (a local etcd "
+                                "holds the instance records; --proxies proxies watch it)")
+                     ->capture_default_str();
+      auto* nproxies = sub.add_option("--proxies", o->proxies,
+                                      "Proxies (with --control-plane etcd), each on its own port "
+                                      "(the first on --port); each printed on a line 'proxy URL'")
+                           ->capture_default_str();
       return [=]() -> int {
         UpOptions eff;
+        if (cp->count()) eff.control_plane = o->control_plane;
+        if (nproxies->count()) eff.proxies = o->proxies;
         if (!cfg->empty() && !LoadConfig(*cfg, eff)) return 2;
         // Flags given on the command line override the config file.
         if (topo->count() || cfg->empty()) eff.topology = o->topology;

@@ -367,6 +367,7 @@ std::unique_ptr<EtcdWatchFeed> EtcdWatchFeed::Start(EtcdClientOptions options, s
     Impl& m = *self->impl_;
     EtcdPrefixWatcher& w = m.watcher;
     std::string last_logged;
+    bool quiet = false;  // the stream just ended at its idle timeout: routine, not worth a warning
     auto flush = [&] {
       std::vector<EtcdKvUpdate> u = w.TakeUpdates();
       self->revision_.store(w.revision());
@@ -374,7 +375,11 @@ std::unique_ptr<EtcdWatchFeed> EtcdWatchFeed::Start(EtcdClientOptions options, s
       self->watches_.store(w.watches());
       if (!u.empty() && m.apply) m.apply(std::move(u));
       if (!w.last_error().empty() && w.last_error() != last_logged) {
-        KVB_LOG_WARN("etcd watch: {}", w.last_error());
+        if (quiet) {
+          KVB_LOG_DEBUG("etcd watch: {}", w.last_error());
+        } else {
+          KVB_LOG_WARN("etcd watch: {}", w.last_error());
+        }
       }
       last_logged = w.last_error();
     };
@@ -384,8 +389,10 @@ std::unique_ptr<EtcdWatchFeed> EtcdWatchFeed::Start(EtcdClientOptions options, s
       for (auto calls = w.TakeCalls(); !calls.empty() && !Stopping(m); calls = w.TakeCalls()) {
         EtcdCall& c = calls.front();  // one call at a time: the watcher has one out
         EtcdReply r;
+        quiet = false;
         if (c.stream) {
           const uint64_t id = c.id;
+          const TimePoint opened = SteadyNow();
           r = m.transport.Stream(c, [&](std::string_view line) {
             w.OnStreamMessage(id, line, SteadyNow());
             bool keep = true;
@@ -393,6 +400,7 @@ std::unique_ptr<EtcdWatchFeed> EtcdWatchFeed::Start(EtcdClientOptions options, s
             flush();
             return keep;
           });
+          quiet = !r.transport.ok() && SteadyNow() - opened >= kStreamIdleTimeout - kSecond;
         } else {
           r = m.transport.Call(c);
         }

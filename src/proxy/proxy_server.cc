@@ -42,6 +42,7 @@
 #include "kvbridge/common/logging.h"
 #include "kvbridge/common/metrics.h"
 #include "kvbridge/common/process_metrics.h"
+#include "kvbridge/proxy/etcd_client.h"
 #include "kvbridge/proxy/kv_routing.h"
 #include "kvbridge/proxy/timeline.h"
 #include "proxy/stream.h"
@@ -469,6 +470,11 @@ struct ProxyServer::Impl {
   BasicUpstreamPool<Stream> pool;
   std::vector<std::thread> threads;
   bool started = false;
+  // The etcd control plane (ProxyOptions::etcd): the feed's thread applies its updates to the
+  // registry through etcd_sync, under mu.
+  std::unique_ptr<EtcdRegistrySync> etcd_sync;  // guarded by mu
+  std::unique_ptr<EtcdWatchFeed> etcd_feed;
+  void ApplyEtcd(std::vector<EtcdKvUpdate> updates);
   int bound_port = 0;
 };
 
@@ -1362,7 +1368,7 @@ awaitable<void> ProxyServer::Impl::Housekeeping() {
       }
       if (now >= next_probe) {
         for (auto& st : registry.List()) {
-          if (st.is_static) statics.push_back(st);
+          if (st.is_static || st.from_store) statics.push_back(st);
         }
       }
     }
@@ -1381,6 +1387,15 @@ awaitable<void> ProxyServer::Impl::Housekeeping() {
                               : ": " + std::string(r.status().message()));
       }
       registry.SetHealthy(st.info.id, healthy);
+      // An etcd instance's load comes point to point, in its /health answer (docs/proxy.md
+      // "Control plane on etcd": why not in etcd).
+      if (healthy && st.from_store) {
+        json h = json::parse(r->body, nullptr, false);
+        if (h.is_object() && h.contains("load")) {
+          auto load = ParseLoad(h["load"].dump());
+          if (load.ok()) registry.Heartbeat(st.info.id, *load, now).IgnoreError();
+        }
+      }
     }
   }
 }
@@ -1551,9 +1566,31 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Create(const ProxyOptions& opt
   return std::unique_ptr<ProxyServer>(new ProxyServer(std::move(impl)));
 }
 
+void ProxyServer::Impl::ApplyEtcd(std::vector<EtcdKvUpdate> updates) {
+  std::vector<std::string> log;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const TimePoint now = SteadyNow();
+    for (const EtcdKvUpdate& u : updates) etcd_sync->Apply(u, registry, now, &log);
+  }
+  for (const std::string& line : log) {
+    if (line.find(" ignored: ") != std::string::npos) {
+      KVB_LOG_WARN("{}", line);
+    } else {
+      KVB_LOG_INFO("{}", line);
+    }
+  }
+}
+
 void ProxyServer::Start() {
   if (impl_->started) return;
   impl_->started = true;
+  if (!impl_->options.etcd.endpoints.empty()) {
+    impl_->etcd_sync = std::make_unique<EtcdRegistrySync>(impl_->options.cluster_token);
+    impl_->etcd_feed = EtcdWatchFeed::Start(
+        impl_->options.etcd, impl_->options.etcd_prefix,
+        [impl = impl_.get()](std::vector<EtcdKvUpdate> u) { impl->ApplyEtcd(std::move(u)); });
+  }
   net::co_spawn(impl_->ioc, impl_->Accept(), net::detached);
   net::co_spawn(net::make_strand(impl_->ioc), impl_->Housekeeping(), net::detached);
   for (int i = 0; i < impl_->options.threads; ++i) {
@@ -1563,6 +1600,7 @@ void ProxyServer::Start() {
 
 void ProxyServer::Stop() {
   if (!impl_) return;
+  if (impl_->etcd_feed) impl_->etcd_feed->Stop();
   impl_->ioc.stop();
   for (auto& t : impl_->threads) {
     if (t.joinable()) t.join();

@@ -727,7 +727,18 @@ void ApiServer::Impl::InstallRoutes() {
                res.set_content(R"({"status":"draining"})", "application/json");
                return;
              }
-             res.set_content("{}", "application/json");
+             // The load a proxy routes by (docs/proxy.md "Control plane on etcd": proxies that
+             // find this engine in etcd read its load here, point to point).
+             const EngineStats st = engine->Stats();
+             const double usage = st.kv_blocks_total > 0
+                                      ? static_cast<double>(st.kv_blocks_active) /
+                                            static_cast<double>(st.kv_blocks_total)
+                                      : 0.0;
+             res.set_content(DumpJson(json{{"load",
+                                            {{"running", st.running},
+                                             {"waiting", st.waiting + st.waiting_for_remote_kv},
+                                             {"kv_usage", usage}}}}),
+                             "application/json");
            }));
   svr->Get("/metrics", Counted([this](const httplib::Request&, httplib::Response& res) {
              res.set_content(engine->metrics().Render() + metrics.Render(),

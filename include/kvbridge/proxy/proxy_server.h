@@ -58,6 +58,7 @@
 
 #include "kvbridge/common/clock.h"
 #include "kvbridge/common/status.h"
+#include "kvbridge/proxy/etcd_client.h"
 #include "kvbridge/proxy/flow.h"
 #include "kvbridge/proxy/registry.h"
 
@@ -121,6 +122,13 @@ struct ProxyOptions {
       prompt_ids;
   int kv_events_poll_ms = 2000;
   size_t kv_index_max_blocks = size_t{1} << 20;
+  /// The etcd control plane (etcd_client.h; `--etcd`): members empty = off. When set, the proxy
+  /// lists and watches `etcd_prefix` (EtcdInstancesPrefix(cluster)) into its registry: records
+  /// whose HMAC verifies under cluster_token are routed to, others ignored with a log line; an
+  /// instance leaves when its key does (lease expired or revoked). Their load comes from their
+  /// GET /health, probed every health_probe_interval like static instances'.
+  EtcdClientOptions etcd;
+  std::string etcd_prefix;
 };
 
 class ProxyServer {
