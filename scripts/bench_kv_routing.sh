@@ -7,6 +7,9 @@
 #       [ANSWER_TOKENS] [SKIP_THRESHOLD]
 # defaults: build/bin/kvbridge, the `up` default model, 80, 8, 64, 64. Prints each arm's
 # per-turn table, then the turn-2 ratios kv-aware / round-robin.
+# Environment: DECODE_KV_ROLE=kv_both gives every arm decodes that kv-aware routing may also send
+# prefill legs (`up --decode-kv-role`; default kv_consumer); SKIP_ARMS=0 runs the two skip-off
+# arms only.
 set -euo pipefail
 BIN=${1:-build/bin/kvbridge}
 MODEL=${2:-}
@@ -19,7 +22,8 @@ OUT=$(mktemp -d /tmp/kvb-kvroute-bench-XXXXXX)
 
 run_arm() {  # name routing skip
   local name=$1 routing=$2 skip=$3 log="$OUT/$1.up.log"
-  local args=(up 2p2d --port 0 --log-dir "$OUT/$name" --routing "$routing" --pd-skip-threshold "$skip")
+  local args=(up 2p2d --port 0 --log-dir "$OUT/$name" --routing "$routing" --pd-skip-threshold "$skip"
+    --decode-kv-role "${DECODE_KV_ROLE:-kv_consumer}")
   [[ -n "$MODEL" ]] && args+=(--model "$MODEL")
   "$BIN" "${args[@]}" >"$log" 2>&1 &
   local up=$!
@@ -31,6 +35,8 @@ run_arm() {  # name routing skip
   kill -TERM "$up"
   wait "$up" || true
   echo "== $name (routing $routing, --pd-skip-threshold $skip)"
+  echo "== $name: computed by instance per turn"
+  jq -c '.turns[] | {turn, computed_by_instance}' "$OUT/$name.json"
   jq -r '.turns[] | "turn \(.turn): requests \(.requests) errors \(.errors) ttft_p50 \(.ttft_p50_s*1000|floor) ms ttft_p90 \(.ttft_p90_s*1000|floor) ms prompt_tokens \(.prompt_tokens) computed \(.prompt_tokens_computed) hit_rate \(.cache_hit_rate*1000|floor/1000)"' "$OUT/$name.json"
 }
 
@@ -41,9 +47,13 @@ ratio() {  # a b field
 
 run_arm kv-noskip kv-aware -1
 run_arm rr-noskip round-robin -1
-run_arm kv-skip kv-aware "$SKIP"
-run_arm rr-skip round-robin "$SKIP"
-echo "== turn 2, kv-aware / round-robin"
+if [[ "${SKIP_ARMS:-1}" != 0 ]]; then
+  run_arm kv-skip kv-aware "$SKIP"
+  run_arm rr-skip round-robin "$SKIP"
+fi
+echo "== turn 2, kv-aware / round-robin (decodes ${DECODE_KV_ROLE:-kv_consumer})"
 echo "skip off: prompt tokens computed $(ratio kv-noskip rr-noskip prompt_tokens_computed), TTFT p50 $(ratio kv-noskip rr-noskip ttft_p50_s)"
-echo "skip on:  prompt tokens computed $(ratio kv-skip rr-skip prompt_tokens_computed), TTFT p50 $(ratio kv-skip rr-skip ttft_p50_s)"
+if [[ "${SKIP_ARMS:-1}" != 0 ]]; then
+  echo "skip on:  prompt tokens computed $(ratio kv-skip rr-skip prompt_tokens_computed), TTFT p50 $(ratio kv-skip rr-skip ttft_p50_s)"
+fi
 echo "(JSON and logs in $OUT)"

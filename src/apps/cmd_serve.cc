@@ -333,6 +333,8 @@ int RunServe(const ServeOptions& o) {
     ro.cluster_token = o.cluster_token;
     ro.tls = peer_tls;
     ro.info.role = kv_cfg.role == KvRole::kProducer ? proxy::Role::kPrefill : proxy::Role::kDecode;
+    // kv_both registers as a decode that kv-aware routing may also send prefill legs.
+    ro.info.kv_both = kv_cfg.role == KvRole::kBoth;
     ro.info.mode = kv_cfg.mode;
     ro.info.url = std::string(o.ssl_certfile.empty() ? "http://" : "https://") +
                   (o.advertise_host.empty() ? o.host : o.advertise_host) + ":" +
@@ -558,7 +560,7 @@ const bool kRegistered = RegisterCommand(
       sub.add_option("--proxy", o->proxy,
                      "HOST:PORT of a kvbridge proxy to register with and heartbeat to (role and "
                      "mode from --kv-transfer-config; kv_producer registers as prefill, else "
-                     "decode)");
+                     "decode; kv_both as a decode that kv-aware routing may send prefill legs)");
       sub.add_option("--etcd", o->etcd,
                      "etcd members http(s)://H:P[,...]: write this engine's instance record "
                      "under /kvbridge/<--etcd-cluster>/instances/<name> on a kept-alive lease "

@@ -67,6 +67,9 @@ struct UpOptions {
   std::string cluster_token;
   std::string routing = "least-loaded";
   int pd_skip_threshold = -1;  ///< the proxy's --pd-skip-threshold (< 0: off)
+  /// kv_role of the decode engines: kv_consumer, or kv_both (kv-aware routing may then send a
+  /// decode the prefill leg of a prompt it holds more of than any prefill).
+  std::string decode_kv_role = "kv_consumer";
   double ready_timeout_s = 180;
   int prefill_tp = 1;  ///< --tensor-parallel-size of each prefill engine
   int decode_tp = 1;   ///< --tensor-parallel-size of each decode engine
@@ -300,6 +303,7 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
                                                  "cluster_token",
                                                  "routing",
                                                  "pd_skip_threshold",
+                                                 "decode_kv_role",
                                                  "ready_timeout_s",
                                                  "prefill_tp",
                                                  "decode_tp",
@@ -333,6 +337,7 @@ bool LoadConfig(const std::string& path, UpOptions& o) {
   o.routing = t["routing"].value_or(o.routing);
   o.pd_skip_threshold =
       static_cast<int>(t["pd_skip_threshold"].value_or(static_cast<int64_t>(o.pd_skip_threshold)));
+  o.decode_kv_role = t["decode_kv_role"].value_or(o.decode_kv_role);
   o.ready_timeout_s = t["ready_timeout_s"].value_or(o.ready_timeout_s);
   o.prefill_tp = static_cast<int>(t["prefill_tp"].value_or(static_cast<int64_t>(o.prefill_tp)));
   o.decode_tp = static_cast<int>(t["decode_tp"].value_or(static_cast<int64_t>(o.decode_tp)));
@@ -362,6 +367,10 @@ int RunUp(UpOptions o) {
   }
   if (o.prefill_tp < 1 || o.prefill_tp > 64 || o.decode_tp < 1 || o.decode_tp > 64) {
     Usage("--prefill-tp and --decode-tp must be in [1, 64]");
+    return 2;
+  }
+  if (o.decode_kv_role != "kv_consumer" && o.decode_kv_role != "kv_both") {
+    Usage("--decode-kv-role must be kv_consumer|kv_both, got '" + o.decode_kv_role + "'");
     return 2;
   }
   if (!kvbridge::ParseKvTransferMode(o.mode).ok()) {
@@ -470,7 +479,7 @@ int RunUp(UpOptions o) {
                          const std::string& name, int restarts) {
     nlohmann::json cfg = {
         {"kv_connector", "KVBridgeConnector"},
-        {"kv_role", prefill ? "kv_producer" : "kv_consumer"},
+        {"kv_role", prefill ? std::string("kv_producer") : o.decode_kv_role},
         {"kv_connector_extra_config", {{"mode", o.mode}, {"transport", o.transport}}}};
     std::vector<std::string> a = {exe,
                                   "serve",
@@ -961,6 +970,13 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
                                   "Send a request to its decode alone when that decode lacks at "
                                   "most N of its prompt tokens (-1: never)")
                        ->capture_default_str();
+      auto* dkr = sub.add_option("--decode-kv-role", o->decode_kv_role,
+                                 "kv_role of the decode engines: kv_consumer, or kv_both (with "
+                                 "--routing kv-aware a decode then also takes the prefill leg of "
+                                 "a prompt it holds more of than any prefill, e.g. a "
+                                 "conversation's next turn after the answer it generated)")
+                      ->check(CLI::IsMember({"kv_consumer", "kv_both"}))
+                      ->capture_default_str();
       auto* ptp = sub.add_option("--prefill-tp", o->prefill_tp,
                                  "Tensor-parallel size of each prefill engine")
                       ->capture_default_str();
@@ -1014,6 +1030,7 @@ const bool kRegistered = kvbridge::apps::RegisterCommand(
         if (rt->count()) eff.ready_timeout_s = o->ready_timeout_s;
         if (routing->count()) eff.routing = o->routing;
         if (skip->count()) eff.pd_skip_threshold = o->pd_skip_threshold;
+        if (dkr->count()) eff.decode_kv_role = o->decode_kv_role;
         if (ptp->count()) eff.prefill_tp = o->prefill_tp;
         if (dtp->count()) eff.decode_tp = o->decode_tp;
         if (dev->count()) eff.device = o->device;

@@ -446,5 +446,112 @@ TEST(KvRouter, DecisionDrivesTheFlowLegs) {
   EXPECT_TRUE(skip.done());
 }
 
+// A kv_both decode (vLLM's kv_role "kv_both") that holds more of a prompt than any prefill (a
+// conversation's next turn: it decoded the answer) takes the prefill leg; the decode leg goes to
+// another decode (one engine cannot READ from itself).
+TEST(KvRouter, KvBothDecodeTakesThePrefillLegOfAPromptItHoldsMoreOf) {
+  Cluster c;
+  InstanceInfo both = Info("d0", Role::kDecode);
+  both.kv_both = true;
+  ASSERT_TRUE(c.reg.Register(both, {.running = 4, .waiting = 0, .kv_usage = 0.5}, 0).ok());
+  std::vector<int32_t> prompt = Iota(26);  // 6 full blocks + 2 tokens
+  std::vector<BlockHash> p = Chain(prompt);
+  c.Hold("p1", {p[0], p[1]});              // turn 1's prompt
+  c.Hold("d0", {p[0], p[1], p[2], p[3]});  // turn 1's prompt + its answer
+  KvRouter router({.kv_aware = true});
+  KvRouteDecision d = router.Decide(prompt, c.reg, c.index, false);
+  ASSERT_TRUE(d.prefill && d.decode);
+  EXPECT_EQ(d.prefill->id, "d0");
+  EXPECT_EQ(d.prefill_cached_tokens, 16);
+  EXPECT_EQ(d.decode->id, "d1");  // d0 scored best as decode too, but holds the prefill
+  EXPECT_EQ(d.decode_cached_tokens, 0);
+  // Scored as a prefill, d0's queue is its waiting requests only (0): 4/6 - 0.25 * 0.5; its
+  // running sequences count when it is scored as a decode: 4/6 - 0.5 * 4/5 - 0.25 * 0.5.
+  const KvCandidate* as_prefill = nullptr;
+  const KvCandidate* as_decode = nullptr;
+  for (const KvCandidate& k : d.candidates) {
+    if (k.id != "d0") continue;
+    (k.role == Role::kPrefill ? as_prefill : as_decode) = &k;
+  }
+  ASSERT_TRUE(as_prefill && as_decode);
+  EXPECT_TRUE(as_prefill->cross_role);
+  EXPECT_FALSE(as_decode->cross_role);
+  EXPECT_DOUBLE_EQ(as_prefill->score, 4.0 / 6 - 0.25 * 0.5);
+  EXPECT_DOUBLE_EQ(as_decode->score, 4.0 / 6 - 0.5 * 4 / 5.0 - 0.25 * 0.5);
+  EXPECT_DOUBLE_EQ(ScoreOf(d, "p1"), 2.0 / 6);
+
+  // Its queue outweighing the extra blocks: the prefill that holds less but is idle.
+  ASSERT_TRUE(c.reg.Heartbeat("d0", {.running = 4, .waiting = 10, .kv_usage = 0.5}, 1).ok());
+  d = router.Decide(prompt, c.reg, c.index, false);
+  EXPECT_EQ(d.prefill->id, "p1");  // 2/6 against 4/6 - 0.5 * 10/11 - 0.125
+  ASSERT_TRUE(c.reg.Heartbeat("d0", {.running = 4, .waiting = 0, .kv_usage = 0.5}, 2).ok());
+
+  // Holding no more than a prefill (here: the same blocks) keeps the leg on the prefills, and a
+  // first turn (nothing held anywhere) never goes to a decode's prefill side.
+  c.Hold("p1", {p[0], p[1], p[2], p[3]});
+  EXPECT_EQ(router.Decide(prompt, c.reg, c.index, false).prefill->id, "p1");
+  std::vector<int32_t> fresh = Iota(26, 500);
+  for (int i = 0; i < 4; ++i) {
+    d = router.Decide(fresh, c.reg, c.index, false);
+    EXPECT_EQ(d.prefill->id[0], 'p') << i;
+  }
+  // Not kv_both: never a prefill candidate.
+  c.Hold("p1", {p[0]});
+  c.Hold("d1", {p[0], p[1], p[2], p[3], p[4]});
+  d = router.Decide(prompt, c.reg, c.index, false);
+  EXPECT_EQ(d.prefill->id, "d0");  // d0 (4 blocks, kv_both), not d1 (5 blocks, kv_consumer)
+  EXPECT_EQ(d.decode->id, "d1");
+}
+
+// One engine listed as both roles (a kv_both engine given as --prefill and --decode): a request
+// never gets both legs on it. The flow keeps its decode leg off the prefill's url, whatever the
+// picker (registry round-robin here), and the router re-picks.
+TEST(KvRouter, OneEngineIsNeverBothLegsOfARequest) {
+  InstanceRegistry reg{RegistryOptions{.policy = RoutingPolicy::kRoundRobin}};
+  ASSERT_TRUE(reg.AddStatic(Role::kPrefill, "http://127.0.0.1:9000").ok());
+  ASSERT_TRUE(reg.AddStatic(Role::kDecode, "http://127.0.0.1:9000").ok());  // id ...#decode
+  ASSERT_TRUE(reg.AddStatic(Role::kDecode, "http://127.0.0.1:9001").ok());
+  auto picker = [&](Role role, const std::vector<std::string>& exclude) {
+    return reg.Pick(role, exclude);
+  };
+  const std::string body = R"({"model":"m","prompt":[0,1,2],"max_tokens":4})";
+  TimePoint now = 100;
+  for (int i = 0; i < 4; ++i) {  // round-robin would give the 9000 decode every other time
+    const std::string tid = "tid" + std::to_string(i);
+    PdFlow flow({}, tid, picker);
+    std::vector<Action> a = flow.OnClientRequest({"/v1/completions", body}, now++);
+    ASSERT_EQ(a.size(), 1u);
+    const SendLeg& pre = std::get<SendLeg>(a[0]);
+    EXPECT_EQ(pre.instance.url, "http://127.0.0.1:9000");
+    flow.OnLegStatus(pre.leg_id, 200, "application/json", now++);
+    flow.OnLegData(pre.leg_id, R"({"kv_transfer_params":{"transfer_id":")" + tid + R"("}})", now++);
+    a = flow.OnLegDone(pre.leg_id, now++);
+    ASSERT_FALSE(a.empty());
+    EXPECT_EQ(std::get<SendLeg>(a[0]).instance.url, "http://127.0.0.1:9001") << i;
+  }
+  // The registry alone: a url in exclude keeps that engine out.
+  EXPECT_FALSE(reg.Pick(Role::kPrefill, {"http://127.0.0.1:9000"}).has_value());
+
+  // The router: the best decode (the engine holding everything) is the best prefill too.
+  KvIndex index;
+  std::vector<int32_t> prompt = Iota(18);
+  ASSERT_TRUE(index.Apply("http://127.0.0.1:9000", Snapshot("i0", 1, Chain(prompt))).ok());
+  ASSERT_TRUE(index.Apply("http://127.0.0.1:9000#decode", Snapshot("i0", 1, Chain(prompt))).ok());
+  ASSERT_TRUE(index.Apply("http://127.0.0.1:9001", Snapshot("i1", 0, {})).ok());
+  KvRouter router({.kv_aware = true});
+  KvRouteDecision d = router.Decide(prompt, reg, index, false);
+  ASSERT_TRUE(d.prefill && d.decode);
+  EXPECT_EQ(d.prefill->url, "http://127.0.0.1:9000");
+  EXPECT_EQ(d.decode->url, "http://127.0.0.1:9001");
+  // With the skip threshold met the request goes to that decode alone: no conflict to resolve.
+  KvRouter skip({.kv_aware = true, .pd_skip_threshold = 2});
+  d = skip.Decide(prompt, reg, index, false);
+  EXPECT_TRUE(d.skip_prefill);
+  EXPECT_EQ(d.decode->url, "http://127.0.0.1:9000");
+  // A decided instance named by url in exclude is not returned by the decided picker.
+  auto decided = DecidedPicker(d, picker);
+  EXPECT_EQ(decided(Role::kDecode, {"http://127.0.0.1:9000"})->url, "http://127.0.0.1:9001");
+}
+
 }  // namespace
 }  // namespace kvbridge::proxy

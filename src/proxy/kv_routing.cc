@@ -22,38 +22,64 @@ std::pair<int, int> KvRouter::CachedBlocks(const std::string& id, std::span<cons
 
 std::optional<Endpoint> KvRouter::Best(Role role, std::span<const int32_t> tokens,
                                        InstanceRegistry& registry, const KvIndex& index,
-                                       KvRouteDecision& d, int* cached_tokens) {
-  std::vector<const InstanceState*> cands = registry.Healthy(role);
-  if (cands.empty()) return std::nullopt;
-  int max_queue = 0;
-  for (const InstanceState* st : cands) {
-    max_queue = std::max(max_queue, st->load.running + st->load.waiting + st->in_flight);
+                                       KvRouteDecision& d, int* cached_tokens,
+                                       const std::string& exclude_url) {
+  const Role other = role == Role::kPrefill ? Role::kDecode : Role::kPrefill;
+  // Native candidates first, then the other role's kv_both instances (cross-role).
+  std::vector<const InstanceState*> cands;
+  for (const InstanceState* st : registry.Healthy(role)) {
+    if (st->info.url != exclude_url) cands.push_back(st);
   }
+  const size_t natives = cands.size();
+  for (const InstanceState* st : registry.Healthy(other)) {
+    if (st->info.kv_both && st->info.url != exclude_url) cands.push_back(st);
+  }
+  if (cands.empty()) return std::nullopt;
+  // A cross-role candidate's running requests and the legs in flight to it are its own role's
+  // (a decode's running sequences add one token each to a step): only its waiting ones count.
+  auto queue = [&](size_t i) {
+    const InstanceState* st = cands[i];
+    return i < natives ? st->load.running + st->load.waiting + st->in_flight : st->load.waiting;
+  };
+  int max_queue = 0;
+  for (size_t i = 0; i < cands.size(); ++i) max_queue = std::max(max_queue, queue(i));
   const size_t first = d.candidates.size();
-  for (const InstanceState* st : cands) {
+  for (size_t i = 0; i < cands.size(); ++i) {
+    const InstanceState* st = cands[i];
     auto [blocks, bs] = CachedBlocks(st->info.id, tokens, index);
     const int prompt_blocks = std::max<int>(1, bs > 0 ? static_cast<int>(tokens.size()) / bs : 1);
-    const int queue = st->load.running + st->load.waiting + st->in_flight;
     KvCandidate c;
     c.id = st->info.id;
     c.role = role;
+    c.cross_role = i >= natives;
     c.cached_blocks = blocks;
     c.cached_tokens = blocks * bs;
     c.score = options_.weights.overlap * blocks / prompt_blocks -
-              options_.weights.queue * queue / (1.0 + max_queue) -
+              options_.weights.queue * queue(i) / (1.0 + max_queue) -
               options_.weights.kv_usage * st->load.kv_usage;
     d.candidates.push_back(std::move(c));
   }
-  // Best score; scanning from a rotating start breaks ties round-robin.
-  const size_t n = cands.size();
-  const size_t start = rr_[role == Role::kPrefill ? 0 : 1]++ % n;
-  size_t best = start;
-  for (size_t k = 1; k < n; ++k) {
-    size_t i = (start + k) % n;
-    if (d.candidates[first + i].score > d.candidates[first + best].score) best = i;
+  auto at = [&](size_t i) -> const KvCandidate& { return d.candidates[first + i]; };
+  // Best native score; scanning from a rotating start breaks ties round-robin.
+  std::optional<size_t> native;
+  if (natives > 0) {
+    const size_t start = rr_[role == Role::kPrefill ? 0 : 1]++ % natives;
+    native = start;
+    for (size_t k = 1; k < natives; ++k) {
+      size_t i = (start + k) % natives;
+      if (at(i).score > at(*native).score) native = i;
+    }
   }
-  *cached_tokens = d.candidates[first + best].cached_tokens;
-  return ToEndpoint(cands[best]->info);
+  // A cross-role candidate takes the leg only when it holds more of the prompt than the native
+  // pick and scores better (first turns, holding nothing anywhere, stay on their role).
+  std::optional<size_t> best = native;
+  for (size_t i = natives; i < cands.size(); ++i) {
+    const bool eligible = !native || (at(i).cached_blocks > at(*native).cached_blocks &&
+                                      at(i).score > at(*native).score);
+    if (eligible && (best == native || at(i).score > at(*best).score)) best = i;
+  }
+  *cached_tokens = at(*best).cached_tokens;
+  return ToEndpoint(cands[*best]->info);
 }
 
 KvRouteDecision KvRouter::Decide(std::span<const int32_t> tokens, InstanceRegistry& registry,
@@ -80,6 +106,20 @@ KvRouteDecision KvRouter::Decide(std::span<const int32_t> tokens, InstanceRegist
     d.skip_prefill = true;
     d.prefill.reset();
   }
+  // One engine (kv_both) cannot be both legs of a request: it cannot READ from itself. The
+  // prefill keeps it (computing is what costs); the decode is the best other one, else the
+  // prefill is.
+  if (!d.skip_prefill && d.prefill && d.decode && d.prefill->url == d.decode->url) {
+    int cached = 0;
+    if (auto other = Best(Role::kDecode, tokens, registry, index, d, &cached, d.prefill->url)) {
+      d.decode = other;
+      d.decode_cached_tokens = cached;
+    } else {
+      d.prefill =
+          Best(Role::kPrefill, tokens, registry, index, d, &d.prefill_cached_tokens, d.decode->url);
+      if (!d.prefill) d.prefill_cached_tokens = 0;
+    }
+  }
   return d;
 }
 
@@ -87,7 +127,10 @@ InstancePicker DecidedPicker(const KvRouteDecision& decision, InstancePicker fal
   return [prefill = decision.prefill, decode = decision.decode, fallback = std::move(fallback)](
              Role role, const std::vector<std::string>& exclude) -> std::optional<Endpoint> {
     const std::optional<Endpoint>& mine = role == Role::kPrefill ? prefill : decode;
-    if (mine && std::find(exclude.begin(), exclude.end(), mine->id) == exclude.end()) return mine;
+    if (mine && std::find(exclude.begin(), exclude.end(), mine->id) == exclude.end() &&
+        std::find(exclude.begin(), exclude.end(), mine->url) == exclude.end()) {
+      return mine;
+    }
     return fallback(role, exclude);
   };
 }

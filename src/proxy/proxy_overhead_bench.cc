@@ -18,6 +18,12 @@
 //   kvbridge-np   the same with --upstream-max-idle 0 (a new connection per leg, as before);
 //   kvbridge-colo `kvbridge proxy --colocated` (1 event-loop thread, pool on): one leg per
 //                 request, the same single upstream call nginx makes — the like-for-like path.
+//   kvbridge-rr   P/D as kvbridge with --routing round-robin, and a body whose prompt is 512 token
+//                 ids (32 blocks of 16);
+//   kvbridge-kv   the same body through --routing kv-aware: the proxy parses the ids, hashes the
+//                 32 blocks and looks each candidate up in its index, which follows the fake's
+//                 GET /v1/kv/events (a snapshot holding the prompt's blocks, then long polls that
+//                 answer no change) — the price of the feature, next to kvbridge-rr.
 // A P/D request through kvbridge makes two upstream calls (prefill leg, then decode leg) by design,
 // where nginx makes one; the report gives the added latency raw and beyond the second call, and
 // compares kvbridge-colo (one call) with nginx for the goal. The requests are split into --rounds
@@ -35,15 +41,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "kvbridge/common/block_hash.h"
 #include "kvbridge/common/metrics.h"
 
 namespace {
@@ -159,6 +168,35 @@ int main(int argc, char** argv) {
   upstream.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content("ok", "text/plain");
   });
+  // The kv-aware proxy's index: the first poll gets a snapshot holding the ids prompt's blocks;
+  // later polls (this incarnation, at the head) wait their timeout and answer no change.
+  std::vector<int32_t> ids_prompt(512);
+  for (size_t i = 0; i < ids_prompt.size(); ++i) ids_prompt[i] = static_cast<int32_t>(1000 + i);
+  const kvbridge::BlockHash root = kvbridge::RootBlockHash("proxy-overhead-fake");
+  std::vector<kvbridge::BlockHash> prompt_hashes;
+  kvbridge::AppendBlockHashes(root, ids_prompt, 16, &prompt_hashes);
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
+  bool stopping = false;
+  upstream.Get("/v1/kv/events", [&](const httplib::Request& req, httplib::Response& res) {
+    json out = {{"incarnation", "0123456789abcdef"},
+                {"block_size", 16},
+                {"root", kvbridge::BlockHashHex(root)},
+                {"head_seq", prompt_hashes.size()},
+                {"next_since", prompt_hashes.size()},
+                {"reset", false},
+                {"events", json::array()}};
+    if (req.get_param_value("incarnation") != "0123456789abcdef") {
+      out["reset"] = true;
+      out["snapshot"] = json::array();
+      for (const auto& h : prompt_hashes) out["snapshot"].push_back(kvbridge::BlockHashHex(h));
+    } else {
+      const int ms = std::clamp(std::atoi(req.get_param_value("timeout_ms").c_str()), 0, 30000);
+      std::unique_lock<std::mutex> l(stop_mu);
+      stop_cv.wait_for(l, std::chrono::milliseconds(ms), [&] { return stopping; });
+    }
+    res.set_content(out.dump(), "application/json");
+  });
   upstream.set_tcp_nodelay(true);
   upstream.set_keep_alive_max_count(1 << 30);  // keep-alive clients (ours, nginx-ka) keep theirs
   int up_port = upstream.bind_to_any_port("127.0.0.1");
@@ -173,7 +211,8 @@ int main(int argc, char** argv) {
           .string();
   std::filesystem::create_directories(dir);
   int nginx_port = FreePort(), nginx_ka_port = FreePort(), proxy_port = FreePort(),
-      proxy_np_port = FreePort(), proxy_colo_port = FreePort();
+      proxy_np_port = FreePort(), proxy_colo_port = FreePort(), proxy_rr_port = FreePort(),
+      proxy_kv_port = FreePort();
   {
     std::ofstream conf(dir + "/nginx.conf");
     conf << "worker_processes 1;\ndaemon off;\npid " << dir << "/nginx.pid;\nerror_log " << dir
@@ -201,25 +240,39 @@ int main(int argc, char** argv) {
   pid_t proxy_colo_pid = Spawn({kvbridge, "proxy", "--port", std::to_string(proxy_colo_port),
                                 "--colocated", "--decode", up_url, "--threads", "1"},
                                dir + "/proxy-colo.out");
+  pid_t proxy_rr_pid =
+      Spawn({kvbridge, "proxy", "--port", std::to_string(proxy_rr_port), "--prefill", up_url,
+             "--decode", up_url, "--threads", "1", "--routing", "round-robin"},
+            dir + "/proxy-rr.out");
+  pid_t proxy_kv_pid =
+      Spawn({kvbridge, "proxy", "--port", std::to_string(proxy_kv_port), "--prefill", up_url,
+             "--decode", up_url, "--threads", "1", "--routing", "kv-aware"},
+            dir + "/proxy-kv.out");
   int rc = 0;
   if (!WaitHttp(nginx_port, "/health", 10000) || !WaitHttp(nginx_ka_port, "/health", 10000) ||
       !WaitHttp(proxy_port, "/health", 10000) || !WaitHttp(proxy_np_port, "/health", 10000) ||
-      !WaitHttp(proxy_colo_port, "/health", 10000)) {
+      !WaitHttp(proxy_colo_port, "/health", 10000) || !WaitHttp(proxy_rr_port, "/health", 10000) ||
+      !WaitHttp(proxy_kv_port, "/health", 10000)) {
     std::fprintf(stderr, "nginx or kvbridge proxy did not start; logs kept in %s\n", dir.c_str());
     rc = 1;
   } else {
     const std::string body = R"({"model":"fake","prompt":"hello","max_tokens":2})";
+    const std::string ids_body =
+        json{{"model", "fake"}, {"prompt", ids_prompt}, {"max_tokens", 2}}.dump();
     struct Path {
       const char* name;
       int port;
+      const std::string* body;
       std::vector<double> us;
       std::vector<std::vector<double>> per_round;
-    } paths[] = {{"direct", up_port, {}},
-                 {"nginx", nginx_port, {}},
-                 {"nginx-ka", nginx_ka_port, {}},
-                 {"kvbridge", proxy_port, {}},
-                 {"kvbridge-np", proxy_np_port, {}},
-                 {"kvbridge-colo", proxy_colo_port, {}}};
+    } paths[] = {{"direct", up_port, &body},
+                 {"nginx", nginx_port, &body},
+                 {"nginx-ka", nginx_ka_port, &body},
+                 {"kvbridge", proxy_port, &body},
+                 {"kvbridge-np", proxy_np_port, &body},
+                 {"kvbridge-colo", proxy_colo_port, &body},
+                 {"kvbridge-rr", proxy_rr_port, &ids_body},
+                 {"kvbridge-kv", proxy_kv_port, &ids_body}};
     constexpr size_t kPaths = sizeof(paths) / sizeof(paths[0]);
     std::vector<std::unique_ptr<httplib::Client>> clients;
     for (auto& p : paths) {
@@ -232,7 +285,7 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < kPaths; ++k) {
         if (!only.empty() && only != paths[k].name) continue;
         auto t0 = Clock::now();
-        auto r = clients[k]->Post("/v1/completions", body, "application/json");
+        auto r = clients[k]->Post("/v1/completions", *paths[k].body, "application/json");
         double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
         if (!r || r->status != 200 || r->body != completion) {
           ++errors;
@@ -273,7 +326,7 @@ int main(int argc, char** argv) {
           "direct call)\n",
           theirs, theirs_ka, colo, ours, ours - direct);
       // Per round: added p50 of each path, ratios against nginx keep-alive's.
-      std::vector<double> r_colo, r_pd, r_colo_def;
+      std::vector<double> r_colo, r_pd, r_colo_def, r_kv;
       for (size_t r = 0; r < paths[0].per_round.size(); ++r) {
         auto added = [&](size_t k) {
           return r < paths[k].per_round.size()
@@ -283,8 +336,9 @@ int main(int argc, char** argv) {
         const double ka = added(2);
         std::printf(
             "round %zu: added p50 nginx %.1f, nginx-ka %.1f, kvbridge-colo %.1f, kvbridge "
-            "P/D %.1f us\n",
-            r + 1, added(1), ka, added(5), added(3));
+            "P/D %.1f us; 512-id prompt: round-robin %.1f, kv-aware %.1f us\n",
+            r + 1, added(1), ka, added(5), added(3), added(6), added(7));
+        r_kv.push_back(added(7) - added(6));
         if (ka > 0) {
           r_colo.push_back(added(5) / ka);
           r_pd.push_back(added(3) / (2 * ka));
@@ -310,6 +364,38 @@ int main(int argc, char** argv) {
           "goal, like for like (1 upstream call, all requests): kvbridge-colo <= nginx (default): "
           "%s; <= nginx-ka: %s\n",
           colo <= theirs ? "met" : "NOT met", colo <= theirs_ka ? "met" : "NOT met");
+      {
+        auto spread_us = [](const std::vector<double>& v) {
+          char b[96];
+          if (v.empty()) return std::string("n/a");
+          std::snprintf(b, sizeof(b), "%.1f us (min-max %.1f-%.1f)", Median(v),
+                        *std::min_element(v.begin(), v.end()),
+                        *std::max_element(v.begin(), v.end()));
+          return std::string(b);
+        };
+        std::printf(
+            "kv-aware routing (512-id prompt, P/D): p50 kvbridge-kv %.1f us vs kvbridge-rr %.1f "
+            "us; "
+            "kv-aware adds %s per request (median over rounds of the p50 difference)\n",
+            Median(paths[7].us), Median(paths[6].us), spread_us(r_kv).c_str());
+        httplib::Client kc("127.0.0.1", proxy_kv_port);
+        if (auto m = kc.Get("/metrics"); m && m->status == 200) {
+          auto mean_us = [&](const std::string& name) {
+            double sum = kvbridge::ScrapeMetric(m->body, name + "_sum");
+            double count = kvbridge::ScrapeMetric(m->body, name + "_count");
+            return count > 0 ? 1e6 * sum / count : -1.0;
+          };
+          std::printf(
+              "kvbridge-kv inside (means): prompt ids %.1f us, decision %.1f us; routes pd %.0f, "
+              "no_prompt_ids %.0f; index %.0f hashes\n",
+              mean_us("kvbridge_proxy_prompt_ids_seconds"),
+              mean_us("kvbridge_proxy_kv_route_seconds"),
+              kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_kv_routes_total", "path=\"pd\""),
+              kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_kv_routes_total",
+                                     "path=\"no_prompt_ids\""),
+              kvbridge::ScrapeMetric(m->body, "kvbridge_proxy_kv_index_blocks"));
+        }
+      }
       // Where kvbridge's time goes, from its own histograms (means over every request it served).
       httplib::Client mc("127.0.0.1", proxy_port);
       if (auto m = mc.Get("/metrics"); m && m->status == 200) {
@@ -335,10 +421,19 @@ int main(int argc, char** argv) {
   ::kill(proxy_pid, SIGTERM);
   ::kill(proxy_np_pid, SIGTERM);
   ::kill(proxy_colo_pid, SIGTERM);
+  ::kill(proxy_rr_pid, SIGTERM);
+  ::kill(proxy_kv_pid, SIGTERM);
   ::waitpid(nginx_pid, nullptr, 0);
   ::waitpid(proxy_pid, nullptr, 0);
   ::waitpid(proxy_np_pid, nullptr, 0);
   ::waitpid(proxy_colo_pid, nullptr, 0);
+  ::waitpid(proxy_rr_pid, nullptr, 0);
+  ::waitpid(proxy_kv_pid, nullptr, 0);
+  {
+    std::lock_guard<std::mutex> l(stop_mu);
+    stopping = true;
+  }
+  stop_cv.notify_all();
   upstream.stop();
   up_thread.join();
   if (rc == 0) std::filesystem::remove_all(dir);

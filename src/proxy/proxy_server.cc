@@ -383,6 +383,7 @@ struct ProxyServer::Impl {
                       {"tp_size", st.info.tp_size},
                       {"name", st.info.name},
                       {"restarts", st.info.restarts},
+                      {"kv_both", st.info.kv_both},
                       {"draining", st.draining},
                       {"in_flight", st.in_flight},
                       {"load",

@@ -213,6 +213,7 @@ std::optional<Endpoint> InstanceRegistry::Pick(Role role, const std::vector<std:
   for (const auto& [id, st] : instances_) {
     if (st.info.role != role || !st.healthy || st.draining) continue;
     if (std::find(exclude.begin(), exclude.end(), id) != exclude.end()) continue;
+    if (std::find(exclude.begin(), exclude.end(), st.info.url) != exclude.end()) continue;
     candidates.push_back(&st);
   }
   if (candidates.empty()) return std::nullopt;
@@ -321,6 +322,14 @@ Result<std::pair<InstanceInfo, InstanceLoad>> ParseRegistration(std::string_view
   RETURN_IF_ERROR(str("engine_id", false, info.engine_id));
   RETURN_IF_ERROR(str("name", false, info.name));
   ASSIGN_OR_RETURN(info.role, ParseRole(role));
+  std::string kv_role;
+  RETURN_IF_ERROR(str("kv_role", false, kv_role));
+  if (!kv_role.empty() && kv_role != "kv_producer" && kv_role != "kv_consumer" &&
+      kv_role != "kv_both") {
+    return InvalidArgumentError("'kv_role' must be kv_producer|kv_consumer|kv_both, got '" +
+                                kv_role + "'");
+  }
+  info.kv_both = kv_role == "kv_both";
   if (auto it = j.find("restarts"); it != j.end() && !it->is_null()) {
     if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > 1'000'000) {
       return InvalidArgumentError("'restarts' must be an integer >= 0");
@@ -361,6 +370,7 @@ std::string RegistrationJson(const InstanceInfo& info, const InstanceLoad& load)
             {"restarts", info.restarts},
             {"load",
              {{"running", load.running}, {"waiting", load.waiting}, {"kv_usage", load.kv_usage}}}};
+  if (info.kv_both) j["kv_role"] = "kv_both";
   return j.dump();
 }
 

@@ -119,6 +119,24 @@ TEST(Registration, JsonRoundTripAndErrors) {
   EXPECT_EQ(ParseLoad("{}")->running, 0);
 }
 
+TEST(Registration, KvRoleKvBoth) {
+  InstanceInfo i = Info("d", Role::kDecode, KvTransferMode::kRead);
+  EXPECT_FALSE(ParseRegistration(RegistrationJson(i, {}))->first.kv_both);
+  i.kv_both = true;
+  const std::string text = RegistrationJson(i, {});
+  EXPECT_NE(text.find(R"("kv_role":"kv_both")"), std::string::npos) << text;
+  auto r = ParseRegistration(text);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->first.kv_both);
+  EXPECT_EQ(r->first.role, Role::kDecode);
+  EXPECT_FALSE(ParseRegistration(R"({"url":"http://a:1","role":"decode","kv_role":"kv_consumer"})")
+                   ->first.kv_both);
+  auto bad = ParseRegistration(R"({"url":"http://a:1","role":"decode","kv_role":"both"})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("kv_role"), std::string::npos);
+  EXPECT_FALSE(ParseRegistration(R"({"url":"http://a:1","role":"decode","kv_role":1})").ok());
+}
+
 TEST(Registration, TpSizeIsRegisteredAndReachesTheEndpoint) {
   InstanceInfo i = Info("p", Role::kPrefill, KvTransferMode::kWrite);
   i.tp_size = 2;

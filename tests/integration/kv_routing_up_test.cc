@@ -151,5 +151,108 @@ TEST(KvRoutingUp, SecondTurnGoesToTheFirstTurnsEnginesAndSkipIsBitwisePd) {
   EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
 }
 
+// `up 2p2d --routing kv-aware --decode-kv-role kv_both`, skip off: a conversation's second turn
+// (its prompt = the first turn's prompt + the answer's ids + a new question, as ids) is prefilled
+// by the decode that generated the answer — it holds the prompt and the answer, more than the
+// first turn's prefill — computing exactly the tokens past its cached full blocks (fewer than
+// that prefill would: the answer's full blocks); no prefill computes; the other decode serves
+// the decode leg (one engine is never both legs), computing only the last prompt token; and the
+// answer (text and logprobs) is bitwise the one an engine serving it alone gives.
+TEST(KvRoutingUp, KvBothDecodePrefillsTheNextTurnFromTheAnswerItGenerated) {
+  const std::string bin = KvbridgeBin();
+  if (::access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << "kvbridge binary not built at " << bin;
+  const std::string dir = testing::MakeTempDir("kvb-kvboth-");
+  const std::string model = dir + "/model";
+  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
+                  dir + "/make-model.log");
+  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
+  const int port = testing::FreePort();
+  Subprocess up(
+      {bin, "up", "2p2d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
+       model, "--routing", "kv-aware", "--decode-kv-role", "kv_both", "--ready-timeout", "240"},
+      dir + "/up.log");
+  bool ready = false;
+  for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
+    ready = up.ReadLog().find("ready in") != std::string::npos;
+    if (!ready) usleep(100'000);
+  }
+  ASSERT_TRUE(ready) << up.ReadLog();
+  json instances = json::parse(Get(port, "/instances"), nullptr, false)["instances"];
+  std::vector<std::string> prefills, decodes, all;
+  for (const auto& i : instances) {
+    (i["role"] == "prefill" ? prefills : decodes).push_back(i["url"]);
+    all.push_back(i["url"]);
+    EXPECT_EQ(i["kv_both"].get<bool>(), i["role"] == "decode") << i.dump();
+  }
+  ASSERT_EQ(prefills.size(), 2u);
+  ASSERT_EQ(decodes.size(), 2u);
+
+  std::vector<int32_t> turn1;
+  for (int i = 0; i < 37; ++i) turn1.push_back(20 + (i * 7) % 150);
+  const json gen_opts = {{"max_tokens", 40},
+                         {"temperature", 0},
+                         {"ignore_eos", true},
+                         {"logprobs", 1},
+                         {"return_tokens_as_token_ids", true}};
+  json req1 = gen_opts;
+  req1["prompt"] = turn1;
+  Snapshot a = Read(instances);
+  json r1 = Complete(port, req1);
+  ASSERT_TRUE(r1.contains("choices")) << r1.dump();
+  SettleIndex(port);
+  Snapshot b = Read(instances);
+  const std::string prefill1 = Moved(a.computed, b.computed, prefills);
+  const std::string decode1 = Moved(a.prompt, b.prompt, decodes);
+  ASSERT_EQ(prefill1.rfind("http", 0), 0u) << prefill1;
+  ASSERT_EQ(decode1.rfind("http", 0), 0u) << decode1;
+  std::vector<int32_t> answer;
+  for (const auto& t : r1["choices"][0]["logprobs"]["tokens"]) {
+    answer.push_back(std::stoi(t.get<std::string>().substr(9)));  // "token_id:N"
+  }
+  ASSERT_EQ(answer.size(), 40u);
+
+  std::vector<int32_t> turn2 = turn1;
+  turn2.insert(turn2.end(), answer.begin(), answer.end());
+  for (int i = 0; i < 21; ++i) turn2.push_back(30 + (i * 11) % 120);
+  json req2 = gen_opts;
+  req2["prompt"] = turn2;
+  json r2 = Complete(port, req2);
+  ASSERT_TRUE(r2.contains("choices")) << r2.dump();
+  SettleIndex(port);
+  Snapshot c = Read(instances);
+  const double n2 = static_cast<double>(turn2.size());
+  // The decode computed turn 1's prompt's KV (read) and every answer token's but the last.
+  const double decode_cached = 16 * std::floor((turn1.size() + answer.size() - 1) / 16.0);
+  const double prefill_cached = 16 * std::floor(turn1.size() / 16.0);
+  ASSERT_GT(decode_cached, prefill_cached);
+  for (const std::string& p : prefills) EXPECT_EQ(c.computed[p], b.computed[p]) << p;
+  EXPECT_EQ(c.computed[decode1] - b.computed[decode1], n2 - decode_cached);
+  EXPECT_EQ(c.hits[decode1] - b.hits[decode1], decode_cached);
+  const std::string decode2 = decode1 == decodes[0] ? decodes[1] : decodes[0];
+  EXPECT_EQ(Moved(b.prompt, c.prompt, {decode2}), decode2);  // served the decode leg
+  EXPECT_EQ(c.computed[decode2] - b.computed[decode2], 1.0);
+  // In all, turn 2 computed the answer's full blocks fewer than turn 1's prefill would have.
+  double total = 0;
+  for (const std::string& u : all) total += c.computed[u] - b.computed[u];
+  EXPECT_EQ(total, n2 - decode_cached + 1);
+  EXPECT_LT(total, n2 - prefill_cached + 1);
+
+  // Bitwise the answer of an engine serving the request alone (a prefill engine, no P/D).
+  json alone = Complete(PortOf(prefills[0]), req2);
+  ASSERT_TRUE(alone.contains("choices")) << alone.dump();
+  EXPECT_EQ(r2["choices"][0]["text"], alone["choices"][0]["text"]);
+  EXPECT_EQ(r2["choices"][0]["logprobs"].dump(), alone["choices"][0]["logprobs"].dump());
+  const std::string pm = Get(port, "/metrics");
+  EXPECT_EQ(ScrapeMetric(pm, "kvbridge_proxy_kv_routes_total", "path=\"skip\""), 0.0);
+  // Fault-free: no lease fired, no load failed (no engine read from itself).
+  for (const std::string& u : all) {
+    const std::string m = Get(PortOf(u), "/metrics");
+    EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_lease_expired_total"), 0.0) << u;
+    EXPECT_LE(ScrapeMetric(m, "kvbridge_kv_load_failures_total"), 0.0) << u;
+  }
+  up.Signal(SIGTERM);
+  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+}
+
 }  // namespace
 }  // namespace kvbridge

@@ -73,8 +73,10 @@ struct Endpoint {
   int tp_size = 1;
 };
 
-/// Chooses an instance of `role`, not one whose id is in `exclude` (instances already tried by
-/// this flow); nullopt when none is available. Must be deterministic for the simulator.
+/// Chooses an instance of `role`, not one whose id or url is in `exclude` (instances already
+/// tried by this flow, ids; for a decode leg also the url of the prefill holding its KV: one
+/// engine cannot READ from itself); nullopt when none is available. Must be deterministic for
+/// the simulator.
 using InstancePicker =
     std::function<std::optional<Endpoint>(Role role, const std::vector<std::string>& exclude)>;
 

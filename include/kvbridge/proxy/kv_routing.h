@@ -23,6 +23,14 @@
 // hint: a stale one costs a worse route, never a wrong answer (the engine recomputes what it
 // lacks).
 //
+// kv_both instances (InstanceInfo::kv_both: vLLM's kv_role "kv_both") are also candidates of the
+// other role (cross-role): a decode that served a conversation's first turn holds its prompt and
+// its answer, so it may be the second turn's prefill. Its queue term counts only its waiting
+// requests (its running ones are the other role's work: a decode's running sequences add one
+// token each to a step), and it takes the leg only when it holds more blocks than the best
+// candidate of the role and scores better. One engine is never both legs of a request (it cannot
+// READ from itself): the decode is then the best other decode, else the prefill the best other.
+//
 //   KvRouter router({.kv_aware = true, .pd_skip_threshold = 32});
 //   KvRouteDecision d = router.Decide(ids, registry, index, /*colocated=*/false);
 //   // d.prefill / d.decode: the first pick of each role; d.skip_prefill: decode alone.
@@ -58,7 +66,8 @@ struct KvRouteOptions {
 
 struct KvCandidate {
   std::string id;
-  Role role = Role::kDecode;
+  Role role = Role::kDecode;  ///< the leg it was scored for
+  bool cross_role = false;    ///< registered as the other role, kv_both
   int cached_blocks = 0;
   int cached_tokens = 0;
   double score = 0;
@@ -86,10 +95,11 @@ class KvRouter {
                          const KvIndex& index, bool colocated);
 
  private:
-  // Scores the healthy instances of `role`; returns the best (nullopt when none).
+  // Scores the healthy instances of `role` and the other role's kv_both ones, none at
+  // `exclude_url`; returns the best (nullopt when none).
   std::optional<Endpoint> Best(Role role, std::span<const int32_t> tokens,
                                InstanceRegistry& registry, const KvIndex& index, KvRouteDecision& d,
-                               int* cached_tokens);
+                               int* cached_tokens, const std::string& exclude_url = "");
   // Cached prefix (blocks, block size) of `id` for `tokens`, hashing with its root.
   std::pair<int, int> CachedBlocks(const std::string& id, std::span<const int32_t> tokens,
                                    const KvIndex& index);

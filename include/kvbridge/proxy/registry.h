@@ -47,7 +47,7 @@ struct InstanceLoad {
 /// What an engine registers. JSON shape (POST /v1/instances/register):
 ///   {"instance_id": "...", "role": "prefill|decode", "url": "http://127.0.0.1:8100",
 ///    "mode": "read|write", "engine_id": "...", "transfer_endpoints": ["tcp://127.0.0.1:9100"],
-///    "tp_size": 1, "name": "decode-0", "restarts": 0,
+///    "tp_size": 1, "name": "decode-0", "restarts": 0, "kv_role": "kv_consumer",
 ///    "load": {"running": 0, "waiting": 0, "kv_usage": 0.0}}
 /// instance_id defaults to the url. transfer_endpoints' first "scheme://host:port" gives the
 /// Endpoint's transfer_host/transfer_port (WRITE mode needs them). tp_size (optional, default 1,
@@ -55,7 +55,10 @@ struct InstanceLoad {
 /// prefill's. name (optional, [A-Za-z0-9._-]{1,64}) is a stable name across restarts (`kvbridge up`
 /// gives "prefill-0", "decode-1", ...): a registration under a name another instance holds
 /// replaces that one (the restarted engine is a new incarnation at a new url). restarts
-/// (optional, integer >= 0) is how many times `up` restarted it.
+/// (optional, integer >= 0) is how many times `up` restarted it. kv_role (optional:
+/// kv_producer|kv_consumer|kv_both, vLLM's names) "kv_both" says the engine takes either leg: it
+/// is registered under `role` and kv-aware routing (kv_routing.h) may also send it the other
+/// role's leg when it holds more of a prompt (least-loaded and round-robin never do).
 struct InstanceInfo {
   std::string id;
   Role role = Role::kPrefill;
@@ -66,6 +69,7 @@ struct InstanceInfo {
   int tp_size = 1;
   std::string name;
   int restarts = 0;
+  bool kv_both = false;  ///< kv_role "kv_both": may also serve the other role's leg
 };
 
 /// One instance as GET /instances shows it.
@@ -117,7 +121,9 @@ class InstanceRegistry {
   Status SetDraining(const std::string& id);
   /// The instance whose id or, failing that, name is `key`.
   std::optional<InstanceState> Find(const std::string& key) const;
-  /// Picks an instance of `role` not in `exclude`; nullopt when none is healthy.
+  /// Picks an instance of `role` whose id and url are not in `exclude`; nullopt when none is
+  /// healthy. (A url in `exclude` keeps a decode leg off the engine that holds the prefill: one
+  /// engine cannot READ from itself.)
   std::optional<Endpoint> Pick(Role role, const std::vector<std::string>& exclude);
   /// The healthy instances of `role`, ordered by id (valid until the registry next changes).
   std::vector<const InstanceState*> Healthy(Role role) const;
