@@ -300,11 +300,17 @@ bool PdFlow::SendPrefill(TimePoint now, std::vector<Action>& out) {
 
 bool PdFlow::SendDecode(TimePoint now, std::vector<Action>& out) {
   if (static_cast<int>(tried_decode_.size()) >= options_.max_attempts) return false;
-  // Never the engine that holds the prefill (a kv_both engine listed in both roles): it cannot
-  // READ from itself (or be written by itself), so its load would fail.
-  std::vector<std::string> exclude = tried_decode_;
-  if (!options_.colocated && hold_prefill_) exclude.push_back(hold_prefill_->url);
-  std::optional<Endpoint> ep = picker_(Role::kDecode, exclude);
+  // Not the engine that holds the prefill (a kv_both engine listed in both roles) while another
+  // decode is there: an engine cannot READ from itself (or be written by itself), so its load
+  // would fail and recompute. When it is the only one (a fake engine answering both legs, a
+  // one-engine setup) it still gets the leg.
+  std::optional<Endpoint> ep;
+  if (!options_.colocated && hold_prefill_) {
+    std::vector<std::string> exclude = tried_decode_;
+    exclude.push_back(hold_prefill_->url);
+    ep = picker_(Role::kDecode, exclude);
+  }
+  if (!ep) ep = picker_(Role::kDecode, tried_decode_);
   if (!ep) return false;
   tried_decode_.push_back(ep->id);
   if (options_.colocated) {

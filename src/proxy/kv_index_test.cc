@@ -504,9 +504,10 @@ TEST(KvRouter, KvBothDecodeTakesThePrefillLegOfAPromptItHoldsMoreOf) {
 }
 
 // One engine listed as both roles (a kv_both engine given as --prefill and --decode): a request
-// never gets both legs on it. The flow keeps its decode leg off the prefill's url, whatever the
-// picker (registry round-robin here), and the router re-picks.
-TEST(KvRouter, OneEngineIsNeverBothLegsOfARequest) {
+// does not get both legs on it while another engine can take one. The flow keeps its decode leg
+// off the prefill's url, whatever the picker (registry round-robin here), and the router
+// re-picks; alone, the engine still gets both (a fake answering both legs).
+TEST(KvRouter, OneEngineIsNotBothLegsWhileAnotherCanBe) {
   InstanceRegistry reg{RegistryOptions{.policy = RoutingPolicy::kRoundRobin}};
   ASSERT_TRUE(reg.AddStatic(Role::kPrefill, "http://127.0.0.1:9000").ok());
   ASSERT_TRUE(reg.AddStatic(Role::kDecode, "http://127.0.0.1:9000").ok());  // id ...#decode
@@ -531,6 +532,23 @@ TEST(KvRouter, OneEngineIsNeverBothLegsOfARequest) {
   }
   // The registry alone: a url in exclude keeps that engine out.
   EXPECT_FALSE(reg.Pick(Role::kPrefill, {"http://127.0.0.1:9000"}).has_value());
+  // The only engine: both legs go to it.
+  {
+    InstanceRegistry one{RegistryOptions{.policy = RoutingPolicy::kRoundRobin}};
+    ASSERT_TRUE(one.AddStatic(Role::kPrefill, "http://127.0.0.1:9000").ok());
+    ASSERT_TRUE(one.AddStatic(Role::kDecode, "http://127.0.0.1:9000").ok());
+    PdFlow flow({}, "tid-one", [&](Role role, const std::vector<std::string>& exclude) {
+      return one.Pick(role, exclude);
+    });
+    std::vector<Action> a = flow.OnClientRequest({"/v1/completions", body}, now++);
+    ASSERT_EQ(a.size(), 1u);
+    const SendLeg& pre = std::get<SendLeg>(a[0]);
+    flow.OnLegStatus(pre.leg_id, 200, "application/json", now++);
+    flow.OnLegData(pre.leg_id, R"({"kv_transfer_params":{"transfer_id":"tid-one"}})", now++);
+    a = flow.OnLegDone(pre.leg_id, now++);
+    ASSERT_FALSE(a.empty());
+    EXPECT_EQ(std::get<SendLeg>(a[0]).instance.id, "http://127.0.0.1:9000#decode");
+  }
 
   // The router: the best decode (the engine holding everything) is the best prefill too.
   KvIndex index;

@@ -106,18 +106,19 @@ KvRouteDecision KvRouter::Decide(std::span<const int32_t> tokens, InstanceRegist
     d.skip_prefill = true;
     d.prefill.reset();
   }
-  // One engine (kv_both) cannot be both legs of a request: it cannot READ from itself. The
-  // prefill keeps it (computing is what costs); the decode is the best other one, else the
-  // prefill is.
+  // One engine (kv_both) should not be both legs of a request: it cannot READ from itself. The
+  // prefill keeps it (computing is what costs) and the decode is the best other one, else the
+  // prefill is the best other one; with no other engine at all both stay (the flow then sends
+  // both legs there, as it would without a decision).
   if (!d.skip_prefill && d.prefill && d.decode && d.prefill->url == d.decode->url) {
     int cached = 0;
     if (auto other = Best(Role::kDecode, tokens, registry, index, d, &cached, d.prefill->url)) {
       d.decode = other;
       d.decode_cached_tokens = cached;
-    } else {
-      d.prefill =
-          Best(Role::kPrefill, tokens, registry, index, d, &d.prefill_cached_tokens, d.decode->url);
-      if (!d.prefill) d.prefill_cached_tokens = 0;
+    } else if (auto other_prefill =
+                   Best(Role::kPrefill, tokens, registry, index, d, &cached, d.decode->url)) {
+      d.prefill = other_prefill;
+      d.prefill_cached_tokens = cached;
     }
   }
   return d;

@@ -74,9 +74,9 @@ struct Endpoint {
 };
 
 /// Chooses an instance of `role`, not one whose id or url is in `exclude` (instances already
-/// tried by this flow, ids; for a decode leg also the url of the prefill holding its KV: one
-/// engine cannot READ from itself); nullopt when none is available. Must be deterministic for
-/// the simulator.
+/// tried by this flow, ids; a decode leg asks first with the url of the prefill holding its KV
+/// added — one engine cannot READ from itself — then, when that finds none, without it);
+/// nullopt when none is available. Must be deterministic for the simulator.
 using InstancePicker =
     std::function<std::optional<Endpoint>(Role role, const std::vector<std::string>& exclude)>;
 

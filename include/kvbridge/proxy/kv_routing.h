@@ -28,8 +28,9 @@
 // its answer, so it may be the second turn's prefill. Its queue term counts only its waiting
 // requests (its running ones are the other role's work: a decode's running sequences add one
 // token each to a step), and it takes the leg only when it holds more blocks than the best
-// candidate of the role and scores better. One engine is never both legs of a request (it cannot
-// READ from itself): the decode is then the best other decode, else the prefill the best other.
+// candidate of the role and scores better. One engine is not both legs of a request while another
+// can take one (it cannot READ from itself): the decode is then the best other decode, else the
+// prefill the best other.
 //
 //   KvRouter router({.kv_aware = true, .pd_skip_threshold = 32});
 //   KvRouteDecision d = router.Decide(ids, registry, index, /*colocated=*/false);
