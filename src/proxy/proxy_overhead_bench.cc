@@ -197,6 +197,9 @@ int main(int argc, char** argv) {
     }
     res.set_content(out.dump(), "application/json");
   });
+  // Each keep-alive connection (ours, nginx-ka's, the proxies' pools) and each KV-events long
+  // poll holds one of httplib's workers: more than its default 8.
+  upstream.new_task_queue = [] { return new httplib::ThreadPool(64); };
   upstream.set_tcp_nodelay(true);
   upstream.set_keep_alive_max_count(1 << 30);  // keep-alive clients (ours, nginx-ka) keep theirs
   int up_port = upstream.bind_to_any_port("127.0.0.1");
