@@ -162,21 +162,11 @@ TEST(KvRoutingUp, KvBothDecodePrefillsTheNextTurnFromTheAnswerItGenerated) {
   const std::string bin = KvbridgeBin();
   if (::access(bin.c_str(), X_OK) != 0) GTEST_SKIP() << "kvbridge binary not built at " << bin;
   const std::string dir = testing::MakeTempDir("kvb-kvboth-");
-  const std::string model = dir + "/model";
-  Subprocess make({bin, "make-model", "--preset", "tiny", "--seed", "0", "--out", model},
-                  dir + "/make-model.log");
-  ASSERT_EQ(make.Wait(120'000), 0) << make.ReadLog();
-  const int port = testing::FreePort();
-  Subprocess up(
-      {bin, "up", "2p2d", "--port", std::to_string(port), "--log-dir", dir + "/logs", "--model",
-       model, "--routing", "kv-aware", "--decode-kv-role", "kv_both", "--ready-timeout", "240"},
-      dir + "/up.log");
-  bool ready = false;
-  for (int i = 0; i < 2400 && !ready && up.Running(); ++i) {
-    ready = up.ReadLog().find("ready in") != std::string::npos;
-    if (!ready) usleep(100'000);
-  }
-  ASSERT_TRUE(ready) << up.ReadLog();
+  ASSERT_EQ(testing::MakeModel(dir + "/model", "tiny", 0, 300'000), 0);
+  testing::UpTopology up(dir, {"2p2d", "--model", dir + "/model", "--routing", "kv-aware",
+                               "--decode-kv-role", "kv_both"});
+  ASSERT_TRUE(up.WaitReady()) << up.ReadLog();
+  const int port = up.port();
   json instances = json::parse(Get(port, "/instances"), nullptr, false)["instances"];
   std::vector<std::string> prefills, decodes, all;
   for (const auto& i : instances) {
@@ -250,8 +240,7 @@ TEST(KvRoutingUp, KvBothDecodePrefillsTheNextTurnFromTheAnswerItGenerated) {
     EXPECT_EQ(ScrapeMetric(m, "kvbridge_kv_lease_expired_total"), 0.0) << u;
     EXPECT_LE(ScrapeMetric(m, "kvbridge_kv_load_failures_total"), 0.0) << u;
   }
-  up.Signal(SIGTERM);
-  EXPECT_EQ(up.Wait(30'000), 0) << up.ReadLog();
+  EXPECT_EQ(up.Stop(), 0) << up.ReadLog();
 }
 
 }  // namespace
